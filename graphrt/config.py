@@ -1,0 +1,186 @@
+"""Typed configuration, validated once at the edge.
+
+`ModelConfig` is what graphrt needs from a Hugging Face `config.json`; `EngineConfig` is what the
+user chooses (pipeline size, dtype, KV cache, chunk size). Both raise `ValueError` /
+`ModelLoadError` with a message that says what was wrong and what would be right.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from graphrt.errors import ModelLoadError
+
+# architectures value -> what differs from plain Llama
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"qkv_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    @staticmethod
+    def from_hf(raw: dict) -> RopeConfig:
+        # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+        params = dict(raw.get("rope_parameters") or {})
+        scaling = raw.get("rope_scaling") or {}
+        params = {**scaling, **params}
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ModelLoadError(
+                f"rope_type {rope_type!r} is not supported; graphrt supports default, linear and llama3"
+            )
+        return RopeConfig(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str | None = None
+
+    @staticmethod
+    def from_dir(model_dir: Path) -> ModelConfig:
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(
+                f"{model_dir} has no config.json; point --model at a Hugging Face style folder "
+                "(config.json, *.safetensors, tokenizer.json) or convert a GGUF file with `graphrt import-gguf`"
+            )
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path} is not valid JSON ({exc}); re-download or re-convert the model") from None
+        return ModelConfig.from_hf(raw)
+
+    @staticmethod
+    def from_hf(raw: dict) -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        arch = architectures[0] if architectures else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"architectures {architectures!r} is not supported; graphrt serves "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            num_heads = int(raw["num_attention_heads"])
+            hidden_size = int(raw["hidden_size"])
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            extras = SUPPORTED_ARCHITECTURES[arch]
+            return ModelConfig(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden_size,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                max_position=int(raw.get("max_position_embeddings", 4096)),
+                rope=RopeConfig.from_hf(raw),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=bool(extras.get("qkv_bias", False) or raw.get("attention_bias", False)),
+                qk_norm=bool(extras.get("qk_norm", False)),
+                eos_token_ids=eos_ids,
+                bos_token_id=raw.get("bos_token_id"),
+                torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"config.json lacks the field {exc.args[0]!r}; the model folder is incomplete") from None
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(sorted(set(DTYPES)))}")
+    return DTYPES[name]
+
+
+@dataclass
+class EngineConfig:
+    """What the user chooses. Validated in `__post_init__`."""
+
+    pp: int = 1
+    devices: list[str] | None = None  # one per stage; None: chosen from the machine
+    dtype: str | torch.dtype = "auto"  # auto: float32 on CPU, the model's dtype (bf16/fp16) on CUDA
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # None: sized from memory (see kv_cache.default_num_blocks)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    prefill_chunk_size: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pp, int) or self.pp < 1:
+            raise ValueError(f"pp must be a positive integer, got {self.pp!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be at least 1, got {self.prefill_chunk_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"kv_cache_tokens must hold at least one block ({self.block_size} tokens), got {self.kv_cache_tokens}"
+            )
+        if self.devices is not None and len(self.devices) != self.pp:
+            raise ValueError(f"--devices names {len(self.devices)} devices for {self.pp} stages; give one per stage")
+        if self.dtype != "auto":
+            self.dtype = parse_dtype(self.dtype)
+
+    def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return self.dtype
+        if device.type == "cpu":
+            return torch.float32  # bf16 matmuls on CPU are slow and less exact
+        return {"float16": torch.float16}.get(model.torch_dtype or "", torch.bfloat16)

@@ -1,0 +1,163 @@
+"""The engine: tokenizer, pipeline, KV cache, scheduler and sampler, stepped until done."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from graphrt.config import EngineConfig, ModelConfig
+from graphrt.errors import ModelLoadError, RequestError
+from graphrt.kv_cache import BlockAllocator, bytes_per_block
+from graphrt.pipeline import Pipeline, default_devices
+from graphrt.sampling import Sampler, SamplingParams
+from graphrt.scheduler import Scheduler
+from graphrt.sequence import FinishReason, Sequence
+from graphrt.tokenizer import Tokenizer
+from graphrt.weights import WeightFiles
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU
+GPU_MEMORY_FRACTION = 0.85  # share of free device memory the KV cache may take after the weights
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started; the CLI and benchmarks turn them into rates."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    def weight_gb_per_s(self, weight_bytes: int) -> float:
+        """Achieved weight bandwidth: every decode step reads all weights once."""
+        return weight_bytes * self.decode_steps / self.decode_seconds / 1e9 if self.decode_seconds else 0.0
+
+
+class Engine:
+    def __init__(self, model_dir: Path, config: EngineConfig):
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise ModelLoadError(f"model folder {self.model_dir} does not exist; pass --model DIR of a Hugging Face style model")
+        self.config = config
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        files = WeightFiles(self.model_dir)
+        self.devices = [torch.device(d) for d in (config.devices or default_devices(config.pp))]
+        self.dtype = config.resolve_dtype(self.model_config, self.devices[0])
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
+        self.pipeline = Pipeline.load(self.model_config, files, self.devices, self.dtype, self.max_model_len)
+        num_blocks = self._num_kv_blocks()
+        self.pipeline.allocate_kv(num_blocks, config.block_size)
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len)
+        self.sampler = Sampler(self.devices[-1], config.seed)
+        self.weight_bytes = self.pipeline.weight_bytes()
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+
+    def _num_kv_blocks(self) -> int:
+        cfg, block_size = self.config, self.config.block_size
+        per_block = sum(bytes_per_block(self.model_config, len(s.layers), block_size, self.dtype) for s in self.pipeline.stages)
+        if cfg.kv_cache_tokens is not None:
+            return -(-cfg.kv_cache_tokens // block_size) + 1  # + the scratch block
+        if self.devices[0].type == "cuda":
+            free = min(torch.cuda.mem_get_info(d)[0] for d in set(self.devices))
+            budget = int(free * GPU_MEMORY_FRACTION) * len(set(self.devices))
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        # No need for more than every sequence at full context.
+        enough = self.config.max_num_seqs * -(-self.max_model_len // block_size) + 1
+        return max(2, min(budget // per_block, enough))
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Tokenize and validate one request and queue it. Raises RequestError for this request only."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{self.model_dir} has no tokenizer; pass prompts as lists of token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+            bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        max_tokens = self.scheduler.check(len(prompt_ids), params.max_tokens)
+        seq = Sequence(
+            request_id=next(self._ids),
+            prompt_ids=prompt_ids,
+            params=params,
+            max_tokens=max_tokens,
+            generator=self.sampler.request_generator(params.seed),
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.finished:
+            seq.finish_reason = FinishReason.ABORT
+            self.scheduler.finish(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """Run one prefill chunk or one decode batch; return the sequences that got a new token."""
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        start = time.perf_counter()
+        token_ids, meta = step.build(self.config.block_size)
+        logits = self.pipeline.forward(token_ids, meta)  # (batch, vocab)
+        for seq, query_len in zip(step.seqs, step.query_lens):
+            seq.num_computed += query_len
+        # Rows whose prompt is not complete yet produce no token.
+        rows = [i for i, seq in enumerate(step.seqs) if not seq.in_prefill]
+        sampled: list[Sequence] = []
+        if rows:
+            seqs = [step.seqs[i] for i in rows]
+            row_index = torch.tensor(rows, device=logits.device) if len(rows) < len(step.seqs) else None
+            picked = logits if row_index is None else logits[row_index]
+            new_ids = self.sampler(picked, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+            for seq, token_id in zip(seqs, new_ids):
+                self._append(seq, token_id)
+            sampled = seqs
+        elapsed = time.perf_counter() - start
+        if step.is_prefill:
+            self.stats.prefill_tokens += sum(step.query_lens)
+            self.stats.prefill_seconds += elapsed
+        else:
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += len(step.seqs)
+            self.stats.decode_seconds += elapsed
+        return sampled
+
+    def _append(self, seq: Sequence, token_id: int) -> None:
+        seq.output_ids.append(token_id)
+        params = seq.params
+        if token_id in self.eos_ids and not params.ignore_eos:
+            seq.finish_reason = FinishReason.STOP
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.output_ids)
+            for stop in params.stop:
+                cut = seq.text.find(stop)
+                if cut != -1:
+                    seq.text = seq.text[:cut]
+                    seq.finish_reason = FinishReason.STOP
+        if seq.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.finished:
+            self.scheduler.finish(seq)

@@ -1,0 +1,20 @@
+"""Errors meant for people: each says what happened and what to do about it.
+
+The CLI prints a `GraphrtError` as one line without a traceback; the server (later) turns a
+`RequestError` into a 4xx. Anything else escaping is a bug in graphrt.
+"""
+
+
+class GraphrtError(Exception):
+    """A problem the user can fix: a bad flag, a missing file, a stale cache."""
+
+
+class ModelLoadError(GraphrtError):
+    """The model folder is missing, incomplete, corrupt or of an unsupported architecture."""
+
+
+class RequestError(GraphrtError):
+    """One request can't be served (too long, can never fit the KV cache, bad parameters).
+
+    Only that request fails; the engine keeps serving the others.
+    """

@@ -1,0 +1,92 @@
+"""The offline Python API: `LLM(model=..., pp=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from graphrt.config import EngineConfig
+from graphrt.default_model import default_model_dir
+from graphrt.engine import Engine
+from graphrt.errors import RequestError
+from graphrt.sampling import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | list[int]
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+class LLM:
+    """A model split into `pp` pipeline stages, ready to generate.
+
+    `model` is a Hugging Face style folder; None means the default model (SmolLM2-135M-Instruct,
+    converted once into graphrt's cache). Other keyword arguments are `EngineConfig` fields.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        pp: int = 1,
+        dtype: str | torch.dtype = "auto",
+        devices: list[str] | None = None,
+        **engine_options,
+    ):
+        config = EngineConfig(pp=pp, dtype=dtype, devices=devices, **engine_options)
+        model_dir = Path(model) if model is not None else default_model_dir()
+        self.engine = Engine(model_dir, config)
+
+    @property
+    def model_dir(self) -> Path:
+        return self.engine.model_dir
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def chat_prompt(self, user_message: str) -> list[int]:
+        """Token ids of a one-turn conversation, with the model's chat template applied."""
+        if self.engine.tokenizer is None:
+            raise RequestError(f"{self.model_dir} has no tokenizer, so it has no chat template")
+        return self.engine.tokenizer.encode_chat([{"role": "user", "content": user_message}])
+
+    def generate(
+        self, prompts: str | list[int] | list[str | list[int]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids); outputs keep the prompts' order.
+
+        Every prompt is validated before any runs: a bad one raises RequestError naming it.
+        """
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        engine = self.engine
+        seqs = []
+        try:
+            for index, prompt in enumerate(prompts):
+                try:
+                    seqs.append(engine.add_request(prompt, params))
+                except RequestError as exc:
+                    raise RequestError(f"prompt {index}: {exc}") from None
+        except RequestError:
+            for seq in seqs:
+                engine.abort(seq)
+            raise
+        while engine.has_work():
+            engine.step()
+        return [
+            RequestOutput(
+                prompt=prompt,
+                prompt_token_ids=seq.prompt_ids,
+                text=seq.text,
+                token_ids=seq.output_ids,
+                finish_reason=seq.finish_reason.value,
+            )
+            for prompt, seq in zip(prompts, seqs)
+        ]

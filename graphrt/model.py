@@ -1,0 +1,169 @@
+"""A Llama-family decoder cut into pipeline stages.
+
+One `Stage` owns a contiguous range of layers; stage 0 also owns the embedding, the last stage the
+final norm and the LM head. Llama 2/3, SmolLM2 and Mistral are plain Llama; Qwen2 adds a bias to
+q/k/v, Qwen3 an RMSNorm on each head of q and k. q/k/v and gate/up are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphrt import kernels
+from graphrt.batch import StepMetadata
+from graphrt.config import ModelConfig
+from graphrt.kv_cache import StageKVCache
+from graphrt.weights import WeightFiles
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        empty = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
+        self.input_norm = empty(cfg.hidden_size)
+        self.qkv_proj = empty(self.q_size + 2 * self.kv_size, cfg.hidden_size)
+        self.qkv_bias = empty(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
+        self.q_norm = empty(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = empty(cfg.head_dim) if cfg.qk_norm else None
+        self.o_proj = empty(cfg.hidden_size, self.q_size)
+        self.post_attention_norm = empty(cfg.hidden_size)
+        self.gate_up_proj = empty(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = empty(cfg.hidden_size, cfg.intermediate_size)
+
+    @staticmethod
+    def hf_names(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
+        """Our parameter -> the Hugging Face tensors concatenated (in order) to make it."""
+        p = f"model.layers.{layer}."
+        names = {
+            "input_norm": [p + "input_layernorm.weight"],
+            "qkv_proj": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+            "o_proj": [p + "self_attn.o_proj.weight"],
+            "post_attention_norm": [p + "post_attention_layernorm.weight"],
+            "gate_up_proj": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+            "down_proj": [p + "mlp.down_proj.weight"],
+        }
+        if cfg.qkv_bias:
+            names["qkv_bias"] = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if cfg.qk_norm:
+            names["q_norm"] = [p + "self_attn.q_norm.weight"]
+            names["k_norm"] = [p + "self_attn.k_norm.weight"]
+        return names
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # (tokens, hidden_size)
+        residual: torch.Tensor | None,
+        meta: StepMetadata,
+        cos: torch.Tensor,  # (tokens, head_dim)
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        hidden, residual = kernels.rms_norm(hidden, self.input_norm, eps, residual)
+        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, _ = kernels.rms_norm(q, self.q_norm, eps)
+            k, _ = kernels.rms_norm(k, self.k_norm, eps)
+        q, k = kernels.apply_rotary(q, k, cos, sin)
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            attn = kernels.paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_lens, meta.seq_lens_host, self.scale
+            )
+        else:
+            attn = kernels.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, max(meta.seq_lens_host)
+            )
+        hidden = F.linear(attn.reshape(-1, self.q_size), self.o_proj)
+        hidden, residual = kernels.rms_norm(hidden, self.post_attention_norm, eps, residual)
+        hidden = F.linear(kernels.silu_and_mul(F.linear(hidden, self.gate_up_proj)), self.down_proj)
+        return hidden, residual
+
+
+class Stage(nn.Module):
+    """Layers [first_layer, last_layer) of the model, plus the ends of the model it holds."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        index: int,
+        num_stages: int,
+        layers: range,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_position: int,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.index = index
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self.layer_ids = layers
+        self.device = device
+        self.dtype = dtype
+        meta = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
+        self.embed_tokens = meta(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in layers)
+        self.norm = meta(cfg.hidden_size) if self.is_last else None
+        self.lm_head = meta(cfg.vocab_size, cfg.hidden_size) if self.is_last else None
+        cos, sin = kernels.rotary_cos_sin(cfg.rope, cfg.head_dim, max_position)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
+
+    def hf_names(self) -> dict[str, list[str]]:
+        names: dict[str, list[str]] = {}
+        if self.is_first:
+            names["embed_tokens"] = ["model.embed_tokens.weight"]
+        for i, layer_id in enumerate(self.layer_ids):
+            for ours, theirs in DecoderLayer.hf_names(self.cfg, layer_id).items():
+                names[f"layers.{i}.{ours}"] = theirs
+        if self.is_last:
+            names["norm"] = ["model.norm.weight"]
+            # A tied LM head is stored once, as the embedding; the last stage keeps its own copy.
+            names["lm_head"] = ["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
+        return names
+
+    def load(self, files: WeightFiles) -> None:
+        names = self.hf_names()
+        if self.is_last and not self.cfg.tie_word_embeddings and "lm_head.weight" not in files:
+            names["lm_head"] = ["model.embed_tokens.weight"]  # checkpoints that tie without saying so
+        wanted = sorted({n for group in names.values() for n in group})
+        tensors = files.load(wanted, self.device, self.dtype)
+        state = {
+            ours: tensors[theirs[0]] if len(theirs) == 1 else torch.cat([tensors[n] for n in theirs])
+            for ours, theirs in names.items()
+        }
+        self.load_state_dict(state, strict=True, assign=True)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (the embedding is a gather, so it is not counted)."""
+        return sum(p.numel() * p.element_size() for name, p in self.named_parameters() if name != "embed_tokens")
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, meta: StepMetadata, kv: StageKVCache) -> torch.Tensor:
+        """x: token ids (tokens,) on stage 0, else hidden states (tokens, hidden_size).
+
+        Returns hidden states for the next stage, or on the last stage the logits of each
+        sequence's last token (batch, vocab_size).
+        """
+        hidden = F.embedding(x, self.embed_tokens) if self.is_first else x
+        cos, sin = self.cos[meta.positions], self.sin[meta.positions]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, meta, cos, sin, kv.k[i], kv.v[i])
+        if not self.is_last:
+            return hidden + residual
+        hidden, _ = kernels.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)
+        return F.linear(hidden[meta.logits_indices], self.lm_head)

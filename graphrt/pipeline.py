@@ -1,0 +1,96 @@
+"""Splitting the model into stages, placing them on devices, and running a step through them."""
+
+from __future__ import annotations
+
+import torch
+
+from graphrt.batch import StepMetadata
+from graphrt.config import ModelConfig
+from graphrt.errors import GraphrtError
+from graphrt.kv_cache import StageKVCache
+from graphrt.model import Stage
+from graphrt.weights import WeightFiles
+
+
+def partition_layers(cfg: ModelConfig, pp: int) -> list[range]:
+    """Contiguous layer ranges that balance the weight bytes each stage reads per decode step.
+
+    The LM head weighs as much as several small layers (SmolLM2: 8), so an even split by layer
+    count would make the last stage the bottleneck. Minimises the heaviest stage exactly (small DP).
+    """
+    num_layers = cfg.num_layers
+    if pp > num_layers:
+        raise GraphrtError(f"--pp {pp} is larger than the model's {num_layers} layers; use --pp {num_layers} or fewer")
+    layer_cost = 2 * cfg.hidden_size * cfg.num_heads * cfg.head_dim + 2 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim
+    layer_cost += 3 * cfg.hidden_size * cfg.intermediate_size
+    head_cost = cfg.vocab_size * cfg.hidden_size
+
+    def cost(first: int, end: int, last_stage: bool) -> int:
+        return (end - first) * layer_cost + (head_cost if last_stage else 0)
+
+    # best[s][i]: minimal max cost of splitting layers [0, i) into s stages (not the last one).
+    inf = float("inf")
+    best = [[inf] * (num_layers + 1) for _ in range(pp + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(pp + 1)]
+    best[0][0] = 0
+    for s in range(1, pp + 1):
+        for i in range(s, num_layers + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], cost(j, i, last_stage=(s == pp and i == num_layers)))
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds = [num_layers]
+    for s in range(pp, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    bounds.reverse()
+    return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+
+
+def default_devices(pp: int) -> list[str]:
+    """cuda:0..pp-1 with enough GPUs, every stage on cuda:0 with fewer, cpu without CUDA."""
+    if not torch.cuda.is_available():
+        return ["cpu"] * pp
+    if torch.cuda.device_count() >= pp:
+        return [f"cuda:{i}" for i in range(pp)]
+    return ["cuda:0"] * pp
+
+
+class Pipeline:
+    """The stages of one model, each with its KV cache, run one after another for a step.
+
+    The ring scheduler overlaps micro-batches across stages; this class is the plain data path.
+    """
+
+    def __init__(self, stages: list[Stage], caches: list[StageKVCache]):
+        self.stages = stages
+        self.caches = caches
+
+    @staticmethod
+    def load(
+        cfg: ModelConfig,
+        files: WeightFiles,
+        devices: list[torch.device],
+        dtype: torch.dtype,
+        max_position: int,
+    ) -> Pipeline:
+        stages = []
+        for index, layers in enumerate(partition_layers(cfg, len(devices))):
+            stage = Stage(cfg, index, len(devices), layers, devices[index], dtype, max_position)
+            stage.load(files)
+            stages.append(stage)
+        return Pipeline(stages, [])
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        self.caches = [
+            StageKVCache.allocate(s.cfg, len(s.layers), num_blocks, block_size, s.device, s.dtype) for s in self.stages
+        ]
+
+    def weight_bytes(self) -> int:
+        return sum(s.weight_bytes() for s in self.stages)
+
+    def forward(self, token_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """token_ids: (tokens,) -> logits (batch, vocab) on the last stage's device."""
+        x = token_ids.to(self.stages[0].device)
+        for stage, cache in zip(self.stages, self.caches):
+            x = stage(x.to(stage.device, non_blocking=True), meta.to(stage.device), cache)
+        return x

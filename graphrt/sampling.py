@@ -1,0 +1,85 @@
+"""Sampling parameters and the on-device sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token, and when to stop. temperature 0 is greedy."""
+
+    max_tokens: int | None = 16  # None: up to the model's context length
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer (0 disables it), got {self.top_k!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Picks one token per row on the logits' device, without syncing the host.
+
+    Random rows use the exponential race (argmax of p / q with q ~ Exp(1)), which draws exactly
+    from p; a row with a seed draws from its own generator, so its tokens do not depend on which
+    other requests share the batch.
+    """
+
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def request_generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # (batch, vocab)
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        greedy_ids = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy_ids
+        device = logits.device
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+        sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_k = torch.tensor([p.top_k or logits.shape[-1] for p in params], device=device)
+        # Keep the smallest prefix whose mass reaches top_p (always the first token), and at most top_k.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        rank = torch.arange(logits.shape[-1], device=device)
+        dropped = (mass_before >= top_p[:, None]) | (rank[None, :] >= top_k[:, None])
+        sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
+        race = torch.empty_like(sorted_probs).exponential_(1.0, generator=self.generator)
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                race[row].exponential_(1.0, generator=generator)
+        choice = (sorted_probs / race).argmax(dim=-1, keepdim=True)
+        sampled_ids = sorted_ids.gather(-1, choice).squeeze(-1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        return torch.where(is_greedy, greedy_ids, sampled_ids)

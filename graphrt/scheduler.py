@@ -1,0 +1,129 @@
+"""Which sequences run in the next step, and the metadata that step needs.
+
+A step is either a prefill chunk (up to `prefill_chunk_size` prompt tokens from one or more
+sequences, eager) or a decode batch (one token for each running sequence). KV blocks for a
+request's whole budget (prompt + max_tokens) are allocated on admission, so a running sequence
+never waits for memory and nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from graphrt.batch import StepMetadata
+from graphrt.errors import RequestError
+from graphrt.kv_cache import SCRATCH_BLOCK, BlockAllocator
+from graphrt.sequence import Sequence
+
+
+@dataclass
+class ScheduledStep:
+    seqs: list[Sequence]
+    query_lens: list[int]  # tokens each sequence feeds in this step
+    is_prefill: bool
+
+    def build(self, block_size: int) -> tuple[torch.Tensor, StepMetadata]:
+        """Token ids and metadata on the host; the pipeline moves them to each stage."""
+        token_ids, positions, slots, seq_lens, last_rows = [], [], [], [], []
+        for seq, query_len in zip(self.seqs, self.query_lens):
+            start = seq.num_computed
+            for pos in range(start, start + query_len):
+                token_ids.append(seq.token_at(pos))
+                positions.append(pos)
+                slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
+            seq_lens.append(start + query_len)
+            last_rows.append(len(token_ids) - 1)
+        width = max(len(seq.block_ids) for seq in self.seqs)
+        tables = [seq.block_ids + [SCRATCH_BLOCK] * (width - len(seq.block_ids)) for seq in self.seqs]
+        as_long = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+        meta = StepMetadata(
+            positions=as_long(positions),
+            slot_mapping=as_long(slots),
+            block_tables=as_long(tables),
+            seq_lens=as_long(seq_lens),
+            logits_indices=as_long(last_rows),
+            seq_lens_host=seq_lens,
+            query_lens=list(self.query_lens) if self.is_prefill else None,
+        )
+        return as_long(token_ids), meta
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, prefill_chunk_size: int, max_model_len: int):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.prefill_chunk_size = prefill_chunk_size
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._last_was_prefill = False
+
+    def check(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Validate a request's lengths; return its resolved max_tokens. Raises RequestError."""
+        if prompt_len == 0:
+            raise RequestError("the prompt is empty; give at least one token")
+        if prompt_len >= self.max_model_len:
+            raise RequestError(
+                f"the prompt is {prompt_len} tokens but the context holds {self.max_model_len} "
+                "(prompt plus at least one new token); shorten the prompt"
+            )
+        if max_tokens is None:
+            max_tokens = self.max_model_len - prompt_len
+        if prompt_len + max_tokens > self.max_model_len:
+            raise RequestError(
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context "
+                f"length {self.max_model_len}; lower max_tokens to {self.max_model_len - prompt_len} or less"
+            )
+        if prompt_len + max_tokens > self.allocator.capacity_tokens:
+            raise RequestError(
+                f"the request needs {prompt_len + max_tokens} tokens of KV cache but the whole cache holds "
+                f"{self.allocator.capacity_tokens}; lower max_tokens or raise kv_cache_tokens"
+            )
+        return max_tokens
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            needed = self.allocator.blocks_for(seq.prompt_len + seq.max_tokens)
+            if needed > self.allocator.num_free:
+                break  # first come, first served: later requests wait behind it
+            seq.block_ids = self.allocator.allocate(needed)
+            self.running.append(self.waiting.popleft())
+
+    def schedule(self) -> ScheduledStep | None:
+        self._admit()
+        prefilling = [s for s in self.running if s.in_prefill]
+        decoding = [s for s in self.running if not s.in_prefill]
+        # Alternate when both kinds wait, so long prompts never starve running decodes.
+        if prefilling and (not decoding or not self._last_was_prefill):
+            self._last_was_prefill = True
+            seqs, lens, budget = [], [], self.prefill_chunk_size
+            for seq in prefilling:
+                take = min(seq.prompt_len - seq.num_computed, budget)
+                seqs.append(seq)
+                lens.append(take)
+                budget -= take
+                if budget == 0:
+                    break
+            return ScheduledStep(seqs, lens, is_prefill=True)
+        self._last_was_prefill = False
+        if decoding:
+            return ScheduledStep(decoding, [1] * len(decoding), is_prefill=False)
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,94 @@
+"""Paged KV cache writes and attention that reads K/V through block tables.
+
+Cache layout, per layer: (num_blocks, block_size, num_kv_heads, head_dim). A token's slot is
+`block_id * block_size + offset`. Block 0 is scratch: padding rows write there and nothing reads it
+as real context, so a padded batch can never corrupt another sequence's blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v: (tokens, kv_heads, head_dim); slot_mapping: (tokens,) int64 flat slot ids."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    # (..., num_blocks) block ids -> (..., num_blocks * block_size, kv_heads, head_dim)
+    gathered = cache[block_ids]
+    return gathered.flatten(-4, -3)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence.
+
+    q: (batch, heads, head_dim); block_tables: (batch, max_blocks); seq_lens: (batch,) tokens of
+    context including the current one (at least 1). `max_seq_len`, when the caller knows it on the
+    host, trims the block table so the reference reads only live blocks. Returns (batch, heads, head_dim).
+    """
+    block_size = k_cache.shape[1]
+    if max_seq_len is not None:
+        block_tables = block_tables[:, : -(-max_seq_len // block_size)]
+    keys = _gather_context(k_cache, block_tables)  # (batch, ctx, kv_heads, head_dim)
+    values = _gather_context(v_cache, block_tables)
+    ctx = keys.shape[1]
+    visible = torch.arange(ctx, device=q.device)[None, :] < seq_lens[:, None]  # (batch, ctx)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # (batch, heads, 1, head_dim)
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """A chunk of prompt tokens from several sequences, each attending causally to its context.
+
+    q: (tokens, heads, head_dim), the sequences' query tokens back to back; `query_lens[i]` of them
+    belong to sequence i, whose context (already written to the cache) is `seq_lens[i]` tokens long
+    and ends with those queries. Returns (tokens, heads, head_dim).
+    """
+    block_size = k_cache.shape[1]
+    outputs = []
+    start = 0
+    for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        q_seq = q[start : start + query_len].transpose(0, 1).unsqueeze(0)  # (1, heads, q_len, head_dim)
+        start += query_len
+        block_ids = block_tables[row, : -(-seq_len // block_size)]
+        keys = _gather_context(k_cache, block_ids)[:seq_len].transpose(0, 1).unsqueeze(0)
+        values = _gather_context(v_cache, block_ids)[:seq_len].transpose(0, 1).unsqueeze(0)
+        if query_len == seq_len:
+            out = F.scaled_dot_product_attention(q_seq, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+            visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+            out = F.scaled_dot_product_attention(
+                q_seq, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
+            )
+        outputs.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(outputs, dim=0)
