@@ -14,7 +14,7 @@ from graphrt.errors import ModelLoadError, RequestError
 from graphrt.kv_cache import BlockAllocator, bytes_per_block
 from graphrt.pipeline import Pipeline, default_devices
 from graphrt.sampling import Sampler, SamplingParams
-from graphrt.scheduler import Scheduler
+from graphrt.scheduler import ScheduledStep, Scheduler
 from graphrt.sequence import FinishReason, Sequence
 from graphrt.tokenizer import Tokenizer
 from graphrt.weights import WeightFiles
@@ -120,21 +120,16 @@ class Engine:
         if step is None:
             return []
         start = time.perf_counter()
-        token_ids, meta = step.build(self.config.block_size)
-        logits = self.pipeline.forward(token_ids, meta)  # (batch, vocab)
-        for seq, query_len in zip(step.seqs, step.query_lens):
-            seq.num_computed += query_len
+        logits = self.run(step)
         # Rows whose prompt is not complete yet produce no token.
         rows = [i for i, seq in enumerate(step.seqs) if not seq.in_prefill]
-        sampled: list[Sequence] = []
-        if rows:
-            seqs = [step.seqs[i] for i in rows]
-            row_index = torch.tensor(rows, device=logits.device) if len(rows) < len(step.seqs) else None
-            picked = logits if row_index is None else logits[row_index]
-            new_ids = self.sampler(picked, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        seqs = [step.seqs[i] for i in rows]
+        if seqs:
+            if len(rows) < len(step.seqs):
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            new_ids = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
             for seq, token_id in zip(seqs, new_ids):
                 self._append(seq, token_id)
-            sampled = seqs
         elapsed = time.perf_counter() - start
         if step.is_prefill:
             self.stats.prefill_tokens += sum(step.query_lens)
@@ -143,7 +138,15 @@ class Engine:
             self.stats.decode_steps += 1
             self.stats.decode_tokens += len(step.seqs)
             self.stats.decode_seconds += elapsed
-        return sampled
+        return seqs
+
+    def run(self, step: ScheduledStep) -> torch.Tensor:
+        """Push one scheduled step through every stage; return each sequence's last-token logits."""
+        token_ids, meta = step.build(self.config.block_size)
+        logits = self.pipeline.forward(token_ids, meta)  # (batch, vocab)
+        for seq, query_len in zip(step.seqs, step.query_lens):
+            seq.num_computed += query_len
+        return logits
 
     def _append(self, seq: Sequence, token_id: int) -> None:
         seq.output_ids.append(token_id)

@@ -37,7 +37,7 @@ def partition_layers(cfg: ModelConfig, pp: int) -> list[range]:
         for i in range(s, num_layers + 1):
             for j in range(s - 1, i):
                 value = max(best[s - 1][j], cost(j, i, last_stage=(s == pp and i == num_layers)))
-                if value < best[s][i]:
+                if value <= best[s][i]:  # on ties, the later stage takes fewer layers
                     best[s][i], cut[s][i] = value, j
     bounds = [num_layers]
     for s in range(pp, 0, -1):

@@ -1,0 +1,119 @@
+"""Every mistake a user can make with a model or a request gets a message that says what to do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from graphrt import LLM, ModelLoadError, RequestError, SamplingParams
+from graphrt.cli import main
+
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(model=tmp_path / "nope")
+
+
+def test_empty_model_folder(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        LLM(model=tmp_path)
+
+
+def test_unknown_architecture_names_it_and_the_supported_list(tiny_model_factory, tmp_path):
+    model_dir = shutil.copytree(tiny_model_factory(), tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        LLM(model=model_dir)
+
+
+def test_truncated_safetensors_names_the_file(tiny_model_factory, tmp_path):
+    model_dir = shutil.copytree(tiny_model_factory(), tmp_path / "m")
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors.*truncated"):
+        LLM(model=model_dir)
+
+
+def test_missing_tensor_is_reported(tiny_model_factory, tmp_path):
+    model_dir = shutil.copytree(tiny_model_factory(), tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] += 1  # the weights hold one layer fewer than the config says
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"lack 9 tensors.*model\.layers\.4\."):
+        LLM(model=model_dir)
+
+
+def test_pp_larger_than_layers(tiny_model_factory):
+    with pytest.raises(Exception, match=r"--pp 5 is larger than the model's 4 layers"):
+        LLM(model=tiny_model_factory(), pp=5)
+
+
+def test_prompt_longer_than_context(tiny_model_factory):
+    llm = LLM(model=tiny_model_factory(), kv_cache_tokens=1024)
+    with pytest.raises(RequestError, match=r"prompt 1: the prompt is 300 tokens but the context holds 256"):
+        llm.generate([[1, 2, 3], [7] * 300], SamplingParams(max_tokens=4))
+    # Nothing was left behind: the first, valid prompt released its blocks, and the engine still works.
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks - 1
+    assert len(llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+
+
+def test_prompt_plus_max_tokens_beyond_context(tiny_model_factory):
+    llm = LLM(model=tiny_model_factory(), kv_cache_tokens=1024)
+    with pytest.raises(RequestError, match=r"lower max_tokens to 246 or less"):
+        llm.generate([1] * 10, SamplingParams(max_tokens=250))
+
+
+def test_kv_cache_too_small_for_the_request(tiny_model_factory):
+    llm = LLM(model=tiny_model_factory(), kv_cache_tokens=32)
+    with pytest.raises(RequestError, match=r"needs 50 tokens of KV cache but the whole cache holds 32"):
+        llm.generate([1] * 10, SamplingParams(max_tokens=40))
+
+
+def test_token_ids_outside_vocabulary(tiny_model_factory):
+    llm = LLM(model=tiny_model_factory(), kv_cache_tokens=64)
+    with pytest.raises(RequestError, match=r"token id 97 is outside the vocabulary \[0, 97\)"):
+        llm.generate([1, 97])
+
+
+def test_text_prompt_without_tokenizer(tiny_model_factory):
+    llm = LLM(model=tiny_model_factory(), kv_cache_tokens=64)
+    with pytest.raises(RequestError, match="no tokenizer; pass prompts as lists of token ids"):
+        llm.generate("hello")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-2), "top_k must be a non-negative integer"),
+        (dict(max_tokens=0), "max_tokens must be a positive integer"),
+        (dict(stop=[""]), "stop must be a list of non-empty strings"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/nonexistent/model"], "model folder /nonexistent/model does not exist"),
+        (["--pp", "9"], "--pp 9 is larger than the model's 4 layers"),
+        (["--dtype", "int8"], "dtype 'int8' is not supported"),
+        (["--devices", "cpu,cpu"], "--devices names 2 devices for 1 stages"),
+    ],
+)
+def test_cli_errors_are_one_line_without_traceback(tiny_model_factory, args, message):
+    argv = ["generate", "--prompt", "hi", "--model", str(tiny_model_factory()), *args]
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 1
+    assert message in result.output
+    assert "Traceback" not in result.output and result.output.count("\n") == 1
