@@ -1,0 +1,1 @@
+"""Ahead-of-time graph capture and the graph cache (imported as graphrt.capture)."""

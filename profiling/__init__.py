@@ -1,0 +1,1 @@
+"""NVTX ranges, the timeline recorder and utilization reports (imported as graphrt.profiling)."""
