@@ -159,6 +159,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     prefill_chunk_size: int = 512
     seed: int = 0
+    kernels: str = "auto"  # auto: triton on CUDA, torch elsewhere
 
     def __post_init__(self) -> None:
         if not isinstance(self.pp, int) or self.pp < 1:
@@ -175,10 +176,14 @@ class EngineConfig:
             )
         if self.devices is not None and len(self.devices) != self.pp:
             raise ValueError(f"--devices names {len(self.devices)} devices for {self.pp} stages; give one per stage")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.dtype != "auto":
             self.dtype = parse_dtype(self.dtype)
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.dtype != "auto":
             return self.dtype
         if device.type == "cpu":

@@ -53,7 +53,9 @@ class Engine:
         self.devices = [torch.device(d) for d in (config.devices or default_devices(config.pp))]
         self.dtype = config.resolve_dtype(self.model_config, self.devices[0])
         self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
-        self.pipeline = Pipeline.load(self.model_config, files, self.devices, self.dtype, self.max_model_len)
+        self.pipeline = Pipeline.load(
+            self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels
+        )
         num_blocks = self._num_kv_blocks()
         self.pipeline.allocate_kv(num_blocks, config.block_size)
         self.allocator = BlockAllocator(num_blocks, config.block_size)

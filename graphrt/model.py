@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrt import kernels
+from graphrt.kernels import KernelSet, rotary_cos_sin
 from graphrt.batch import StepMetadata
 from graphrt.config import ModelConfig
 from graphrt.kv_cache import StageKVCache
@@ -19,9 +19,10 @@ from graphrt.weights import WeightFiles
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: KernelSet):
         super().__init__()
         self.cfg = cfg
+        self.ops = ops
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
@@ -65,30 +66,30 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
+        cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
-        hidden, residual = kernels.rms_norm(hidden, self.input_norm, eps, residual)
+        hidden, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
         qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
-            q, _ = kernels.rms_norm(q, self.q_norm, eps)
-            k, _ = kernels.rms_norm(k, self.k_norm, eps)
-        q, k = kernels.apply_rotary(q, k, cos, sin)
-        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            q, _ = ops.rms_norm(q, self.q_norm, eps)
+            k, _ = ops.rms_norm(k, self.k_norm, eps)
+        q, k = ops.apply_rotary(q, k, cos, sin)
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            attn = kernels.paged_prefill_attention(
+            attn = ops.paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_lens, meta.seq_lens_host, self.scale
             )
         else:
-            attn = kernels.paged_decode_attention(
+            attn = ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, max(meta.seq_lens_host)
             )
         hidden = F.linear(attn.reshape(-1, self.q_size), self.o_proj)
-        hidden, residual = kernels.rms_norm(hidden, self.post_attention_norm, eps, residual)
-        hidden = F.linear(kernels.silu_and_mul(F.linear(hidden, self.gate_up_proj)), self.down_proj)
+        hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, eps, residual)
+        hidden = F.linear(ops.silu_and_mul(F.linear(hidden, self.gate_up_proj)), self.down_proj)
         return hidden, residual
 
 
@@ -104,9 +105,11 @@ class Stage(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         max_position: int,
+        ops: KernelSet,
     ):
         super().__init__()
         self.cfg = cfg
+        self.ops = ops
         self.index = index
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
@@ -115,10 +118,10 @@ class Stage(nn.Module):
         self.dtype = dtype
         meta = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         self.embed_tokens = meta(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in layers)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in layers)
         self.norm = meta(cfg.hidden_size) if self.is_last else None
         self.lm_head = meta(cfg.vocab_size, cfg.hidden_size) if self.is_last else None
-        cos, sin = kernels.rotary_cos_sin(cfg.rope, cfg.head_dim, max_position)
+        cos, sin = rotary_cos_sin(cfg.rope, cfg.head_dim, max_position)
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
 
@@ -165,5 +168,5 @@ class Stage(nn.Module):
             hidden, residual = layer(hidden, residual, meta, cos, sin, kv.k[i], kv.v[i])
         if not self.is_last:
             return hidden + residual
-        hidden, _ = kernels.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)
+        hidden, _ = self.ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)
         return F.linear(hidden[meta.logits_indices], self.lm_head)

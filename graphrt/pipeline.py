@@ -7,6 +7,7 @@ import torch
 from graphrt.batch import StepMetadata
 from graphrt.config import ModelConfig
 from graphrt.errors import GraphrtError
+from graphrt.kernels import kernel_set
 from graphrt.kv_cache import StageKVCache
 from graphrt.model import Stage
 from graphrt.weights import WeightFiles
@@ -72,10 +73,12 @@ class Pipeline:
         devices: list[torch.device],
         dtype: torch.dtype,
         max_position: int,
+        kernels: str = "auto",
     ) -> Pipeline:
         stages = []
         for index, layers in enumerate(partition_layers(cfg, len(devices))):
-            stage = Stage(cfg, index, len(devices), layers, devices[index], dtype, max_position)
+            ops = kernel_set(kernels, devices[index].type)
+            stage = Stage(cfg, index, len(devices), layers, devices[index], dtype, max_position, ops)
             stage.load(files)
             stages.append(stage)
         return Pipeline(stages, [])
