@@ -20,8 +20,13 @@ class StepMetadata:
     block_tables: torch.Tensor  # (batch, max_blocks) int64
     seq_lens: torch.Tensor  # (batch,) int64 context length including this step's tokens
     logits_indices: torch.Tensor  # (batch,) int64 row of each sequence's last token
-    seq_lens_host: list[int]
+    seq_lens_host: list[int] | None  # None inside a graph, where host values can't change per replay
     query_lens: list[int] | None = None  # prefill only: tokens per sequence in this chunk
+
+    @property
+    def max_seq_len(self) -> int | None:
+        """The longest context, when the host knows it (eager runs read only that many blocks)."""
+        return max(self.seq_lens_host) if self.seq_lens_host else None
 
     @property
     def is_prefill(self) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,25 +34,59 @@ def parse_devices(value: str | None) -> list[str] | None:
     return [d.strip() for d in value.split(",")] if value else None
 
 
+def model_options(command):
+    """Options shared by every command that builds an engine: the model, its stages, its graphs."""
+    from graphrt.kernels import KERNEL_CHOICES
+
+    options = [
+        click.option("--model", type=click.Path(path_type=Path), default=None, help="Hugging Face style model folder [default: SmolLM2-135M-Instruct]."),
+        click.option("--pp", type=click.IntRange(min=1), default=None, help="Pipeline stages [default: 1, or the graph cache's]."),
+        click.option("--devices", default=None, help="Comma-separated device per stage, e.g. cuda:0,cuda:1 [default: from the machine]."),
+        click.option("--dtype", default=None, help="float32, bfloat16, float16 or float64 [default: float32 on CPU, the model's dtype on CUDA]."),
+        click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default=None, help="Decode kernels [default: triton on CUDA, torch elsewhere]."),
+        click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest decode bucket [default: 32 on CPU; on CUDA from KV cache memory, 8 to 256]."),
+        click.option("--buckets", default=None, help="Decode bucket sizes, e.g. 1,2,4,8,16 [default: 1, 2, 4, 8, then every 8 up to --max-batch]."),
+        click.option("--no-graphs", is_flag=True, help="Replay decode eagerly over the same static buffers instead of CUDA graphs."),
+        click.option("--allow-eager", is_flag=True, help="Run a (stage, bucket) whose capture fails eagerly instead of stopping."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def engine_kwargs(model, pp, devices, dtype, kernels, max_batch, buckets, no_graphs, allow_eager) -> dict:
+    from graphrt.capture.buckets import parse_buckets
+
+    return dict(
+        model=model,
+        pp=pp,
+        devices=parse_devices(devices),
+        dtype=dtype,
+        kernels=kernels,
+        max_batch=max_batch,
+        buckets=parse_buckets(buckets) if buckets else None,
+        use_graphs=False if no_graphs else None,
+        allow_eager=allow_eager or None,
+    )
+
+
 @main.command()
 @click.option("--prompt", required=True, help="The prompt text.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user turn with the model's chat template.")
-@click.option("--model", type=click.Path(path_type=Path), default=None, help="Hugging Face style model folder [default: SmolLM2-135M-Instruct].")
-@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages.")
-@click.option("--devices", default=None, help="Comma-separated device per stage, e.g. cuda:0,cuda:1 [default: from the machine].")
-@click.option("--dtype", default="auto", show_default=True, help="float32, bfloat16, float16 or float64; auto: float32 on CPU, the model's dtype on CUDA.")
+@model_options
+@click.option("--cache", type=click.Path(path_type=Path), default=None, help="Graph cache folder written by `graphrt capture`.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables it.")
 @click.option("--seed", type=int, default=None, help="Seed for this request's sampling.")
-def generate(prompt, chat, model, pp, devices, dtype, max_tokens, temperature, top_p, top_k, seed) -> None:
+def generate(prompt, chat, cache, max_tokens, temperature, top_p, top_k, seed, **model_args) -> None:
     """Generate a completion for one prompt and report tokens/s and weight bandwidth."""
     from graphrt.llm import LLM
     from graphrt.sampling import SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model=model, pp=pp, devices=parse_devices(devices), dtype=dtype)
+    llm = LLM(cache=cache, **engine_kwargs(**model_args))
     load_seconds = time.perf_counter() - start
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     request = llm.chat_prompt(prompt) if chat else prompt
@@ -63,10 +99,71 @@ def generate(prompt, chat, model, pp, devices, dtype, max_tokens, temperature, t
     click.echo(
         f"[graphrt] {len(output.token_ids)} tokens in {seconds:.2f} s ({len(output.token_ids) / seconds:.1f} tok/s); "
         f"decode {stats.decode_tokens_per_s():.1f} tok/s, {stats.weight_gb_per_s(engine.weight_bytes):.1f} GB/s of weights; "
-        f"prompt {stats.prefill_tokens} tokens; load {load_seconds:.1f} s; "
-        f"pp={pp} on {','.join(map(str, engine.devices))}, {str(engine.dtype).removeprefix('torch.')}",
+        f"prompt {stats.prefill_tokens} tokens; start-up {load_seconds:.1f} s; "
+        f"pp={len(engine.devices)} on {','.join(map(str, engine.devices))}, {str(engine.dtype).removeprefix('torch.')}, "
+        f"{engine.backend} decode",
         err=True,
     )
+
+
+@main.command()
+@model_options
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Graph cache folder to write.")
+@click.option("--inspect", "inspect_dir", type=click.Path(path_type=Path), default=None, help="Print the manifest of this graph cache and exit.")
+def capture(out, inspect_dir, **model_args) -> None:
+    """Record a decode graph for every stage and bucket, verify each, and write the graph cache."""
+    from graphrt.capture.manifest import read_manifest, write_manifest
+    from graphrt.capture.report import manifest_table
+
+    if inspect_dir is not None:
+        click.echo(manifest_table(read_manifest(inspect_dir)))
+        return
+    if out is None:
+        raise click.UsageError("give --out DIR for the graph cache (or --inspect DIR to read one)")
+    from graphrt.llm import LLM
+
+    check_writable(out)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(out / "triton"))
+    start = time.perf_counter()
+    llm = LLM(show_progress=True, **engine_kwargs(**model_args))
+    manifest = build_manifest(llm.engine)
+    path = write_manifest(out, manifest)
+    click.echo(manifest_table(manifest))
+    click.echo(f"wrote {path} in {time.perf_counter() - start:.1f} s; use it with --cache {out}")
+
+
+def check_writable(folder: Path) -> None:
+    """Fail before minutes of capture, not after, if the cache can't be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise GraphrtError(f"cannot write the graph cache to {folder} ({exc.strerror}); choose a writable --out folder") from None
+
+
+def build_manifest(engine) -> dict:
+    from graphrt import __version__
+    from graphrt.capture.manifest import new_manifest
+
+    cpu_only = engine.backend != "cuda"
+    null_reasons = {}
+    if cpu_only:
+        null_reasons = {
+            "pool_bytes": "no CUDA graphs on this backend (CPU or --no-graphs)",
+            "nodes": "no CUDA graphs on this backend (CPU or --no-graphs)",
+            "cuda": "torch has no CUDA here" if engine.identity()["cuda"] is None else None,
+            "driver": "no CUDA driver here" if engine.identity()["driver"] is None else None,
+        }
+        null_reasons = {k: v for k, v in null_reasons.items() if v}
+    extra = {
+        "graphrt": __version__,
+        "model_dir": str(engine.model_dir),
+        "kv_cache_blocks": engine.allocator.num_blocks,
+        "kv_cache_bytes": sum(c.k.nbytes + c.v.nbytes for c in engine.pipeline.caches),
+        "null_reasons": null_reasons,
+    }
+    return new_manifest(engine.identity(), extra, [r.to_json() for r in engine.graph_records])
 
 
 @main.command("import-gguf")
@@ -79,3 +176,20 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
     start = time.perf_counter()
     import_gguf(gguf_file, out_dir)
     click.echo(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s")
+
+
+@main.command()
+@click.option("--model", type=click.Path(path_type=Path), default=None, help="Hugging Face style model folder [default: SmolLM2-135M-Instruct].")
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on; 0.0.0.0 exposes the server to the network.")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True, help="0 picks a free port.")
+@click.option("--api-key", envvar="GRAPHRT_API_KEY", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes [env: GRAPHRT_API_KEY].")
+@click.option("--max-batch", type=click.IntRange(min=1), default=64, show_default=True, help="Most requests running at once.")
+@click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Context length [default: the model's].")
+def serve(model, pp, host, port, api_key, max_batch, max_model_len) -> None:
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM."""
+    from graphrt.server import ServeOptions
+    from graphrt.server import serve as run_server
+
+    options = ServeOptions(model=model, pp=pp, host=host, port=port, api_key=api_key or None, max_batch=max_batch, max_model_len=max_model_len)
+    run_server(options, echo=click.echo)

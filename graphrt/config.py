@@ -160,6 +160,10 @@ class EngineConfig:
     prefill_chunk_size: int = 512
     seed: int = 0
     kernels: str = "auto"  # auto: triton on CUDA, torch elsewhere
+    use_graphs: bool = True  # False (--no-graphs): decode runs eagerly over the same static buffers
+    buckets: list[int] | None = None  # decode batch sizes with a graph; None: 1, 2, 4, 8, then every 8
+    max_batch: int | None = None  # largest bucket; None: capture.buckets.default_max_batch
+    allow_eager: bool = False  # a (stage, bucket) that fails capture runs eagerly instead of aborting
 
     def __post_init__(self) -> None:
         if not isinstance(self.pp, int) or self.pp < 1:
@@ -176,12 +180,20 @@ class EngineConfig:
             )
         if self.devices is not None and len(self.devices) != self.pp:
             raise ValueError(f"--devices names {len(self.devices)} devices for {self.pp} stages; give one per stage")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):
+            raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.dtype != "auto":
             self.dtype = parse_dtype(self.dtype)
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):
+            raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.dtype != "auto":

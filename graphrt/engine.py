@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from graphrt.capture.buckets import BucketPlan, default_buckets, default_max_batch
+from graphrt.capture.capture import capture_stage
+from graphrt.capture.manifest import (
+    StaleCacheError,
+    device_name,
+    model_fingerprint,
+    read_manifest,
+    software_versions,
+    stale_fields,
+)
 from graphrt.config import EngineConfig, ModelConfig
 from graphrt.errors import ModelLoadError, RequestError
 from graphrt.kv_cache import BlockAllocator, bytes_per_block
@@ -18,6 +29,8 @@ from graphrt.scheduler import ScheduledStep, Scheduler
 from graphrt.sequence import FinishReason, Sequence
 from graphrt.tokenizer import Tokenizer
 from graphrt.weights import WeightFiles
+
+logger = logging.getLogger("graphrt")
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU
 GPU_MEMORY_FRACTION = 0.85  # share of free device memory the KV cache may take after the weights
@@ -42,7 +55,7 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model_dir: Path, config: EngineConfig):
+    def __init__(self, model_dir: Path, config: EngineConfig, cache_dir: Path | None = None, show_progress: bool = False):
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model folder {self.model_dir} does not exist; pass --model DIR of a Hugging Face style model")
@@ -59,7 +72,24 @@ class Engine:
         num_blocks = self._num_kv_blocks()
         self.pipeline.allocate_kv(num_blocks, config.block_size)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len)
+        self.plan = self._bucket_plan(num_blocks)
+        self.backend = "cuda" if config.use_graphs and all(d.type == "cuda" for d in self.devices) else "eager"
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        forced_eager = self._check_graph_cache() if self.cache_dir is not None else set()
+        self.graphs, self.graph_records = [], []
+        max_blocks = -(-self.max_model_len // config.block_size)
+        for stage, cache in zip(self.pipeline.stages, self.pipeline.caches):
+            graphs, records = capture_stage(
+                stage, cache, self.plan, max_blocks, self.backend == "cuda", config.allow_eager,
+                {bucket for s, bucket in forced_eager if s == stage.index}, show_progress,
+            )
+            self.graphs.append(graphs)
+            self.graph_records += records
+        self.eager_pairs = {(r.stage, r.bucket) for r in self.graph_records if r.mode == "eager"}
+        self.num_eager_fallbacks = 0  # decode micro-batches that ran eagerly on a CUDA-graph engine
+        self.scheduler = Scheduler(
+            self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch
+        )
         self.sampler = Sampler(self.devices[-1], config.seed)
         self.weight_bytes = self.pipeline.weight_bytes()
         self.stats = EngineStats()
@@ -81,6 +111,41 @@ class Engine:
         # No need for more than every sequence at full context.
         enough = self.config.max_num_seqs * -(-self.max_model_len // block_size) + 1
         return max(2, min(budget // per_block, enough))
+
+    def _bucket_plan(self, num_blocks: int) -> BucketPlan:
+        if self.config.buckets:
+            return BucketPlan(tuple(sorted(set(self.config.buckets))))
+        kv_tokens = (num_blocks - 1) * self.config.block_size
+        max_batch = self.config.max_batch or default_max_batch(self.devices[0].type, kv_tokens)
+        return BucketPlan(tuple(default_buckets(min(max_batch, self.config.max_num_seqs))))
+
+    def identity(self) -> dict:
+        """What a graph cache must agree with to be used by this engine."""
+        return {
+            "model_fingerprint": model_fingerprint(self.model_dir),
+            "architecture": self.model_config.architecture,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "pp": len(self.pipeline.stages),
+            "stages": [{"layers": [s.layer_ids.start, s.layer_ids.stop], "device": str(s.device)} for s in self.pipeline.stages],
+            "device_names": [device_name(d) for d in self.devices],
+            "kernels": self.pipeline.stages[0].ops.name,
+            "backend": self.backend,
+            "block_size": self.config.block_size,
+            "max_model_len": self.max_model_len,
+            "buckets": list(self.plan.sizes),
+            **software_versions(),
+        }
+
+    def _check_graph_cache(self) -> set[tuple[int, int]]:
+        """Refuse a cache made for another model or machine; return the pairs it marks eager."""
+        manifest = read_manifest(self.cache_dir)
+        stale = stale_fields(manifest, self.identity())
+        if stale:
+            raise StaleCacheError(
+                f"the graph cache {self.cache_dir} was made for something else: " + "; ".join(stale)
+                + f". Refresh it with `graphrt capture --out {self.cache_dir}` and the same options as this run"
+            )
+        return {(g["stage"], g["bucket"]) for g in manifest["graphs"] if g.get("mode") == "eager"}
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -145,10 +210,20 @@ class Engine:
     def run(self, step: ScheduledStep) -> torch.Tensor:
         """Push one scheduled step through every stage; return each sequence's last-token logits."""
         token_ids, meta = step.build(self.config.block_size)
-        logits = self.pipeline.forward(token_ids, meta)  # (batch, vocab)
+        if not step.is_prefill and self.eager_pairs and self.backend == "cuda":
+            self._count_eager_fallbacks(len(step.seqs))
+        logits = self.pipeline.forward(token_ids, meta, self.graphs)  # (batch, vocab)
         for seq, query_len in zip(step.seqs, step.query_lens):
             seq.num_computed += query_len
         return logits
+
+    def _count_eager_fallbacks(self, rows: int) -> None:
+        bucket = self.plan.bucket_for(rows)
+        eager_stages = [s for s, b in self.eager_pairs if b == bucket]
+        if eager_stages:
+            if self.num_eager_fallbacks == 0:
+                logger.warning("decode bucket %d runs eagerly on stages %s (capture failed for them)", bucket, eager_stages)
+            self.num_eager_fallbacks += 1
 
     def _append(self, seq: Sequence, token_id: int) -> None:
         seq.output_ids.append(token_id)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from graphrt.capture.manifest import read_manifest
 from graphrt.config import EngineConfig
 from graphrt.default_model import default_model_dir
 from graphrt.engine import Engine
 from graphrt.errors import RequestError
 from graphrt.sampling import SamplingParams
+
+
+# Options a graph cache supplies when the caller leaves them unset; set differently, they make it stale.
+CACHE_DEFAULTS = ("pp", "dtype", "kernels", "buckets", "block_size", "max_model_len")
 
 
 @dataclass
@@ -27,20 +33,31 @@ class LLM:
     """A model split into `pp` pipeline stages, ready to generate.
 
     `model` is a Hugging Face style folder; None means the default model (SmolLM2-135M-Instruct,
-    converted once into graphrt's cache). Other keyword arguments are `EngineConfig` fields.
+    converted once into graphrt's cache). `cache` is a folder written by `graphrt capture`: it
+    supplies pp, dtype, kernels and buckets unless given, and is refused if it doesn't fit. Other
+    keyword arguments are `EngineConfig` fields; None means the default.
     """
 
     def __init__(
         self,
         model: str | Path | None = None,
-        pp: int = 1,
-        dtype: str | torch.dtype = "auto",
+        pp: int | None = None,
+        dtype: str | torch.dtype | None = None,
         devices: list[str] | None = None,
+        cache: str | Path | None = None,
+        show_progress: bool = False,
         **engine_options,
     ):
-        config = EngineConfig(pp=pp, dtype=dtype, devices=devices, **engine_options)
+        options = {k: v for k, v in dict(pp=pp, dtype=dtype, devices=devices, **engine_options).items() if v is not None}
+        if cache is not None:
+            cache = Path(cache)
+            # Compiled Triton kernels live in the cache too; triton reads this when it first compiles.
+            os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+            manifest = read_manifest(cache)
+            for field in CACHE_DEFAULTS:
+                options.setdefault(field, manifest[field])
         model_dir = Path(model) if model is not None else default_model_dir()
-        self.engine = Engine(model_dir, config)
+        self.engine = Engine(model_dir, EngineConfig(**options), cache_dir=cache, show_progress=show_progress)
 
     @property
     def model_dir(self) -> Path:

@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
             )
         else:
             attn = ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, max(meta.seq_lens_host)
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.max_seq_len
             )
         hidden = F.linear(attn.reshape(-1, self.q_size), self.o_proj)
         hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, eps, residual)

@@ -91,9 +91,17 @@ class Pipeline:
     def weight_bytes(self) -> int:
         return sum(s.weight_bytes() for s in self.stages)
 
-    def forward(self, token_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        """token_ids: (tokens,) -> logits (batch, vocab) on the last stage's device."""
-        x = token_ids.to(self.stages[0].device)
-        for stage, cache in zip(self.stages, self.caches):
-            x = stage(x.to(stage.device, non_blocking=True), meta.to(stage.device), cache)
+    def forward(self, token_ids: torch.Tensor, meta: StepMetadata, graphs: list | None = None) -> torch.Tensor:
+        """token_ids: (tokens,) -> logits (batch, vocab) on the last stage's device.
+
+        Decode steps replay each stage's graph for the batch's bucket when `graphs` is given;
+        prefill chunks always run eagerly.
+        """
+        x = token_ids
+        for index, (stage, cache) in enumerate(zip(self.stages, self.caches)):
+            x = x.to(stage.device, non_blocking=True)
+            if graphs is not None and not meta.is_prefill:
+                x = graphs[index].run(x, meta)
+            else:
+                x = stage(x, meta.to(stage.device), cache)
         return x

@@ -52,11 +52,19 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, prefill_chunk_size: int, max_model_len: int):
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        max_num_seqs: int,
+        prefill_chunk_size: int,
+        max_model_len: int,
+        max_decode_batch: int,
+    ):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
         self.max_model_len = max_model_len
+        self.max_decode_batch = max_decode_batch  # the largest captured bucket
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._last_was_prefill = False
@@ -117,7 +125,11 @@ class Scheduler:
             return ScheduledStep(seqs, lens, is_prefill=True)
         self._last_was_prefill = False
         if decoding:
-            return ScheduledStep(decoding, [1] * len(decoding), is_prefill=False)
+            # Never more rows than the largest bucket; the rest go first next time.
+            batch = decoding[: self.max_decode_batch]
+            if len(decoding) > len(batch):
+                self.running = [s for s in self.running if s not in batch] + batch
+            return ScheduledStep(batch, [1] * len(batch), is_prefill=False)
         return None
 
     def finish(self, seq: Sequence) -> None:

@@ -1,0 +1,123 @@
+"""Graph backends: one replayable decode step per (stage, bucket) over static buffers.
+
+`CudaStageGraph` records a `torch.cuda.CUDAGraph`; `EagerStageGraph` runs the stage's forward over
+the very same buffers (CPU, `--no-graphs`, and the reference that capture verifies against).
+`StageGraphs` holds one stage's graphs and does what replay needs around them: copy the rows in,
+reset the padding rows, replay, hand back the rows out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphrt.batch import StepMetadata
+from graphrt.capture.buckets import BucketPlan
+from graphrt.kv_cache import SCRATCH_BLOCK, StageKVCache
+from graphrt.model import Stage
+
+
+@dataclass
+class StaticInputs:
+    """The buffers a (stage, bucket) graph reads; their addresses never change after capture."""
+
+    x: torch.Tensor  # (bucket,) token ids on stage 0, else (bucket, hidden_size)
+    meta: StepMetadata  # decode metadata over static tensors, seq_lens_host=None
+
+    @staticmethod
+    def allocate(stage: Stage, bucket: int, max_blocks: int) -> StaticInputs:
+        device = stage.device
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
+        if stage.is_first:
+            x = zeros(bucket)
+        else:
+            x = torch.zeros(bucket, stage.cfg.hidden_size, dtype=stage.dtype, device=device)
+        meta = StepMetadata(
+            positions=zeros(bucket),
+            slot_mapping=zeros(bucket),
+            block_tables=zeros(bucket, max_blocks),
+            seq_lens=torch.ones(bucket, dtype=torch.int64, device=device),
+            logits_indices=torch.arange(bucket, device=device),
+            seq_lens_host=None,
+        )
+        return StaticInputs(x, meta)
+
+    def load(self, x: torch.Tensor, meta: StepMetadata) -> None:
+        """Copy `rows` real rows in; padding rows read and write only the scratch block."""
+        rows, width = meta.block_tables.shape
+        static = self.meta
+        self.x[:rows].copy_(x, non_blocking=True)
+        self.x[rows:].zero_()
+        static.positions[:rows].copy_(meta.positions, non_blocking=True)
+        static.positions[rows:].zero_()
+        static.slot_mapping[:rows].copy_(meta.slot_mapping, non_blocking=True)
+        static.slot_mapping[rows:].fill_(SCRATCH_BLOCK)  # slot 0 lies in the scratch block
+        static.block_tables[:rows, :width].copy_(meta.block_tables, non_blocking=True)
+        static.block_tables[:rows, width:].fill_(SCRATCH_BLOCK)
+        static.block_tables[rows:].fill_(SCRATCH_BLOCK)
+        static.seq_lens[:rows].copy_(meta.seq_lens, non_blocking=True)
+        static.seq_lens[rows:].fill_(1)
+
+
+class EagerStageGraph:
+    """The eager twin: the same static buffers, the stage's forward run directly."""
+
+    mode = "eager"
+
+    def __init__(self, stage: Stage, cache: StageKVCache, inputs: StaticInputs):
+        self.stage, self.cache, self.inputs = stage, cache, inputs
+        self.output: torch.Tensor | None = None
+
+    def replay(self, max_seq_len: int | None = None) -> torch.Tensor:
+        # Eagerly the host may say how long the longest context is, so attention reads only live blocks.
+        meta = self.inputs.meta
+        if max_seq_len is not None:
+            meta = StepMetadata(**{**meta.__dict__, "seq_lens_host": [max_seq_len]})
+        self.output = self.stage(self.inputs.x, meta, self.cache)
+        return self.output
+
+
+class CudaStageGraph:
+    """A recorded CUDA graph of the stage's decode forward for one bucket."""
+
+    mode = "graph"
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: StaticInputs, output: torch.Tensor):
+        self.graph, self.inputs, self.output = graph, inputs, output
+
+    @staticmethod
+    def record(stage: Stage, cache: StageKVCache, inputs: StaticInputs, pool, num_warmups: int = 2) -> CudaStageGraph:
+        side = torch.cuda.Stream(stage.device)
+        side.wait_stream(torch.cuda.current_stream(stage.device))
+        with torch.cuda.stream(side):
+            for _ in range(num_warmups):  # lets lazy initialisation (cuBLAS handles, autotuning) happen outside
+                stage(inputs.x, inputs.meta, cache)
+        torch.cuda.current_stream(stage.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = stage(inputs.x, inputs.meta, cache)
+        return CudaStageGraph(graph, inputs, output)
+
+    def replay(self, max_seq_len: int | None = None) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class StageGraphs:
+    """One stage's graphs, one per bucket, sharing a memory pool (CUDA) and the stage's KV cache."""
+
+    def __init__(self, stage: Stage, plan: BucketPlan, graphs: dict[int, CudaStageGraph | EagerStageGraph]):
+        self.stage = stage
+        self.plan = plan
+        self.graphs = graphs
+
+    def run(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """Decode rows (x, meta) through the smallest bucket that holds them; returns their outputs."""
+        rows = meta.block_tables.shape[0]
+        graph = self.graphs[self.plan.bucket_for(rows)]
+        graph.inputs.load(x, meta.to(self.stage.device))
+        return graph.replay(meta.max_seq_len)[:rows]
+
+    def mode(self, bucket: int) -> str:
+        return self.graphs[bucket].mode

@@ -1,0 +1,141 @@
+"""The graph cache's manifest: what was captured, for which model and machine, and how well.
+
+CUDA graphs hold raw device addresses and cannot be written to disk. What the cache keeps is the
+plan (stages, buckets, which (stage, bucket) pairs must stay eager), the measurements, the compiled
+Triton kernels, and an identity of model + machine that a later start checks field by field
+before it re-records the graphs from the plan.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import torch
+
+from graphrt.errors import GraphrtError
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+# Fields that must match between the cache and the run that uses it, in the order reported.
+IDENTITY_FIELDS = (
+    "model_fingerprint",
+    "architecture",
+    "dtype",
+    "pp",
+    "stages",
+    "device_names",
+    "kernels",
+    "backend",
+    "block_size",
+    "max_model_len",
+    "buckets",
+    "torch",
+    "triton",
+    "cuda",
+    "driver",
+)
+
+
+class StaleCacheError(GraphrtError):
+    """The graph cache does not fit this model or machine, or cannot be read."""
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """sha256 over config.json and each safetensors file's name, size and header.
+
+    The header lists every tensor's name, dtype, shape and offsets, so any change to the weights'
+    layout shows; hashing headers instead of gigabytes keeps this instant.
+    """
+    digest = hashlib.sha256()
+    digest.update((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = f.read(min(header_len, size))
+        digest.update(f"{path.name}:{size}:".encode())
+        digest.update(header)
+    return digest.hexdigest()
+
+
+def software_versions() -> dict:
+    from graphrt.capture.cuda_info import driver_version
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda, "driver": driver_version()}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def write_manifest(out_dir: Path, manifest: dict) -> Path:
+    """Write atomically: a temp file in the same folder, then rename, so readers never see half."""
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=out_dir)
+    except OSError as exc:
+        raise GraphrtError(f"cannot write the graph cache to {out_dir} ({exc.strerror}); choose a writable --out folder") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, out_dir / MANIFEST_NAME)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out_dir / MANIFEST_NAME
+
+
+def read_manifest(cache_dir: Path) -> dict:
+    path = Path(cache_dir) / MANIFEST_NAME
+    refresh = f"run `graphrt capture --out {cache_dir}` to rebuild it"
+    if not path.is_file():
+        raise StaleCacheError(f"{cache_dir} holds no {MANIFEST_NAME}; {refresh}")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise StaleCacheError(f"{path} is not valid JSON (truncated or corrupt); {refresh}") from None
+    if not isinstance(manifest, dict) or manifest.get("schema_version") != SCHEMA_VERSION:
+        found = manifest.get("schema_version") if isinstance(manifest, dict) else None
+        raise StaleCacheError(
+            f"{path} has schema version {found!r}, this graphrt reads version {SCHEMA_VERSION}; {refresh}"
+        )
+    missing = [f for f in IDENTITY_FIELDS if f not in manifest]
+    if missing or not isinstance(manifest.get("graphs"), list):
+        raise StaleCacheError(f"{path} lacks {', '.join(missing) or 'graphs'}; {refresh}")
+    return manifest
+
+
+def stale_fields(saved: dict, current: dict) -> list[str]:
+    """One line per identity field that differs: name, what the cache has, what this run has."""
+    lines = []
+    for field in IDENTITY_FIELDS:
+        if saved.get(field) != current.get(field):
+            lines.append(f"{field}: cache has {saved.get(field)!r}, this run has {current.get(field)!r}")
+    return lines
+
+
+def new_manifest(identity: dict, extra: dict, graphs: list[dict]) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **identity,
+        **extra,
+        "graphs": graphs,
+    }

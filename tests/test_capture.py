@@ -1,0 +1,184 @@
+"""`graphrt capture`, the graph cache, and replay through static buckets."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from graphrt import LLM, SamplingParams
+from graphrt.capture.buckets import BucketPlan, default_buckets, parse_buckets
+from graphrt.capture.manifest import IDENTITY_FIELDS, MANIFEST_NAME, write_manifest
+from graphrt.cli import main
+from graphrt.kv_cache import SCRATCH_BLOCK
+from graphrt.scheduler import ScheduledStep
+
+FIELDS = set(IDENTITY_FIELDS) | {"schema_version", "created", "graphrt", "model_dir", "kv_cache_blocks", "kv_cache_bytes", "null_reasons", "graphs"}
+GRAPH_FIELDS = {"stage", "bucket", "mode", "capture_ms", "pool_bytes", "nodes", "max_abs_error", "note"}
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_default_buckets():
+    assert default_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert default_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert default_buckets(3) == [1, 2, 3]
+    plan = BucketPlan((1, 2, 4, 8))
+    assert [plan.bucket_for(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    with pytest.raises(ValueError, match="does not fit"):
+        plan.bucket_for(9)
+    assert parse_buckets("8,1,2,2") == [1, 2, 8]
+    with pytest.raises(ValueError, match="comma-separated positive integers"):
+        parse_buckets("1,x")
+
+
+@pytest.fixture(scope="module")
+def default_cache(default_model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("graphs") / "cache"
+    result = run_cli("capture", "--pp", "2", "--max-batch", "8", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.output
+    return out
+
+
+def test_capture_writes_every_manifest_field(default_cache):
+    manifest = json.loads((default_cache / MANIFEST_NAME).read_text())
+    assert FIELDS <= set(manifest)
+    assert manifest["pp"] == 2 and manifest["buckets"] == [1, 2, 4, 8] and manifest["dtype"] == "float32"
+    assert [s["layers"] for s in manifest["stages"]] == [[0, 19], [19, 30]]
+    assert len(manifest["graphs"]) == 2 * 4
+    for graph in manifest["graphs"]:
+        assert set(graph) == GRAPH_FIELDS
+    # CUDA-only fields are null on this CPU, each with its reason.
+    assert all(g["pool_bytes"] is None and g["nodes"] is None for g in manifest["graphs"])
+    assert {"pool_bytes", "nodes"} <= set(manifest["null_reasons"])
+    verified = [g for g in manifest["graphs"] if g["max_abs_error"] is not None]
+    assert {g["bucket"] for g in verified} == {8} and all(g["max_abs_error"] < 0.1 for g in verified)
+    inspect = run_cli("capture", "--inspect", default_cache)
+    assert inspect.exit_code == 0 and "pp=2: cpu layers 0-18, cpu layers 19-29" in inspect.output
+
+
+def test_generate_with_cache_matches_without(default_cache):
+    args = ["generate", "--chat", "--prompt", "Name a color.", "--max-tokens", "16"]
+    with_cache = run_cli(*args, "--cache", default_cache)
+    without = run_cli(*args, "--pp", "2")
+    assert with_cache.exit_code == 0 and without.exit_code == 0
+    assert with_cache.output.splitlines()[0] == without.output.splitlines()[0] != ""
+
+
+def stale(cache: Path, tmp_path: Path, edit) -> Path:
+    copy = Path(shutil.copytree(cache, tmp_path / "stale"))
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    edit(manifest)
+    (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.mark.parametrize(
+    "edit, extra_args, message",
+    [
+        (lambda m: m.update(model_fingerprint="0" * 64), [], "model_fingerprint: cache has '0000"),
+        (lambda m: None, ["--dtype", "float64"], "dtype: cache has 'float32', this run has 'float64'"),
+        (lambda m: None, ["--pp", "3"], "pp: cache has 2, this run has 3"),
+        (lambda m: None, ["--buckets", "1,2"], "buckets: cache has [1, 2, 4, 8], this run has [1, 2]"),
+        (lambda m: m.update(torch="2.5.0"), [], "torch: cache has '2.5.0', this run has"),
+        (lambda m: m.update(device_names=["NVIDIA H200", "NVIDIA H200"]), [], "device_names: cache has ['NVIDIA H200'"),
+    ],
+)
+def test_stale_cache_names_the_field(default_cache, tmp_path, edit, extra_args, message):
+    cache = stale(default_cache, tmp_path, edit)
+    result = run_cli("generate", "--prompt", "hi", "--cache", cache, *extra_args)
+    assert result.exit_code == 1
+    assert message in result.output and f"graphrt capture --out {cache}" in result.output
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
+
+
+def test_cache_from_another_model_is_refused(default_cache, tiny_model_factory):
+    result = run_cli("generate", "--prompt", "hi", "--cache", default_cache, "--model", tiny_model_factory())
+    assert result.exit_code == 1 and "model_fingerprint: cache has" in result.output
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: p.write_text(p.read_text()[:100]), "is not valid JSON (truncated or corrupt)"),
+        (lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "schema_version": 99})), "has schema version 99, this graphrt reads version 1"),
+        (lambda p: p.unlink(), "holds no manifest.json"),
+    ],
+)
+def test_damaged_manifest(default_cache, tmp_path, damage, message):
+    cache = Path(shutil.copytree(default_cache, tmp_path / "damaged"))
+    damage(cache / MANIFEST_NAME)
+    result = run_cli("generate", "--prompt", "hi", "--cache", cache)
+    assert result.exit_code == 1 and message in result.output and result.output.count("\n") == 1
+
+
+def test_unwritable_output_folder(tmp_path, tiny_model_factory):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = run_cli("capture", "--model", tiny_model_factory(), "--out", blocker / "cache")
+    assert result.exit_code == 1 and "cannot write the graph cache" in result.output
+    assert result.output.count("\n") == 1
+
+
+def test_manifest_is_never_half_written(tmp_path):
+    write_manifest(tmp_path, {"schema_version": 1, "ok": True})
+    with pytest.raises(TypeError):
+        write_manifest(tmp_path, {"schema_version": 1, "bad": object()})  # fails mid-write
+    assert json.loads((tmp_path / MANIFEST_NAME).read_text()) == {"schema_version": 1, "ok": True}
+    assert os.listdir(tmp_path) == [MANIFEST_NAME]
+
+
+def test_padding_rows_are_harmless(tiny_model_factory):
+    """5 rows padded to bucket 8 give the eager logits, and only the scratch block is written besides their slots."""
+    llm = LLM(model=tiny_model_factory("qwen2-qkv-bias"), pp=2, dtype="float64", buckets=[8], kv_cache_tokens=1024)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(list(range(1 + i, 12 + 3 * i)), params) for i in range(6)]
+    while any(s.in_prefill for s in seqs):
+        engine.run(engine.scheduler.schedule())  # prefill only: every prompt's K/V is in the cache
+    for seq in seqs:
+        seq.output_ids.append(7)  # the token each decodes next
+    decode, bystander = seqs[:5], seqs[5]
+    touched = torch.zeros(engine.allocator.num_blocks, dtype=torch.bool)
+    touched[[b for seq in decode for b in seq.block_ids]] = True
+    untouched = ~touched
+    untouched[SCRATCH_BLOCK] = False  # padding rows may scribble there, and only there
+    for cache in engine.pipeline.caches:  # a sentinel any stray write would overwrite
+        cache.k[:, untouched] = 123.0
+        cache.v[:, untouched] = 123.0
+    step = ScheduledStep(decode, [1] * 5, is_prefill=False)
+    token_ids, meta = step.build(engine.config.block_size)
+    before = [(c.k.clone(), c.v.clone()) for c in engine.pipeline.caches]
+    eager = engine.pipeline.forward(token_ids, meta)  # no graphs: a plain forward of 5 rows
+    written = [(c.k.clone(), c.v.clone()) for c in engine.pipeline.caches]
+    for (k, v), cache in zip(before, engine.pipeline.caches):
+        cache.k.copy_(k)
+        cache.v.copy_(v)
+    padded = engine.pipeline.forward(token_ids, meta, engine.graphs)  # through bucket 8
+    torch.testing.assert_close(padded, eager, rtol=0, atol=1e-12)
+    for (k0, v0), (k1, v1), cache in zip(before, written, engine.pipeline.caches):
+        # The five rows wrote the same K/V either way (up to rounding of a different batch shape)...
+        torch.testing.assert_close(cache.k, k1, rtol=0, atol=1e-12)
+        torch.testing.assert_close(cache.v, v1, rtol=0, atol=1e-12)
+        # ...and every other block, the bystander's included, is bit-for-bit what it was.
+        assert torch.equal(cache.k[:, untouched], k0[:, untouched]) and torch.equal(cache.v[:, untouched], v0[:, untouched])
+    assert untouched[bystander.block_ids].all()
+
+def test_decode_batches_never_exceed_the_largest_bucket(tiny_model_factory):
+    llm = LLM(model=tiny_model_factory(), buckets=[1, 2], kv_cache_tokens=2048, dtype="float64")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [[i + 2] * (3 + i) for i in range(5)]
+    sizes = []
+    run = llm.engine.run
+    llm.engine.run = lambda step: sizes.append((step.is_prefill, len(step.seqs))) or run(step)
+    together = llm.generate(prompts, params)
+    assert max(n for prefill, n in sizes if not prefill) == 2
+    assert [o.token_ids for o in together] == [llm.generate(p, params)[0].token_ids for p in prompts]
