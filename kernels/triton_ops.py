@@ -1,0 +1,20 @@
+"""The Triton kernel set: the decode hot path in Triton, prefill attention from the torch reference.
+
+Importing this module imports triton. With `TRITON_INTERPRET=1` set before that, the same kernels
+run on CPU tensors through Triton's interpreter, which is how the tests check them.
+"""
+
+from __future__ import annotations
+
+from graphrt.kernels import KernelSet
+from graphrt.kernels import activation_triton, paged_attention_triton, rmsnorm_triton, rotary_triton
+
+TRITON = KernelSet(
+    name="triton",
+    rms_norm=rmsnorm_triton.rms_norm,
+    apply_rotary=rotary_triton.apply_rotary,
+    silu_and_mul=activation_triton.silu_and_mul,
+    write_kv=paged_attention_triton.write_kv,
+    paged_decode_attention=paged_attention_triton.paged_decode_attention,
+    paged_prefill_attention=paged_attention_triton.paged_prefill_attention,  # the torch reference: prefill is eager
+)
