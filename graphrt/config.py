@@ -164,6 +164,8 @@ class EngineConfig:
     buckets: list[int] | None = None  # decode batch sizes with a graph; None: 1, 2, 4, 8, then every 8
     max_batch: int | None = None  # largest bucket; None: capture.buckets.default_max_batch
     allow_eager: bool = False  # a (stage, bucket) that fails capture runs eagerly instead of aborting
+    depth: int = 1  # micro-batches in flight beyond one per stage: the ring has pp + depth slots
+    timeline: bool = False  # record when each stage works on which micro-batch (graphrt.profiling)
 
     def __post_init__(self) -> None:
         if not isinstance(self.pp, int) or self.pp < 1:
@@ -180,6 +182,8 @@ class EngineConfig:
             )
         if self.devices is not None and len(self.devices) != self.pp:
             raise ValueError(f"--devices names {len(self.devices)} devices for {self.pp} stages; give one per stage")
+        if not isinstance(self.depth, int) or self.depth < 0:
+            raise ValueError(f"depth must be a non-negative integer (micro-batches beyond one per stage), got {self.depth!r}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):
@@ -190,6 +194,8 @@ class EngineConfig:
             self.dtype = parse_dtype(self.dtype)
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
+        if not isinstance(self.depth, int) or self.depth < 0:
+            raise ValueError(f"depth must be a non-negative integer (micro-batches beyond one per stage), got {self.depth!r}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,9 @@ from graphrt.config import EngineConfig, ModelConfig
 from graphrt.errors import ModelLoadError, RequestError
 from graphrt.kv_cache import BlockAllocator, bytes_per_block
 from graphrt.pipeline import Pipeline, default_devices
+from graphrt.profiling.nvtx import Ranges
+from graphrt.profiling.timeline import Timeline
+from graphrt.ring import MicroBatch, Ring
 from graphrt.sampling import Sampler, SamplingParams
 from graphrt.scheduler import ScheduledStep, Scheduler
 from graphrt.sequence import FinishReason, Sequence
@@ -91,6 +95,14 @@ class Engine:
             self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch
         )
         self.sampler = Sampler(self.devices[-1], config.seed)
+        self.timeline = Timeline(self.devices) if config.timeline else None
+        self.ranges = Ranges()
+        self.ring = Ring(
+            self.pipeline, self.graphs, self.sampler, num_slots=config.pp + config.depth,
+            max_tokens=max(config.prefill_chunk_size, self.plan.max_batch), timeline=self.timeline, ranges=self.ranges,
+        )
+        self.in_flight: deque[MicroBatch] = deque()
+        self._decode_busy_until = 0.0
         self.weight_bytes = self.pipeline.weight_bytes()
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -172,40 +184,87 @@ class Engine:
         return seq
 
     def abort(self, seq: Sequence) -> None:
+        """Stop a request now; its KV blocks return as soon as no micro-batch in flight uses them."""
         if not seq.finished:
             seq.finish_reason = FinishReason.ABORT
-            self.scheduler.finish(seq)
+            self._release(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.in_flight)
 
     # -- stepping -------------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """Run one prefill chunk or one decode batch; return the sequences that got a new token."""
-        step = self.scheduler.schedule()
+        """One scheduler tick: collect finished micro-batches, launch the next one into a free slot.
+
+        The host blocks only when every slot is busy or nothing else can launch, and then only on
+        the oldest micro-batch, launched a whole ring earlier. Returns the sequences that got a
+        new token (finished ones included).
+        """
+        tick_start = self.timeline.now() if self.timeline else 0.0
+        with self.ranges.tick():
+            # One read-back per tick, so a freed slot is refilled before the host does anything else.
+            updated = self._harvest(block=False)
+            launched = self._launch_next()
+            if not launched and not updated and self.in_flight:
+                updated = self._harvest(block=True)
+        if self.timeline:
+            self.timeline.record_tick(tick_start, self.timeline.now())
+        return updated
+
+    def _launch_next(self) -> bool:
+        slot = self.ring.free_slot()
+        if slot is None:
+            return False
+        step = self.scheduler.schedule(self.ring.num_slots)
         if step is None:
-            return []
-        start = time.perf_counter()
-        logits = self.run(step)
-        # Rows whose prompt is not complete yet produce no token.
-        rows = [i for i, seq in enumerate(step.seqs) if not seq.in_prefill]
-        seqs = [step.seqs[i] for i in rows]
-        if seqs:
-            if len(rows) < len(step.seqs):
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            new_ids = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-            for seq, token_id in zip(seqs, new_ids):
-                self._append(seq, token_id)
-        elapsed = time.perf_counter() - start
-        if step.is_prefill:
-            self.stats.prefill_tokens += sum(step.query_lens)
-            self.stats.prefill_seconds += elapsed
-        else:
-            self.stats.decode_steps += 1
-            self.stats.decode_tokens += len(step.seqs)
-            self.stats.decode_seconds += elapsed
-        return seqs
+            return False
+        token_ids, meta = step.build(self.config.block_size)
+        for seq, query_len in zip(step.seqs, step.query_lens):
+            seq.num_computed += query_len
+            seq.num_in_flight += 1
+        if not step.is_prefill and self.eager_pairs and self.backend == "cuda":
+            self._count_eager_fallbacks(len(step.seqs))
+        self.in_flight.append(self.ring.launch(slot, step, token_ids, meta, time.perf_counter()))
+        return True
+
+    def _harvest(self, block: bool) -> list[Sequence]:
+        """Read back the oldest micro-batch if it is done, or wait for it when `block`.
+
+        Micro-batches pass every stage in launch order, so the oldest is always the first done.
+        """
+        updated: list[Sequence] = []
+        if self.in_flight and (block or self.in_flight[0].done.query()):
+            mb = self.in_flight.popleft()
+            mb.done.synchronize()
+            slot = self.ring.slots[mb.slot]
+            new_ids = slot.tokens[: len(mb.sample_rows)].tolist()
+            slot.micro_batch = None
+            now = time.perf_counter()
+            self._account(mb, now)
+            for seq in mb.step.seqs:
+                seq.num_in_flight -= 1
+            for seq, token_id in zip(mb.sampled_seqs, new_ids):
+                if not seq.finished:  # aborted while in flight: drop the token
+                    self._append(seq, token_id, now)
+                    updated.append(seq)
+            for seq in mb.step.seqs:
+                if seq.finished and seq.num_in_flight == 0 and seq.block_ids:
+                    self.allocator.free(seq.block_ids)
+                    seq.block_ids = []
+        if self.timeline:
+            self.timeline.resolve()
+        return updated
+
+    def _account(self, mb, now: float) -> None:
+        if mb.step.is_prefill:
+            self.stats.prefill_tokens += sum(mb.step.query_lens)
+            return
+        # Decode time is the union of the intervals in which a decode micro-batch was in flight.
+        self.stats.decode_seconds += max(0.0, now - max(mb.launched_at, self._decode_busy_until))
+        self._decode_busy_until = now
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(mb.step.seqs)
 
     def run(self, step: ScheduledStep) -> torch.Tensor:
         """Push one scheduled step through every stage; return each sequence's last-token logits."""
@@ -225,8 +284,11 @@ class Engine:
                 logger.warning("decode bucket %d runs eagerly on stages %s (capture failed for them)", bucket, eager_stages)
             self.num_eager_fallbacks += 1
 
-    def _append(self, seq: Sequence, token_id: int) -> None:
+    def _append(self, seq: Sequence, token_id: int, now: float) -> None:
         seq.output_ids.append(token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
         params = seq.params
         if token_id in self.eos_ids and not params.ignore_eos:
             seq.finish_reason = FinishReason.STOP
@@ -240,4 +302,14 @@ class Engine:
         if seq.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
         if seq.finished:
-            self.scheduler.finish(seq)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Take a finished sequence out of scheduling; free its blocks unless a micro-batch still uses them."""
+        self.scheduler.remove(seq)
+        if seq.num_in_flight == 0 and seq.block_ids:
+            self.allocator.free(seq.block_ids)
+            seq.block_ids = []
+
+    def close(self) -> None:
+        self.ring.close()

@@ -107,34 +107,45 @@ class Scheduler:
             seq.block_ids = self.allocator.allocate(needed)
             self.running.append(self.waiting.popleft())
 
-    def schedule(self) -> ScheduledStep | None:
+    def schedule(self, num_slots: int = 1) -> ScheduledStep | None:
+        """The next micro-batch for one ring slot, or None if nothing can run now.
+
+        A sequence waiting for its next token (one in flight) can't decode again; the prompt
+        chunks of one sequence may fill several slots, since each stage runs them in order.
+        Decode rows are spread over the ring (about 1/num_slots of them per slot, never more
+        than the largest bucket) so every slot carries work.
+        """
         self._admit()
         prefilling = [s for s in self.running if s.in_prefill]
-        decoding = [s for s in self.running if not s.in_prefill]
+        decode_phase = [s for s in self.running if not s.in_prefill]
+        ready = [s for s in decode_phase if s.num_in_flight == 0]
         # Alternate when both kinds wait, so long prompts never starve running decodes.
-        if prefilling and (not decoding or not self._last_was_prefill):
+        if prefilling and (not ready or not self._last_was_prefill):
             self._last_was_prefill = True
-            seqs, lens, budget = [], [], self.prefill_chunk_size
-            for seq in prefilling:
-                take = min(seq.prompt_len - seq.num_computed, budget)
-                seqs.append(seq)
-                lens.append(take)
-                budget -= take
-                if budget == 0:
-                    break
-            return ScheduledStep(seqs, lens, is_prefill=True)
+            return self._prefill_chunk(prefilling)
         self._last_was_prefill = False
-        if decoding:
-            # Never more rows than the largest bucket; the rest go first next time.
-            batch = decoding[: self.max_decode_batch]
-            if len(decoding) > len(batch):
-                self.running = [s for s in self.running if s not in batch] + batch
-            return ScheduledStep(batch, [1] * len(batch), is_prefill=False)
-        return None
+        if not ready:
+            return None
+        # Rounded down, so every slot gets rows; the rows left over rotate in as slots come back.
+        per_slot = max(1, len(decode_phase) // num_slots)
+        batch = ready[: min(per_slot, self.max_decode_batch)]
+        # The rows left out go first next time.
+        self.running = [s for s in self.running if s not in batch] + batch
+        return ScheduledStep(batch, [1] * len(batch), is_prefill=False)
 
-    def finish(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_ids)
-        seq.block_ids = []
+    def _prefill_chunk(self, prefilling: list[Sequence]) -> ScheduledStep:
+        seqs, lens, budget = [], [], self.prefill_chunk_size
+        for seq in prefilling:
+            take = min(seq.prompt_len - seq.num_computed, budget)
+            seqs.append(seq)
+            lens.append(take)
+            budget -= take
+            if budget == 0:
+                break
+        return ScheduledStep(seqs, lens, is_prefill=True)
+
+    def remove(self, seq: Sequence) -> None:
+        """Stop scheduling a finished or aborted sequence (its blocks are the engine's to free)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,10 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     text: str = ""
     finish_reason: FinishReason | None = None
+    num_in_flight: int = 0  # micro-batches in the ring that carry this sequence
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

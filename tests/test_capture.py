@@ -177,8 +177,8 @@ def test_decode_batches_never_exceed_the_largest_bucket(tiny_model_factory):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts = [[i + 2] * (3 + i) for i in range(5)]
     sizes = []
-    run = llm.engine.run
-    llm.engine.run = lambda step: sizes.append((step.is_prefill, len(step.seqs))) or run(step)
+    launch = llm.engine.ring.launch
+    llm.engine.ring.launch = lambda slot, step, *rest: sizes.append((step.is_prefill, len(step.seqs))) or launch(slot, step, *rest)
     together = llm.generate(prompts, params)
     assert max(n for prefill, n in sizes if not prefill) == 2
     assert [o.token_ids for o in together] == [llm.generate(p, params)[0].token_ids for p in prompts]

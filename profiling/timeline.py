@@ -1,0 +1,87 @@
+"""The built-in timeline: when each stage worked on which micro-batch.
+
+On a CPU the stage worker reads the clock around its work. On CUDA two events bracket the work on
+the stage's stream and are read only after the micro-batch is done, never with an unsynchronised
+host clock. Times are seconds since the timeline started.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slice:
+    stage: int
+    slot: int
+    micro_batch: int
+    kind: str  # "prefill" | "decode"
+    rows: int
+    bucket: int | None  # decode only
+    start: float
+    end: float
+
+
+class Timeline:
+    def __init__(self, devices: list[torch.device]):
+        self.origin = time.perf_counter()
+        self.slices: list[Slice] = []
+        self.host_ticks: list[tuple[float, float]] = []  # (start, end) of each scheduler tick
+        self._lock = threading.Lock()
+        self._pending: list[tuple[dict, torch.cuda.Event, torch.cuda.Event]] = []
+        self._cuda_origin: dict[torch.device, tuple[torch.cuda.Event, float]] = {}
+        for device in {d for d in devices if d.type == "cuda"}:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
+            event.synchronize()
+            self._cuda_origin[device] = (event, time.perf_counter() - self.origin)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def begin(self, device: torch.device):
+        """Called on the stage's stream (inside the CPU worker, or with the CUDA stream current)."""
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return self.now()
+
+    def end(self, device: torch.device, started, **fields) -> None:
+        if device.type == "cuda":
+            finished = torch.cuda.Event(enable_timing=True)
+            finished.record()
+            with self._lock:
+                self._pending.append(({**fields, "device": device}, started, finished))
+            return
+        finished = self.now()
+        with self._lock:
+            self.slices.append(Slice(start=started, end=finished, **fields))
+
+    def resolve(self) -> None:
+        """Turn the CUDA events of finished work into slices (call after the work is done)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for fields, started, finished in pending:
+            if not finished.query():
+                with self._lock:
+                    self._pending.append((fields, started, finished))
+                continue
+            origin_event, origin_s = self._cuda_origin[fields.pop("device")]
+            start = origin_s + origin_event.elapsed_time(started) / 1000
+            end = origin_s + origin_event.elapsed_time(finished) / 1000
+            with self._lock:
+                self.slices.append(Slice(start=start, end=end, **fields))
+
+    def record_tick(self, start: float, end: float) -> None:
+        self.host_ticks.append((start, end))
+
+    def busy_fraction(self, stage: int, window: tuple[float, float]) -> float:
+        """Share of the window in which the stage was working (its slices never overlap)."""
+        lo, hi = window
+        busy = sum(max(0.0, min(s.end, hi) - max(s.start, lo)) for s in self.slices if s.stage == stage)
+        return busy / (hi - lo)
