@@ -1,0 +1,159 @@
+"""The FastAPI app: OpenAI-compatible routes over one `AsyncEngine`, plus /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from graphrt.server.async_engine import AsyncEngine, GenerationJob
+from graphrt.server.errors import APIError
+from graphrt.server.generation import Generation, GenerationStream
+from graphrt.server.metrics import ServerMetrics
+from graphrt.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_request
+from graphrt.server.responses import ChatFormat, CompletionFormat, ResponseFormat
+
+MAX_DRAIN_BYTES = 64 << 20  # past this, an oversized body is not read to its end before the 413
+
+
+@dataclass
+class ServerSettings:
+    model_id: str  # the name clients pass as `model`
+    api_key: str | None = None  # None: no authentication
+    max_body_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("the API key must not be empty; leave it unset to serve without one")
+
+
+def build_app(engine, settings: ServerSettings) -> FastAPI:
+    """An app serving `engine`; its lifespan starts and stops the engine thread."""
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(lambda: async_engine.snapshot)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start(asyncio.get_running_loop())
+        yield
+        async_engine.stop()
+        await asyncio.to_thread(async_engine.join, 30)
+
+    app = FastAPI(title="graphrt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        metrics.count("rejected" if exc.status < 500 else "error")
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # unknown routes and methods: the same error body as everything else
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+
+    def check_api_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {settings.api_key}".encode()):
+            raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != settings.model_id:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {settings.model_id!r}", param="model", code="model_not_found")
+
+    async def read_request(request: Request, model_cls: type[SamplingFields]) -> SamplingFields:
+        check_api_key(request)
+        body = await read_body(request, settings.max_body_bytes)
+        parsed = parse_request(body, model_cls)
+        check_model(parsed.model)
+        return parsed
+
+    async def generate(request: Request, job: GenerationJob, parsed: SamplingFields, fmt: ResponseFormat) -> Response:
+        generation = Generation(async_engine, metrics, job, fmt, parsed.include_usage)
+        try:
+            if not await generation.admit(request):
+                return Response(status_code=499)  # the client is gone; nobody reads this
+            if parsed.stream:
+                generation.stop_watching()
+                return GenerationStream(generation)
+            body = await generation.collect()
+            return JSONResponse(body) if body is not None else Response(status_code=499)
+        except BaseException:
+            generation.close()  # cancelled or failed before the response took over: free the engine's blocks
+            raise
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        parsed = await read_request(request, CompletionRequest)
+        job = GenerationJob(params=sampling_params(parsed), prompt=parsed.prompt)
+        return await generate(request, job, parsed, CompletionFormat(settings.model_id))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        parsed = await read_request(request, ChatCompletionRequest)
+        job = GenerationJob(params=sampling_params(parsed), messages=[m.template_dict() for m in parsed.messages])
+        return await generate(request, job, parsed, ChatFormat(settings.model_id))
+
+    def model_card() -> dict:
+        return {"id": settings.model_id, "object": "model", "created": created, "owned_by": "graphrt", "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict:
+        check_api_key(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(request: Request, model_id: str) -> dict:
+        check_api_key(request)
+        check_model(model_id)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.healthy:
+            return APIError(503, "the server is shutting down or its engine thread has stopped").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def sampling_params(parsed: SamplingFields) -> list:
+    try:
+        return parsed.sampling_params()
+    except ValueError as exc:  # SamplingParams' own checks
+        raise APIError(400, str(exc)) from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 once it passes `limit` bytes (the rest is read and dropped, so the
+    client, still sending, sees the 413 rather than a reset connection)."""
+    declared = request.headers.get("content-length", "")
+    too_large = declared.isdigit() and int(declared) > limit
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        too_large = too_large or size > limit
+        if size > MAX_DRAIN_BYTES:
+            break
+        if not too_large:
+            chunks.append(chunk)
+    if too_large:
+        raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    return b"".join(chunks)

@@ -1,0 +1,252 @@
+"""One thread owns the engine; the event loop talks to it through queues.
+
+The engine is not thread-safe, so exactly one thread, the engine thread, ever calls it. HTTP
+handlers put jobs and aborts on a thread-safe command queue; between two engine steps the thread
+takes every waiting command (so an abort lands within one step), runs the next step, and hands
+each job's new tokens to its asyncio queue with one `loop.call_soon_threadsafe` per step. When
+the engine has no work the thread sleeps on the command queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from graphrt.errors import GraphrtError, RequestError
+from graphrt.sampling import SamplingParams
+from graphrt.sequence import Sequence
+
+logger = logging.getLogger("graphrt.server")
+
+
+# -- what the engine thread sends to a job ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admitted:
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The engine refused the request (prompt too long, can never fit the KV cache...): a 400."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request was cut short by the server: shutting down (503) or an engine fault (500)."""
+
+    status: int
+    message: str
+
+
+@dataclass(frozen=True)
+class ChoiceUpdate:
+    index: int
+    text: str  # the whole output so far, already cut at a stop string
+    num_tokens: int
+    finish_reason: str | None
+    at: float  # time.perf_counter() when the step that made it ended
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    """Put by the HTTP side itself when the client went away."""
+
+
+@dataclass(eq=False)  # compared and hashed by identity
+class GenerationJob:
+    """One HTTP request: a prompt (text, token ids or chat messages) and one SamplingParams per choice."""
+
+    params: list[SamplingParams]
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrived_at: float = field(default_factory=time.perf_counter)
+    # engine thread only
+    seqs: list[Sequence] = field(default_factory=list)
+    started: bool = False  # has produced a token
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What /metrics shows of the engine, published by the engine thread after every step."""
+
+    num_free_blocks: int
+    num_blocks: int
+    num_running: int  # requests that have produced a token and are not finished
+    num_waiting: int  # requests admitted to the engine that have not produced a token yet
+    num_eager_fallbacks: int
+
+
+class AsyncEngine:
+    def __init__(self, engine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._jobs: set[GenerationJob] = set()  # engine thread only
+        self._owners: dict[int, tuple[GenerationJob, int]] = {}  # request_id -> (job, choice index)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.accepting = False
+        self._admission = threading.Lock()  # no job can be queued behind the stop command
+        self.snapshot = self._take_snapshot()
+
+    # -- the event loop's side ------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.accepting = True
+        self._thread = threading.Thread(target=self._run, name="graphrt-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.accepting and self._thread is not None and self._thread.is_alive()
+
+    def submit(self, job: GenerationJob) -> bool:
+        """Queue a job; False once stopping (the job was not queued)."""
+        with self._admission:
+            if self.accepting:
+                self._commands.put(("add", job))
+            return self.accepting
+
+    def abort(self, job: GenerationJob) -> None:
+        self._commands.put(("abort", job))
+
+    def stop(self) -> None:
+        """Stop admitting; cancel every job in flight (each gets a 503); the thread then exits."""
+        with self._admission:
+            if self.accepting:
+                self.accepting = False
+                self._commands.put(("stop", None))
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        running = True
+        while running:
+            deliveries: list[tuple[GenerationJob, object]] = []
+            for kind, job in self._take_commands(block=not self.engine.has_work()):
+                if kind == "add":
+                    self._add(job, deliveries)
+                elif kind == "abort":
+                    self._abort(job)
+                else:
+                    running = False
+            if not running:
+                for job in list(self._jobs):
+                    self._abort(job)
+                    deliveries.append((job, Failed(503, "the server is shutting down; retry on another server")))
+            elif self.engine.has_work():
+                self._step(deliveries)
+            self.snapshot = self._take_snapshot()
+            self._deliver(deliveries)
+
+    def _take_commands(self, block: bool) -> list[tuple[str, GenerationJob | None]]:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, job: GenerationJob, deliveries: list) -> None:
+        try:
+            prompt = self._prompt_of(job)
+            for params in job.params:
+                job.seqs.append(self.engine.add_request(prompt, params))
+        except Exception as exc:
+            for seq in job.seqs:
+                self.engine.abort(seq)
+            if isinstance(exc, (RequestError, ValueError)):
+                deliveries.append((job, Rejected(str(exc))))
+            else:
+                logger.exception("admitting a request failed")
+                deliveries.append((job, Failed(500, "internal error while admitting the request; see the server log")))
+            return
+        self._jobs.add(job)
+        for index, seq in enumerate(job.seqs):
+            self._owners[seq.request_id] = (job, index)
+        deliveries.append((job, Admitted(len(job.seqs[0].prompt_ids))))
+
+    def _prompt_of(self, job: GenerationJob) -> str | list[int]:
+        """Token ids, tokenized once for all choices (the tokenizer lives on this thread too)."""
+        tokenizer = self.engine.tokenizer
+        if job.messages is not None:
+            if tokenizer is None:
+                raise RequestError(f"{self.engine.model_dir.name} has no tokenizer, so it has no chat template; use /v1/completions with token ids")
+            try:
+                return tokenizer.encode_chat(job.messages)
+            except GraphrtError as exc:
+                raise RequestError(str(exc)) from None
+            except Exception as exc:  # the model's Jinja template refused the conversation
+                raise RequestError(f"the chat template refused these messages: {exc}") from None
+        if isinstance(job.prompt, str) and tokenizer is not None:
+            return tokenizer.encode(job.prompt)
+        return job.prompt
+
+    def _abort(self, job: GenerationJob) -> None:
+        if job not in self._jobs:
+            return  # already finished, or never admitted
+        for seq in job.seqs:
+            self.engine.abort(seq)
+        self._forget(job)
+
+    def _forget(self, job: GenerationJob) -> None:
+        self._jobs.discard(job)
+        for seq in job.seqs:
+            self._owners.pop(seq.request_id, None)
+
+    def _step(self, deliveries: list) -> None:
+        try:
+            seqs = self.engine.step()
+        except Exception:
+            # A bug in the engine: fail what is in flight rather than leave clients hanging.
+            logger.exception("engine step failed; failing %d requests in flight", len(self._jobs))
+            for job in list(self._jobs):
+                self._abort(job)
+                deliveries.append((job, Failed(500, "internal error in the engine; see the server log")))
+            return
+        now = time.perf_counter()
+        for seq in seqs:
+            job, index = self._owners[seq.request_id]
+            job.started = True
+            reason = seq.finish_reason.value if seq.finish_reason is not None else None
+            deliveries.append((job, ChoiceUpdate(index, seq.text, len(seq.output_ids), reason, now)))
+        for job in {job for job, _ in deliveries}:
+            if all(seq.finished for seq in job.seqs):
+                self._forget(job)
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        engine = self.engine
+        num_running = sum(1 for job in self._jobs if job.started)
+        return EngineSnapshot(
+            num_free_blocks=engine.allocator.num_free,
+            num_blocks=engine.allocator.num_blocks,
+            num_running=num_running,
+            num_waiting=len(self._jobs) - num_running,
+            num_eager_fallbacks=getattr(engine, "num_eager_fallbacks", 0),
+        )
+
+    def _deliver(self, deliveries: list) -> None:
+        if not deliveries:
+            return
+        try:
+            self._loop.call_soon_threadsafe(_put_all, deliveries)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is waiting any more
+
+
+def _put_all(deliveries: list[tuple[GenerationJob, object]]) -> None:
+    for job, update in deliveries:
+        job.updates.put_nowait(update)

@@ -1,0 +1,159 @@
+"""One generation request over HTTP: admission, then SSE chunks or one JSON body, then clean-up.
+
+Whatever way a request ends (finished, client gone, server stopping, handler cancelled), `close`
+aborts it in the engine if it is still running there and records its metrics exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from graphrt.server.async_engine import Admitted, AsyncEngine, Disconnected, Failed, GenerationJob, Rejected
+from graphrt.server.errors import APIError
+from graphrt.server.metrics import ServerMetrics
+from graphrt.server.responses import ChoiceState, ResponseFormat, usage
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class Generation:
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        metrics: ServerMetrics,
+        job: GenerationJob,
+        response_format: ResponseFormat,
+        include_usage: bool = False,
+    ):
+        self.async_engine = async_engine
+        self.metrics = metrics
+        self.job = job
+        self.format = response_format
+        self.include_usage = include_usage
+        stops = job.params[0].stop
+        self.choices = [ChoiceState.for_stops(stops) for _ in job.params]
+        self.prompt_tokens = 0
+        self.state = "new"  # -> submitted -> admitted, or refused by the engine
+        self.outcome: str | None = "abort"  # None: counted by the API error handler instead
+        self._watcher: asyncio.Task | None = None
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.finished for choice in self.choices)
+
+    async def admit(self, request: Request) -> bool:
+        """Hand the job to the engine and wait until it is queued there.
+
+        Raises APIError if the engine refuses it; returns False if the client went away first.
+        """
+        if not self.async_engine.submit(self.job):
+            self.outcome = None
+            raise APIError(503, "the server is shutting down; retry on another server")
+        self.state = "submitted"
+        self._watcher = asyncio.create_task(self._watch_disconnect(request))
+        update = await self.job.updates.get()
+        if isinstance(update, Disconnected):
+            self.close()
+            return False
+        if isinstance(update, Admitted):
+            self.state = "admitted"
+            self.prompt_tokens = update.prompt_tokens
+            self.metrics.prompt_tokens.inc(update.prompt_tokens)
+            return True
+        self.state, self.outcome = "refused", None
+        self.close()
+        raise APIError(400, update.message) if isinstance(update, Rejected) else APIError(update.status, update.message)
+
+    async def _watch_disconnect(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.job.updates.put_nowait(Disconnected())
+
+    def stop_watching(self) -> None:
+        """A streaming response listens for the disconnect itself (and cancels the stream)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+    async def collect(self) -> dict | None:
+        """The whole response body, or None when the client went away first."""
+        try:
+            while not self.finished:
+                update = await self.job.updates.get()
+                if isinstance(update, Disconnected):
+                    return None
+                if isinstance(update, Failed):
+                    self.outcome = None
+                    raise APIError(update.status, update.message)
+                self.choices[update.index].apply(update)
+            self._set_finished_outcome()
+            return self.format.response(self.prompt_tokens, self.choices)
+        finally:
+            self.close()
+
+    async def events(self) -> AsyncIterator[str]:
+        """SSE events: per-choice deltas, an optional usage chunk, then `data: [DONE]`."""
+        fmt, include_usage = self.format, self.include_usage
+        try:
+            for index in range(len(self.choices)):
+                opening = fmt.opening_choice(index)
+                if opening is not None:
+                    yield sse(fmt.chunk([opening], include_usage))
+            while not self.finished:
+                update = await self.job.updates.get()
+                if isinstance(update, Disconnected):
+                    return
+                if isinstance(update, Failed):
+                    self.outcome = "error"
+                    yield sse(APIError(update.status, update.message).body())
+                    break
+                choice = self.choices[update.index]
+                choice.apply(update)
+                delta = choice.take_delta()
+                if delta or choice.finished:
+                    yield sse(fmt.chunk([fmt.delta_choice(update.index, delta, choice.finish_reason)], include_usage))
+            else:
+                self._set_finished_outcome()
+                if include_usage:
+                    yield sse(fmt.chunk([], True, usage(self.prompt_tokens, self.choices)))
+            yield sse("[DONE]")
+        finally:
+            self.close()
+
+    def _set_finished_outcome(self) -> None:
+        self.outcome = "length" if any(c.finish_reason == "length" for c in self.choices) else "stop"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.stop_watching()
+        if self.state == "submitted" or (self.state == "admitted" and not self.finished):
+            self.async_engine.abort(self.job)  # the engine frees its KV blocks before its next step
+        if self.state == "admitted":
+            self.metrics.observe(self.job.arrived_at, self.choices)
+        if self.outcome is not None:
+            self.metrics.count(self.outcome)
+
+
+class GenerationStream(StreamingResponse):
+    """An SSE response that closes its generation however the response ends: finished, client
+    gone (the stream is cancelled, possibly between two events) or server stopping."""
+
+    def __init__(self, generation: Generation):
+        super().__init__(generation.events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()

@@ -1,0 +1,72 @@
+"""Prometheus metrics for /metrics, in a registry of the server's own (no process-wide state).
+
+Per-stage busy fraction comes with the profiling work; it is not reported here yet.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from graphrt.server.async_engine import EngineSnapshot
+from graphrt.server.responses import ChoiceState
+
+# stop / length: finished normally; abort: the client went away or the server shut down;
+# rejected: answered with a 4xx; error: answered with a 5xx
+OUTCOMES = ("stop", "length", "abort", "rejected", "error")
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class EngineCollector(Collector):
+    """Reads the engine thread's latest snapshot at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+        self._snapshot = snapshot
+
+    def collect(self):
+        snap = self._snapshot()
+        usable_blocks = snap.num_blocks - 1  # block 0 is scratch
+        yield GaugeMetricFamily("graphrt_requests_running", "Requests that have produced a token and are not finished", value=snap.num_running)
+        yield GaugeMetricFamily("graphrt_requests_waiting", "Requests in the engine that have not produced a token yet", value=snap.num_waiting)
+        yield GaugeMetricFamily("graphrt_kv_blocks_used", "KV cache blocks held by requests", value=usable_blocks - snap.num_free_blocks)
+        yield GaugeMetricFamily("graphrt_kv_blocks_free", "KV cache blocks free (the scratch block not counted)", value=snap.num_free_blocks)
+        yield CounterMetricFamily("graphrt_eager_fallbacks", "Decode micro-batches that ran eagerly instead of replaying a graph", value=snap.num_eager_fallbacks)
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("graphrt_requests", "Requests by outcome: " + ", ".join(OUTCOMES), ["outcome"], registry=self.registry)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)  # show every outcome from the start, at 0
+        self.prompt_tokens = Counter("graphrt_prompt_tokens", "Prompt tokens of admitted requests", registry=self.registry)
+        self.generation_tokens = Counter("graphrt_generation_tokens", "Tokens generated, all choices", registry=self.registry)
+        self.ttft = Histogram(
+            "graphrt_time_to_first_token_seconds", "From the request's arrival to its first token",
+            buckets=TTFT_BUCKETS, registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "graphrt_time_per_output_token_seconds", "Mean time between a choice's tokens after its first",
+            buckets=TPOT_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(EngineCollector(snapshot))
+
+    def count(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+    def observe(self, arrived_at: float, choices: list[ChoiceState]) -> None:
+        """Token counts and latencies of a request the engine ran (finished or aborted)."""
+        self.generation_tokens.inc(sum(c.num_tokens for c in choices))
+        first_times = [c.first_at for c in choices if c.first_at is not None]
+        if first_times:
+            self.ttft.observe(min(first_times) - arrived_at)
+        for choice in choices:
+            if choice.num_tokens > 1:
+                self.tpot.observe((choice.last_at - choice.first_at) / (choice.num_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,187 @@
+"""Running a server: bind, load and warm up the engine, serve until SIGINT/SIGTERM, exit cleanly.
+
+`serve` is what `graphrt serve` runs in the main thread; `ServerThread` runs the same server on a
+background thread of the calling process (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import uvicorn
+
+from graphrt.errors import GraphrtError
+from graphrt.sampling import SamplingParams
+from graphrt.server.app import ServerSettings, build_app
+from graphrt.server.async_engine import AsyncEngine
+
+GRACEFUL_SHUTDOWN_S = 5  # after cancelling in-flight requests, how long connections get to close
+
+
+@dataclass
+class ServeOptions:
+    model: Path | None = None  # None: the default model
+    pp: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the banner says which)
+    api_key: str | None = None
+    max_batch: int = 64  # the engine's max_num_seqs
+    max_model_len: int | None = None
+    max_body_bytes: int = 1 << 20
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, except that stopping first cancels the requests in flight (each ends with a 503,
+    so no connection holds the shutdown up), and a stop asked for by a signal exits with code 0."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, on_started: Callable[[], None] = lambda: None):
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.on_started()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.async_engine.stop()
+        await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn's own version re-raises the signal after the graceful stop, which ends the
+        # process by that signal; here SIGINT/SIGTERM is the normal way to stop, so it exits 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket, bound before the model loads so a busy port fails fast."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise GraphrtError(f"cannot listen on {host}:{port} ({exc.strerror}); pass another --port or --host") from None
+    sock.listen(2048)  # clients that connect during start-up wait in the backlog
+    return sock
+
+
+def address_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def load_engine(options: ServeOptions):
+    from graphrt.llm import LLM
+
+    return LLM(model=options.model, pp=options.pp, max_num_seqs=options.max_batch, max_model_len=options.max_model_len).engine
+
+
+def warm_up(engine) -> None:
+    """A greedy and a sampled request of two tokens each, so the first client pays no first-call costs."""
+    for temperature in (0.0, 1.0):
+        engine.add_request([0], SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True, seed=0))
+    while engine.has_work():
+        engine.step()
+
+
+def make_server(engine, settings: ServerSettings, on_started: Callable[[], None] = lambda: None) -> GracefulServer:
+    app = build_app(engine, settings)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    return GracefulServer(config, app.state.async_engine, on_started)
+
+
+def curl_example(url: str, model_id: str, with_key: bool) -> str:
+    auth = ' -H "Authorization: Bearer $GRAPHRT_API_KEY"' if with_key else ""
+    body = f'{{"model": "{model_id}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
+    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
+def start_engine(options: ServeOptions, echo: Callable[[str], None]):
+    """Load and warm up the engine, printing each phase; None if SIGINT or SIGTERM came first."""
+    # Until uvicorn takes the signals over, SIGTERM stops the start-up the way Ctrl+C does.
+    previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        start = time.perf_counter()
+        engine = load_engine(options)
+        echo(f"[graphrt] load {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, pp={options.pp}, "
+             f"max batch {options.max_batch}, context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks")
+        start = time.perf_counter()
+        warm_up(engine)
+        echo(f"[graphrt] warm-up {time.perf_counter() - start:.1f} s")
+        return engine
+    except KeyboardInterrupt:
+        echo("[graphrt] stopped during start-up")
+        return None
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
+    """Serve until SIGINT or SIGTERM; then stop admitting, cancel what is in flight and return."""
+    sock = bind_socket(options.host, options.port)
+    try:
+        engine = start_engine(options, echo)
+        if engine is None:
+            return
+        settings = ServerSettings(model_id=engine.model_dir.name, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+        url = address_of(sock)
+
+        def banner() -> None:
+            echo(f"[graphrt] serving {settings.model_id} on {url} (OpenAI API under /v1; /health, /metrics); Ctrl+C stops")
+            echo("try: " + curl_example(url, settings.model_id, options.api_key is not None))
+
+        make_server(engine, settings, banner).run(sockets=[sock])
+        echo("[graphrt] stopped")
+    finally:
+        sock.close()
+
+
+class ServerThread:
+    """The same server on a background thread of this process; `stop` shuts it down cleanly."""
+
+    def __init__(self, engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 0):
+        self.sock = bind_socket(host, port)
+        self.url = address_of(self.sock)
+        self.server = make_server(engine, settings)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="graphrt-server", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server at {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self.sock.close()
+        if self._thread.is_alive():
+            raise RuntimeError(f"the server at {self.url} did not stop within {timeout} s")
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

@@ -1,0 +1,195 @@
+"""`graphrt serve` through the real openai client: chat and completions, streamed and not, usage,
+choices, stop strings, models, metrics and the API key. One server for the module, on a free port."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from graphrt.llm import LLM
+from graphrt.server import ServerSettings, ServerThread
+from graphrt.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-123"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    engine = LLM(default_model, max_num_seqs=16).engine
+    with ServerThread(engine, ServerSettings(model_id=engine.model_dir.name, api_key=API_KEY)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model) -> Tokenizer:
+    return Tokenizer.from_dir(default_model)  # the test's own copy: the server's belongs to its engine thread
+
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def stream_text(chunks, chat: bool) -> tuple[str, str | None, object]:
+    """Joined text, finish reason and usage of a one-choice stream."""
+    text, finish_reason, usage = "", None, None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if chat else choice.text
+            finish_reason = choice.finish_reason or finish_reason
+    return text, finish_reason, usage
+
+
+def test_chat_greedy_answer_and_usage(client, tokenizer):
+    out = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0)
+    assert out.object == "chat.completion" and out.model == MODEL
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == "The capital of France is Paris."
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.prompt_tokens == len(tokenizer.encode_chat(QUESTION))
+    # the EOS token counts as generated; the text does not show it
+    assert out.usage.completion_tokens == len(tokenizer.encode(out.choices[0].message.content)) + 1
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_completion_length_and_usage(client, tokenizer):
+    prompt = "Once upon a time"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert out.object == "text_completion"
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert out.usage.completion_tokens == 8
+    assert len(tokenizer.encode(out.choices[0].text)) in range(6, 11)  # re-tokenizing may merge or split a token
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_greedy_stream_equals_non_stream(client, chat):
+    if chat:
+        args = dict(model=MODEL, messages=[{"role": "user", "content": "Write a haiku about the sea."}], max_tokens=40, temperature=0)
+        whole = client.chat.completions.create(**args)
+        whole_text = whole.choices[0].message.content
+        chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    else:
+        args = dict(model=MODEL, prompt="The three largest cities in Europe are", max_tokens=40, temperature=0)
+        whole = client.completions.create(**args)
+        whole_text = whole.choices[0].text
+        chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text, finish_reason, usage = stream_text(chunks, chat)
+    assert len(whole_text) > 20
+    assert text == whole_text
+    assert finish_reason == whole.choices[0].finish_reason
+    assert usage.model_dump() == whole.usage.model_dump()
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    assert len(chunks) > 5  # it really streamed
+
+
+def test_stream_without_usage_has_none(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, stream=True))
+    assert all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_stop_string_cuts_the_text(client, stream):
+    # greedy answer: "The capital of France is Paris."; a stop string spanning tokens must never
+    # leak its first characters ("France") into the stream before the rest shows it is a stop
+    args = dict(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0, stop=["France is", "nowhere"])
+    if stream:
+        text, finish_reason, _ = stream_text(client.chat.completions.create(**args, stream=True), chat=True)
+    else:
+        out = client.chat.completions.create(**args)
+        text, finish_reason = out.choices[0].message.content, out.choices[0].finish_reason
+    assert text == "The capital of "
+    assert finish_reason == "stop"
+
+
+def test_stream_never_sends_half_a_character(client):
+    # greedy, this prompt gives emoji, whose bytes span several tokens: intermediate decodes end
+    # in U+FFFD, which a stream must hold back until the character is complete
+    args = dict(model=MODEL, prompt="Emojis: \U0001F600\U0001F603\U0001F604", max_tokens=12, temperature=0)
+    whole = client.completions.create(**args).choices[0].text
+    deltas = [c.choices[0].text for c in client.completions.create(**args, stream=True)]
+    assert len(whole) >= 3 and "\ufffd" not in whole
+    assert "".join(deltas) == whole
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_n_choices_with_seed(client, tokenizer):
+    args = dict(model=MODEL, prompt="My favourite colour is", max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    out = client.completions.create(**args, n=3, seed=7)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.prompt_tokens == len(tokenizer.encode("My favourite colour is"))
+    assert out.usage.completion_tokens == 3 * 6
+    # choice i draws from seed + i, so each equals a single request with that seed
+    singles = [client.completions.create(**args, seed=7 + i).choices[0].text for i in range(3)]
+    assert [c.text for c in out.choices] == singles
+    assert len(set(singles)) > 1
+
+
+def test_n_choices_stream(client):
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="Colours:", max_tokens=5, temperature=1.0, seed=1, n=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ))
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    whole = client.completions.create(model=MODEL, prompt="Colours:", max_tokens=5, temperature=1.0, seed=1, n=2, extra_body={"ignore_eos": True})
+    assert [texts[0], texts[1]] == [c.text for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_prompt_forms_agree(client, tokenizer):
+    prompt = "The sun rises in the"
+    args = dict(model=MODEL, max_tokens=6, temperature=0)
+    as_text = client.completions.create(prompt=prompt, **args).choices[0].text
+    as_ids = client.completions.create(prompt=tokenizer.encode(prompt), **args).choices[0].text
+    as_list = client.completions.create(prompt=[prompt], **args).choices[0].text
+    assert as_text == as_ids == as_list != ""
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}  # open without the key
+
+
+def test_api_key_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
+def test_metrics(client, server):
+    before = httpx.get(f"{server.url}/metrics").text
+    client.completions.create(model=MODEL, prompt="One two three", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    after = httpx.get(f"{server.url}/metrics").text
+    assert metric(after, 'graphrt_requests_total{outcome="length"}') == metric(before, 'graphrt_requests_total{outcome="length"}') + 1
+    assert metric(after, "graphrt_generation_tokens_total") == metric(before, "graphrt_generation_tokens_total") + 5
+    assert metric(after, "graphrt_prompt_tokens_total") > metric(before, "graphrt_prompt_tokens_total")
+    assert metric(after, "graphrt_time_to_first_token_seconds_count") == metric(before, "graphrt_time_to_first_token_seconds_count") + 1
+    assert metric(after, "graphrt_time_per_output_token_seconds_count") == metric(before, "graphrt_time_per_output_token_seconds_count") + 1
+    assert metric(after, "graphrt_kv_blocks_used") == 0 and metric(after, "graphrt_kv_blocks_free") > 0
+    assert metric(after, "graphrt_requests_running") == metric(after, "graphrt_requests_waiting") == 0
+    assert metric(after, "graphrt_eager_fallbacks_total") == 0

@@ -1,0 +1,76 @@
+"""`graphrt serve` as a user runs it: the start-up banner, GRAPHRT_API_KEY, and SIGTERM / SIGINT
+with a stream in flight: the stream ends with an error event, the process exits 0, promptly."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "shutdown-test-key"
+
+
+def start_server() -> tuple[subprocess.Popen, str, list[str]]:
+    env = {**os.environ, "GRAPHRT_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "graphrt", "serve", "--port", "0", "--max-model-len", "512", "--max-batch", "4"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        found = re.search(r"serving \S+ on (http://\S+)", line)
+        if found:
+            lines.append(proc.stdout.readline().rstrip("\n"))  # the curl line
+            return proc, found.group(1), lines
+    proc.kill()
+    raise AssertionError("the server did not start:\n" + "\n".join(lines))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_cancels_streams_and_exits_0(sig):
+    proc, url, banner = start_server()
+    try:
+        assert re.match(r"\[graphrt\] load \d+\.\d s: SmolLM2-135M-Instruct", banner[0])
+        assert re.match(r"\[graphrt\] warm-up \d+\.\d s", banner[1])
+        assert banner[3].startswith(f"try: curl {url}/v1/chat/completions") and "Authorization: Bearer $GRAPHRT_API_KEY" in banner[3]
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 401  # the key came from the env
+        events, first_event = [], threading.Event()
+
+        def stream_forever():
+            body = {"prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            headers = {"Authorization": f"Bearer {API_KEY}"}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line:
+                        events.append(line)
+                        first_event.set()
+
+        reader = threading.Thread(target=stream_forever)
+        reader.start()
+        assert first_event.wait(30)
+        start = time.monotonic()
+        proc.send_signal(sig)
+        assert proc.wait(timeout=20) == 0
+        assert time.monotonic() - start < 10
+        reader.join(10)
+        assert not reader.is_alive()
+        assert "shutting down" in events[-2] and events[-1] == "data: [DONE]"
+        assert "[graphrt] stopped" in proc.stdout.read()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
