@@ -14,6 +14,7 @@ from graphrt.tokenizer import Tokenizer
 pytestmark = pytest.mark.slow
 
 API_KEY = "test-key-123"
+MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -32,9 +33,6 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def tokenizer(default_model) -> Tokenizer:
     return Tokenizer.from_dir(default_model)  # the test's own copy: the server's belongs to its engine thread
-
-
-MODEL = "SmolLM2-135M-Instruct"
 
 
 def stream_text(chunks, chat: bool) -> tuple[str, str | None, object]:

@@ -111,7 +111,7 @@ def make_server(engine, settings: ServerSettings, on_started: Callable[[], None]
 
 def curl_example(url: str, model_id: str, with_key: bool) -> str:
     auth = ' -H "Authorization: Bearer $GRAPHRT_API_KEY"' if with_key else ""
-    body = f'{{"model": "{model_id}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
+    body = f'{{"model": "{model_id}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
     return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
