@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from graphrt.batch import StepMetadata
 from graphrt.capture.buckets import BucketPlan
-from graphrt.capture.cuda_info import graph_node_counts
+from graphrt.capture.cuda_info import graph_node_counts, pool_segment_bytes
 from graphrt.capture.graphs import CudaStageGraph, EagerStageGraph, StageGraphs, StaticInputs
 from graphrt.errors import GraphrtError
 from graphrt.kv_cache import StageKVCache
@@ -99,6 +99,7 @@ def capture_stage(
 ) -> tuple[StageGraphs, list[GraphRecord]]:
     """Largest bucket first, so smaller graphs reuse the pool memory the largest one reserved."""
     pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None
+    warmup_stream = torch.cuda.Stream(stage.device) if use_cuda_graphs else None
     graphs, records = {}, []
     buckets = sorted(plan.sizes, reverse=True)
     bar = tqdm(buckets, desc=f"capture stage {stage.index}", unit="bucket", disable=not show_progress, leave=False)
@@ -108,10 +109,10 @@ def capture_stage(
         start = time.perf_counter()
         graph, note, pool_bytes, nodes = None, None, None, None
         if use_cuda_graphs and bucket not in forced_eager:
-            reserved = torch.cuda.memory_reserved(stage.device)
+            pool_before = pool_segment_bytes(pool)
             try:
                 with frozen_gc():
-                    graph = CudaStageGraph.record(stage, cache, inputs, pool)
+                    graph = CudaStageGraph.record(stage, cache, inputs, pool, warmup_stream)
                 torch.cuda.synchronize(stage.device)
             except Exception as exc:  # the op that broke capture is in the message
                 where = f"stage {stage.index}, bucket {bucket}"
@@ -123,7 +124,7 @@ def capture_stage(
                 note = f"capture failed, running eagerly: {str(exc).splitlines()[0]}"
                 print(f"WARNING: {where}: {note}", flush=True)
             else:
-                pool_bytes = torch.cuda.memory_reserved(stage.device) - reserved
+                pool_bytes = pool_segment_bytes(pool) - pool_before  # what this graph added to the stage's pool
                 nodes, why_no_nodes = graph_node_counts(graph.graph)
                 note = why_no_nodes
         elif use_cuda_graphs:

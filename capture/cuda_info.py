@@ -30,6 +30,11 @@ def graph_node_counts(graph: torch.cuda.CUDAGraph) -> tuple[dict[str, int] | Non
     return counts, None
 
 
+def pool_segment_bytes(pool) -> int:
+    """Bytes the caching allocator holds for one graph memory pool (nothing else's memory counted)."""
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool))
+
+
 def driver_version() -> str | None:
     """The CUDA version the driver supports, e.g. '12.8', or None without a driver."""
     if not torch.cuda.is_available():

@@ -87,16 +87,23 @@ class CudaStageGraph:
         self.graph, self.inputs, self.output = graph, inputs, output
 
     @staticmethod
-    def record(stage: Stage, cache: StageKVCache, inputs: StaticInputs, pool, num_warmups: int = 2) -> CudaStageGraph:
-        side = torch.cuda.Stream(stage.device)
-        side.wait_stream(torch.cuda.current_stream(stage.device))
-        with torch.cuda.stream(side):
+    def record(
+        stage: Stage, cache: StageKVCache, inputs: StaticInputs, pool, warmup_stream: torch.cuda.Stream, num_warmups: int = 2
+    ) -> CudaStageGraph:
+        """`warmup_stream` is one per stage: each new stream would get its own cuBLAS workspace."""
+        caller = torch.cuda.current_stream(stage.device)
+        warmup_stream.wait_stream(caller)
+        with torch.cuda.stream(warmup_stream):
             for _ in range(num_warmups):  # lets lazy initialisation (cuBLAS handles, autotuning) happen outside
                 stage(inputs.x, inputs.meta, cache)
-        torch.cuda.current_stream(stage.device).wait_stream(side)
+        caller.wait_stream(warmup_stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            output = stage(inputs.x, inputs.meta, cache)
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                output = stage(inputs.x, inputs.meta, cache)
+        finally:
+            # A failed capture can leave its capture stream current; later work must not run there.
+            torch.cuda.set_stream(caller)
         return CudaStageGraph(graph, inputs, output)
 
     def replay(self, max_seq_len: int | None = None) -> torch.Tensor:

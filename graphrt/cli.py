@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -46,6 +47,7 @@ def model_options(command):
         click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default=None, help="Decode kernels [default: triton on CUDA, torch elsewhere]."),
         click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest decode bucket [default: 32 on CPU; on CUDA from KV cache memory, 8 to 256]."),
         click.option("--buckets", default=None, help="Decode bucket sizes, e.g. 1,2,4,8,16 [default: 1, 2, 4, 8, then every 8 up to --max-batch]."),
+        click.option("--depth", type=click.IntRange(min=0), default=None, help="Micro-batches in flight beyond one per stage: the ring has pp + depth slots [default: 1]."),
         click.option("--no-graphs", is_flag=True, help="Replay decode eagerly over the same static buffers instead of CUDA graphs."),
         click.option("--allow-eager", is_flag=True, help="Run a (stage, bucket) whose capture fails eagerly instead of stopping."),
     ]
@@ -54,7 +56,7 @@ def model_options(command):
     return command
 
 
-def engine_kwargs(model, pp, devices, dtype, kernels, max_batch, buckets, no_graphs, allow_eager) -> dict:
+def engine_kwargs(model, pp, devices, dtype, kernels, max_batch, buckets, depth, no_graphs, allow_eager) -> dict:
     from graphrt.capture.buckets import parse_buckets
 
     return dict(
@@ -65,13 +67,15 @@ def engine_kwargs(model, pp, devices, dtype, kernels, max_batch, buckets, no_gra
         kernels=kernels,
         max_batch=max_batch,
         buckets=parse_buckets(buckets) if buckets else None,
+        depth=depth,
         use_graphs=False if no_graphs else None,
         allow_eager=allow_eager or None,
     )
 
 
 @main.command()
-@click.option("--prompt", required=True, help="The prompt text.")
+@click.option("--prompt", default=None, help="The prompt text.")
+@click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None, help="One prompt per line, or JSONL with a \"prompt\" field (text or token ids); answers are printed as JSONL.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user turn with the model's chat template.")
 @model_options
 @click.option("--cache", type=click.Path(path_type=Path), default=None, help="Graph cache folder written by `graphrt capture`.")
@@ -80,30 +84,97 @@ def engine_kwargs(model, pp, devices, dtype, kernels, max_batch, buckets, no_gra
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables it.")
 @click.option("--seed", type=int, default=None, help="Seed for this request's sampling.")
-def generate(prompt, chat, cache, max_tokens, temperature, top_p, top_k, seed, **model_args) -> None:
-    """Generate a completion for one prompt and report tokens/s and weight bandwidth."""
+def generate(prompt, prompts_file, chat, cache, max_tokens, temperature, top_p, top_k, seed, **model_args) -> None:
+    """Generate completions for a prompt (or a file of them) and report tokens/s and weight bandwidth."""
     from graphrt.llm import LLM
     from graphrt.sampling import SamplingParams
 
+    if (prompt is None) == (prompts_file is None):
+        raise click.UsageError("give exactly one of --prompt TEXT and --prompts-file FILE")
+    prompts = [prompt] if prompt is not None else read_prompts(prompts_file)
     start = time.perf_counter()
     llm = LLM(cache=cache, **engine_kwargs(**model_args))
     load_seconds = time.perf_counter() - start
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    request = llm.chat_prompt(prompt) if chat else prompt
+    requests = [llm.chat_prompt(p) if chat and isinstance(p, str) else p for p in prompts]
     start = time.perf_counter()
-    output = llm.generate(request, params)[0]
+    outputs = llm.generate(requests, params)
     seconds = time.perf_counter() - start
-    click.echo(output.text)
-    engine = llm.engine
-    stats = engine.stats
+    if prompts_file is None:
+        click.echo(outputs[0].text)
+    else:
+        for source, output in zip(prompts, outputs):
+            line = {"prompt": source, "text": output.text, "num_tokens": len(output.token_ids), "finish_reason": output.finish_reason}
+            click.echo(json.dumps(line))
+    engine, stats = llm.engine, llm.engine.stats
+    num_tokens = sum(len(o.token_ids) for o in outputs)
     click.echo(
-        f"[graphrt] {len(output.token_ids)} tokens in {seconds:.2f} s ({len(output.token_ids) / seconds:.1f} tok/s); "
+        f"[graphrt] {num_tokens} tokens in {seconds:.2f} s ({num_tokens / seconds:.1f} tok/s); "
         f"decode {stats.decode_tokens_per_s():.1f} tok/s, {stats.weight_gb_per_s(engine.weight_bytes):.1f} GB/s of weights; "
         f"prompt {stats.prefill_tokens} tokens; start-up {load_seconds:.1f} s; "
-        f"pp={len(engine.devices)} on {','.join(map(str, engine.devices))}, {str(engine.dtype).removeprefix('torch.')}, "
-        f"{engine.backend} decode",
+        f"pp={len(engine.devices)} depth={engine.ring.num_slots - len(engine.devices)} on "
+        f"{','.join(map(str, engine.devices))}, {str(engine.dtype).removeprefix('torch.')}, {engine.backend} decode",
         err=True,
     )
+
+
+def read_prompts(path: Path) -> list[str | list[int]]:
+    """Plain lines are prompts; a line that is a JSON object takes its "prompt" (text or token ids)."""
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                value = json.loads(line)["prompt"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise GraphrtError(f"{path}:{number}: a JSON line needs a \"prompt\" field (text or token ids)") from None
+            prompts.append(value)
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise GraphrtError(f"{path} holds no prompts")
+    return prompts
+
+
+@main.command()
+@model_options
+@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--input-len", default="16,256", show_default=True, help="Prompt length, N or MIN,MAX (uniform).")
+@click.option("--output-len", default="16,128", show_default=True, help="Output length, N or MIN,MAX (uniform).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--compare-hf", is_flag=True, help="Also run transformers' generate on the same requests (static batches of --max-batch).")
+def bench(num_requests, input_len, output_len, seed, compare_hf, **model_args) -> None:
+    """Throughput, TTFT and TPOT of an offline workload; optionally against transformers."""
+    from graphrt.bench import make_workload, run_graphrt, run_transformers, summarize
+    from graphrt.llm import LLM
+
+    llm = LLM(**engine_kwargs(**model_args))
+    engine = llm.engine
+    workload = make_workload(
+        num_requests, parse_range(input_len, "--input-len"), parse_range(output_len, "--output-len"),
+        engine.model_config.vocab_size, seed,
+    )
+    ours = run_graphrt(llm, workload)
+    theirs = None
+    if compare_hf:
+        model_dir, dtype, batch = engine.model_dir, engine.dtype, engine.plan.max_batch
+        engine.close()
+        del llm, engine
+        theirs = run_transformers(model_dir, workload, batch, dtype)
+    click.echo(summarize(ours, theirs))
+
+
+def parse_range(text: str, flag: str) -> tuple[int, int]:
+    try:
+        parts = [int(p) for p in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or not 1 <= parts[0] <= parts[1]:
+        raise click.BadParameter(f"expected N or MIN,MAX with 1 <= MIN <= MAX, got {text!r}", param_hint=flag)
+    return parts[0], parts[1]
 
 
 @main.command()

@@ -17,7 +17,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-by-field: sequences are looked up in lists every tick
 class Sequence:
     request_id: int
     prompt_ids: list[int]

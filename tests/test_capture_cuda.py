@@ -15,6 +15,7 @@ import torch
 
 from graphrt import LLM, SamplingParams
 from graphrt.capture.capture import CaptureError, random_decode_rows
+from graphrt.capture.cuda_info import pool_segment_bytes
 from graphrt.capture.graphs import CudaStageGraph
 from graphrt.model import Stage
 
@@ -91,10 +92,6 @@ def test_greedy_generate_with_graphs_equals_without(graph_llm, eager_llm):
     assert all(len(ids) == GREEDY.max_tokens for ids in with_graphs)
     assert graph_llm.engine.num_eager_fallbacks == 0
 
-
-def pool_segment_bytes(pool) -> int:
-    """Bytes cudaMalloc'ed for one graph memory pool, read from the allocator's own segments."""
-    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool))
 
 
 @pytest.fixture

@@ -1,0 +1,53 @@
+"""The generate and bench commands on a tiny model: prompts files, JSONL out, bench numbers."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from graphrt.cli import main
+
+
+def test_prompts_file_plain_and_jsonl(tiny_model_factory, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": [5, 6, 7]}\n\n{"prompt": [9, 9]}\n')
+    result = CliRunner().invoke(
+        main, ["generate", "--prompts-file", str(prompts), "--model", str(tiny_model_factory()), "--max-tokens", "5", "--pp", "2"]
+    )
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    assert [line["prompt"] for line in lines] == [[5, 6, 7], [9, 9]]
+    assert all(line["num_tokens"] <= 5 for line in lines)
+
+
+def test_prompts_file_with_a_bad_line(tiny_model_factory, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "no prompt field"}\n')
+    result = CliRunner().invoke(main, ["generate", "--prompts-file", str(prompts), "--model", str(tiny_model_factory())])
+    assert result.exit_code == 1 and 'prompts.jsonl:1: a JSON line needs a "prompt" field' in result.output
+
+
+def test_prompt_and_prompts_file_are_exclusive(tiny_model_factory):
+    result = CliRunner().invoke(main, ["generate", "--model", str(tiny_model_factory())])
+    assert result.exit_code == 2 and "exactly one of --prompt TEXT and --prompts-file FILE" in result.output
+
+
+def test_bench_reports_throughput_and_latency(tiny_model_factory):
+    result = CliRunner().invoke(
+        main,
+        ["bench", "--model", str(tiny_model_factory()), "--requests", "12", "--input-len", "4,20", "--output-len", "3,9", "--pp", "2", "--depth", "1"],
+    )
+    assert result.exit_code == 0, result.output
+    assert "graphrt pp=2 depth=1:" in result.output
+    # Every request produces exactly its output length (EOS ignored): the seeded workload's total.
+    from graphrt.bench import make_workload
+
+    expected = sum(r.output_len for r in make_workload(12, (4, 20), (3, 9), 97, 0))
+    assert f"{expected} output tokens from 12 requests" in result.output
+    assert "TTFT p50" in result.output and "TPOT p50" in result.output
+
+
+def test_bench_rejects_a_bad_range(tiny_model_factory):
+    result = CliRunner().invoke(main, ["bench", "--model", str(tiny_model_factory()), "--output-len", "9,3"])
+    assert result.exit_code == 2 and "expected N or MIN,MAX" in result.output
