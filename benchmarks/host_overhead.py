@@ -11,17 +11,12 @@ the number of stages.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from conftest import make_tiny_model  # noqa: E402
-
-from graphrt import LLM, SamplingParams  # noqa: E402
-from graphrt.synthetic import make_synthetic  # noqa: E402
+from graphrt import LLM, SamplingParams
+from graphrt.synthetic import make_synthetic, make_tiny_model
 
 
 def main() -> None:

@@ -264,3 +264,41 @@ def serve(model, pp, host, port, api_key, max_batch, max_model_len) -> None:
 
     options = ServeOptions(model=model, pp=pp, host=host, port=port, api_key=api_key or None, max_batch=max_batch, max_model_len=max_model_len)
     run_server(options, echo=click.echo)
+
+
+@main.command()
+@model_options
+@click.option("--synthetic", "synthetic_ms", type=click.FloatRange(min=0), default=None, help="Profile the ring itself: a tiny random Llama, one layer per stage, each stage taking MS ms.")
+@click.option("--sweep-depth", default=None, help="Comma-separated ring depths to compare, e.g. 0,1,2 (instead of --depth).")
+@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--input-len", default="8,32", show_default=True, help="Prompt length, N or MIN,MAX (uniform).")
+@click.option("--output-len", default="32", show_default=True, help="Output length, N or MIN,MAX (uniform).")
+@click.option("--host-ms", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Extra host time per micro-batch read back (stands in for a slow host).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for trace.json, report.md and the PNGs.")
+def profile(synthetic_ms, sweep_depth, num_requests, input_len, output_len, host_ms, out, **model_args) -> None:
+    """Run a workload with the timeline on; write a Perfetto trace, a utilization report and PNG timelines."""
+    from graphrt.profiling.runner import ProfileOptions, run_profile
+
+    if synthetic_ms is not None and model_args["model"] is not None:
+        raise click.UsageError("give --model DIR or --synthetic MS, not both")
+    if sweep_depth is not None and model_args["depth"] is not None:
+        raise click.UsageError("give --depth D or --sweep-depth D0,D1,..., not both")
+    depths = parse_depths(sweep_depth) if sweep_depth is not None else [1 if model_args["depth"] is None else model_args["depth"]]
+    kwargs = engine_kwargs(**model_args)
+    kwargs.pop("depth")
+    options = ProfileOptions(
+        engine_kwargs=kwargs, depths=depths, sweep=sweep_depth is not None, out=out, num_requests=num_requests,
+        input_range=parse_range(input_len, "--input-len"), output_range=parse_range(output_len, "--output-len"),
+        synthetic_ms=synthetic_ms, host_ms=host_ms, command="graphrt " + " ".join(sys.argv[1:]),
+    )
+    run_profile(options, echo=click.echo)
+
+
+def parse_depths(text: str) -> list[int]:
+    try:
+        depths = [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        depths = []
+    if not depths or min(depths) < 0:
+        raise click.BadParameter(f"expected comma-separated depths >= 0 such as 0,1,2, got {text!r}", param_hint="--sweep-depth")
+    return sorted(set(depths))

@@ -80,12 +80,13 @@ class Engine:
         self.backend = "cuda" if config.use_graphs and all(d.type == "cuda" for d in self.devices) else "eager"
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         forced_eager = self._check_graph_cache() if self.cache_dir is not None else set()
+        self.ranges = Ranges()
         self.graphs, self.graph_records = [], []
         max_blocks = -(-self.max_model_len // config.block_size)
         for stage, cache in zip(self.pipeline.stages, self.pipeline.caches):
             graphs, records = capture_stage(
                 stage, cache, self.plan, max_blocks, self.backend == "cuda", config.allow_eager,
-                {bucket for s, bucket in forced_eager if s == stage.index}, show_progress,
+                {bucket for s, bucket in forced_eager if s == stage.index}, show_progress, self.ranges,
             )
             self.graphs.append(graphs)
             self.graph_records += records
@@ -96,7 +97,6 @@ class Engine:
         )
         self.sampler = Sampler(self.devices[-1], config.seed)
         self.timeline = Timeline(self.devices) if config.timeline else None
-        self.ranges = Ranges()
         self.ring = Ring(
             self.pipeline, self.graphs, self.sampler, num_slots=config.pp + config.depth,
             max_tokens=max(config.prefill_chunk_size, self.plan.max_batch), timeline=self.timeline, ranges=self.ranges,
@@ -236,7 +236,10 @@ class Engine:
         updated: list[Sequence] = []
         if self.in_flight and (block or self.in_flight[0].done.query()):
             mb = self.in_flight.popleft()
+            waited_from = self.timeline.now() if self.timeline else 0.0
             mb.done.synchronize()
+            if self.timeline:
+                self.timeline.record_wait(waited_from, self.timeline.now())
             slot = self.ring.slots[mb.slot]
             new_ids = slot.tokens[: len(mb.sample_rows)].tolist()
             slot.micro_batch = None

@@ -57,7 +57,7 @@ class Ring:
     num_slots: int
     max_tokens: int  # per micro-batch: max(prefill chunk, largest bucket)
     timeline: Timeline | None = None
-    ranges: Ranges | None = None
+    ranges: Ranges = field(default_factory=Ranges)
     slots: list[RingSlot] = field(init=False)
     _ids: itertools.count = field(init=False, default_factory=itertools.count)
 
@@ -100,7 +100,11 @@ class Ring:
         num_tokens = token_ids.shape[0]
         kind = "prefill" if mb.step.is_prefill else "decode"
         started = self.timeline.begin(stage.device) if self.timeline else None
-        with self.ranges.stage(index, mb.slot, mb.bucket or num_tokens) if self.ranges else _nothing():
+        if mb.step.is_prefill:
+            work = self.ranges.prefill(index, num_tokens)
+        else:
+            work = self.ranges.stage(index, mb.slot, mb.bucket)
+        with work:
             x = token_ids.to(stage.device, non_blocking=True) if index == 0 else slot.recv[index][:num_tokens]
             stage_meta = meta.to(stage.device)
             if mb.step.is_prefill:
@@ -108,10 +112,12 @@ class Ring:
             else:
                 out = self.graphs[index].run(x, stage_meta)
             if not stage.is_last:
-                slot.recv[index + 1][:num_tokens].copy_(out, non_blocking=True)
+                with self.ranges.transfer(index):
+                    slot.recv[index + 1][:num_tokens].copy_(out, non_blocking=True)
             elif mb.sample_rows:
                 logits = out if len(mb.sample_rows) == out.shape[0] else out[torch.tensor(mb.sample_rows, device=out.device)]
-                token_ids_out = self.sampler(logits, params, generators)
+                with self.ranges.sample():
+                    token_ids_out = self.sampler(logits, params, generators)
                 slot.tokens[: len(mb.sample_rows)].copy_(token_ids_out, non_blocking=True)
         if self.timeline:
             self.timeline.end(
@@ -122,11 +128,3 @@ class Ring:
     def close(self) -> None:
         for stream in self.streams:
             stream.close()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -1,14 +1,16 @@
 """NVTX ranges in the `graphrt` domain, so an Nsight Systems trace reads like the design.
 
 Attributes (message and colour) are built once per distinct name and reused, so a range costs a
-push and a pop. Without a profiler attached the nvtx package hands out a no-op domain.
+push and a pop. Without a profiler attached (or with NVTX_DISABLE=1) the nvtx package hands out a
+no-op domain, and then every range is one shared null context: nothing is pushed at all.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import nvtx
+from nvtx._lib.lib import DummyDomain
 
 COLORS = {"stage": "green", "tick": "blue", "prefill": "orange", "sample": "purple", "transfer": "yellow", "capture": "red"}
 
@@ -16,7 +18,9 @@ COLORS = {"stage": "green", "tick": "blue", "prefill": "orange", "sample": "purp
 class Ranges:
     def __init__(self, domain=None):
         self.domain = domain if domain is not None else nvtx.get_domain("graphrt")
+        self.enabled = domain is not None or (nvtx.enabled() and not isinstance(self.domain, DummyDomain))
         self._attributes: dict[str, object] = {}
+        self._off = nullcontext()
 
     def _attrs(self, message: str, kind: str):
         attrs = self._attributes.get(message)
@@ -24,8 +28,11 @@ class Ranges:
             attrs = self._attributes[message] = self.domain.get_event_attributes(message=message, color=COLORS[kind])
         return attrs
 
-    @contextmanager
     def range(self, message: str, kind: str):
+        return self._push(message, kind) if self.enabled else self._off
+
+    @contextmanager
+    def _push(self, message: str, kind: str):
         self.domain.push_range(self._attrs(message, kind))
         try:
             yield

@@ -31,6 +31,7 @@ class Timeline:
         self.origin = time.perf_counter()
         self.slices: list[Slice] = []
         self.host_ticks: list[tuple[float, float]] = []  # (start, end) of each scheduler tick
+        self.host_waits: list[tuple[float, float]] = []  # (start, end) of each wait for a micro-batch, inside ticks
         self._lock = threading.Lock()
         self._pending: list[tuple[dict, torch.cuda.Event, torch.cuda.Event]] = []
         self._cuda_origin: dict[torch.device, tuple[torch.cuda.Event, float]] = {}
@@ -79,6 +80,9 @@ class Timeline:
 
     def record_tick(self, start: float, end: float) -> None:
         self.host_ticks.append((start, end))
+
+    def record_wait(self, start: float, end: float) -> None:
+        self.host_waits.append((start, end))
 
     def busy_fraction(self, stage: int, window: tuple[float, float]) -> float:
         """Share of the window in which the stage was working (its slices never overlap)."""

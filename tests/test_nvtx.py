@@ -1,0 +1,134 @@
+"""NVTX ranges: the right names in the right places, attributes built once, and no cost when off."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections import Counter
+
+import pytest
+
+from graphrt import LLM, SamplingParams
+from graphrt.capture.buckets import BucketPlan
+from graphrt.capture.capture import capture_stage
+from graphrt.profiling.nvtx import Ranges
+
+
+class RecordingDomain:
+    """Stands in for an nvtx domain: attributes are the message itself; pushes and pops are logged."""
+
+    def __init__(self):
+        self.events: list[tuple[str, str | None, str]] = []  # (push | pop, message, thread name)
+        self.attribute_calls = Counter()
+
+    def get_event_attributes(self, message=None, color=None):
+        self.attribute_calls[message] += 1
+        return message
+
+    def push_range(self, attributes):
+        self.events.append(("push", attributes, threading.current_thread().name))
+
+    def pop_range(self):
+        self.events.append(("pop", None, threading.current_thread().name))
+
+
+def nested(events):
+    """(message, enclosing message or None, thread) for every push, from each thread's own stack."""
+    stacks: dict[str, list[str]] = {}
+    out = []
+    for kind, message, thread in events:
+        stack = stacks.setdefault(thread, [])
+        if kind == "push":
+            out.append((message, stack[-1] if stack else None, thread))
+            stack.append(message)
+        else:
+            stack.pop()
+    assert all(not stack for stack in stacks.values()), "every push has its pop"
+    return out
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_model_factory):
+    llm = LLM(model=tiny_model_factory(), pp=2, depth=1, kv_cache_tokens=1024, buckets=[1, 2, 4])
+    engine = llm.engine
+    domain = RecordingDomain()
+    engine.ranges = engine.ring.ranges = Ranges(domain=domain)
+    outputs = llm.generate([[5, 6, 7], [8, 9, 10, 11, 12]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    engine.close()
+    return domain, nested(domain.events), outputs
+
+
+def test_graph_launches_carry_stage_slot_and_bucket(recorded):
+    _, ranges, _ = recorded
+    launches = [(m, thread) for m, parent, thread in ranges if m.startswith("stage")]
+    assert launches
+    for message, thread in launches:
+        stage, slot, bucket = map(int, re.fullmatch(r"stage(\d) mb(\d) bs(\d)", message).groups())
+        assert thread == f"graphrt-stage{stage}"  # pushed on that stage's own stream worker
+        assert slot < 3 and bucket in (1, 2, 4)
+    assert {m[:6] for m, _ in launches} == {"stage0", "stage1"}
+
+
+def test_prefill_sampling_transfer_and_ticks_nest_where_they_happen(recorded):
+    _, ranges, _ = recorded
+    by_message = [(m, parent) for m, parent, _ in ranges]
+    assert ("prefill stage0 tokens8", None) in by_message and ("prefill stage1 tokens8", None) in by_message
+    samples = [parent for m, parent in by_message if m == "sample"]
+    assert samples and all(p.startswith(("stage1 ", "prefill stage1")) for p in samples)  # only on the last stage
+    transfers = [parent for m, parent in by_message if m == "transfer stage0->stage1"]
+    assert transfers and all(p.startswith(("stage0 ", "prefill stage0")) for p in transfers)
+    assert not [m for m, _ in by_message if m.startswith("transfer stage1")]  # the last stage sends nothing
+    ticks = [(parent, thread) for m, parent, thread in ranges if m == "scheduler tick"]
+    assert len(ticks) >= 6 and all(parent is None and thread == "MainThread" for parent, thread in ticks)
+
+
+def test_attributes_are_built_once_per_message(recorded):
+    domain, ranges, _ = recorded
+    assert len(ranges) > len(domain.attribute_calls)
+    assert set(domain.attribute_calls.values()) == {1}
+    assert set(domain.attribute_calls) == {m for m, _, _ in ranges}
+
+
+def test_each_bucket_capture_is_one_range(tiny_model_factory):
+    llm = LLM(model=tiny_model_factory(), pp=2, kv_cache_tokens=1024, buckets=[1, 2])
+    stage, cache = llm.engine.pipeline.stages[1], llm.engine.pipeline.caches[1]
+    domain = RecordingDomain()
+    _, records = capture_stage(stage, cache, BucketPlan((1, 2)), 8, False, False, set(), False, Ranges(domain=domain))
+    assert [r.bucket for r in records] == [1, 2]
+    assert [(m, parent) for m, parent, _ in nested(domain.events)] == [("capture stage1 bs2", None), ("capture stage1 bs1", None)]
+    llm.engine.close()
+
+
+NVTX_DISABLED_RUN = """
+import nvtx, sys
+from graphrt import LLM, SamplingParams
+from graphrt.profiling.nvtx import Ranges
+ranges = Ranges()
+assert not nvtx.enabled() and not ranges.enabled
+assert ranges.stage(0, 1, 2) is ranges.tick()  # one shared null context
+llm = LLM(model=sys.argv[1], pp=2, kv_cache_tokens=1024, buckets=[1, 2])
+assert not llm.engine.ranges.enabled
+out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+print(len(out[0].token_ids))
+"""
+
+
+def test_nvtx_disable_makes_ranges_no_ops_and_the_engine_still_runs(tiny_model_factory):
+    # nvtx reads NVTX_DISABLE when it is first imported, hence a fresh interpreter.
+    env = {**os.environ, "NVTX_DISABLE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", NVTX_DISABLED_RUN, str(tiny_model_factory())], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "4"
+
+
+def test_without_a_profiler_ranges_are_skipped_but_an_injected_domain_is_used():
+    assert not Ranges().enabled  # no Nsight Systems attached to pytest
+    domain = RecordingDomain()
+    with Ranges(domain=domain).tick():
+        pass
+    assert domain.events == [("push", "scheduler tick", "MainThread"), ("pop", None, "MainThread")]

@@ -1,0 +1,104 @@
+"""`graphrt profile`: the report measures what synthetic stages are known to do; trace and PNGs are sound."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from graphrt.cli import main
+from graphrt.profiling.runner import ProfileOptions, run_profile
+from graphrt.synthetic import predicted_busy_fraction
+
+STAGE_MS, HOST_MS, PP = 20.0, 10.0, 4
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """pp=4 synthetic stages of 20 ms, 10 ms of host time per micro-batch, at depth 0 and 1."""
+    out = tmp_path_factory.mktemp("profile")
+    options = ProfileOptions(
+        engine_kwargs=dict(pp=PP, buckets=[1, 2, 4]), depths=[0, 1], sweep=True, out=out,
+        num_requests=8, input_range=(4, 8), output_range=(20, 20), synthetic_ms=STAGE_MS, host_ms=HOST_MS,
+    )
+    lines = []
+    return run_profile(options, echo=lines.append), out, lines
+
+
+def test_busy_share_matches_the_pipeline_formula_at_depth_zero(sweep):
+    summaries, _, _ = sweep
+    depth0 = summaries[0]
+    # The formula with the stage time the timeline saw (a sleep overshoots 20 ms a little).
+    stage_s = sum(ms * depth0.stages[0].decode_counts[b] for b, ms in depth0.stages[0].decode_ms.items()) / 1000
+    stage_s /= sum(depth0.stages[0].decode_counts.values())
+    expected = predicted_busy_fraction(pp=PP, depth=0, stage_s=stage_s, host_s=HOST_MS / 1000)
+    assert expected < 0.92  # the host turnaround leaves a visible bubble
+    for use in depth0.stages:
+        assert abs(use.busy - expected) <= 0.05, ([s.busy for s in depth0.stages], expected)
+        assert abs(use.bubble - (1 - expected)) <= 0.05
+
+
+def test_one_more_slot_hides_the_host(sweep):
+    summaries, _, _ = sweep
+    depth1 = summaries[1]
+    assert min(s.busy for s in depth1.stages) >= 0.93, [s.busy for s in depth1.stages]
+    assert depth1.in_flight > summaries[0].in_flight
+    assert 4.0 <= depth1.in_flight <= 5.0  # five slots; one is on the host at any time
+    assert all(abs(ms - STAGE_MS) < 5 for use in depth1.stages for ms in use.decode_ms.values())
+    assert HOST_MS * 0.5 <= summaries[0].host_ms_per_tick_median <= HOST_MS * 3
+
+
+def test_a_sweep_writes_every_file_and_a_report_that_names_its_window(sweep):
+    summaries, out, lines = sweep
+    names = {p.name for p in out.iterdir()}
+    assert names == {"report.md", "depth.png", "trace-depth0.json", "trace-depth1.json", "timeline-depth0.png", "timeline-depth1.png"}
+    for png in ("depth.png", "timeline-depth0.png", "timeline-depth1.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "report.md").read_text()
+    assert "middle 50% of the decode span" in report
+    assert "| depth | ring slots | stage 0 busy" in report
+    row0 = next(line for line in report.splitlines() if line.startswith("| 0 | 4 |"))
+    assert f"{100 * summaries[0].stages[0].busy:.1f}%" in row0
+    assert len(lines) == 3 and "depth 1: stage busy" in lines[1]
+
+
+def test_the_trace_is_chrome_json_with_one_track_per_stage_and_no_overlap(sweep):
+    _, out, _ = sweep
+    trace = json.loads((out / "trace-depth1.json").read_text())
+    events = trace["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {0: "host scheduler", 1: "stage 0", 2: "stage 1", 3: "stage 2", 4: "stage 3"}
+    slices = [e for e in events if e["ph"] == "X"]
+    assert all({"name", "ph", "ts", "dur", "pid", "tid"} <= e.keys() for e in slices)
+    for tid in range(1, PP + 1):
+        track = sorted((e for e in slices if e["tid"] == tid), key=lambda e: e["ts"])
+        assert len(track) >= 20
+        assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(track, track[1:]))  # never overlap
+        decode = [e for e in track if e["args"]["kind"] == "decode"]
+        assert all(e["name"] == f"mb{e['args']['micro_batch']} decode bs{e['args']['bucket']}" for e in decode)
+        assert all(abs(e["dur"] - STAGE_MS * 1000) < 5000 for e in decode)  # microseconds
+    assert any(e["name"].endswith(" prefill") for e in slices)
+    assert sum(e["name"] == "scheduler tick" for e in slices if e["tid"] == 0) >= 20
+
+
+def test_the_command_writes_trace_report_and_timeline(tmp_path):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, [
+        "profile", "--synthetic", "1", "--pp", "2", "--depth", "1", "--requests", "2", "--output-len", "4", "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in out.iterdir()} == {"report.md", "trace.json", "timeline.png"}
+    assert "pp=2, depth=1 (ring of 3 slots)" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--synthetic", "1", "--model", "x"], "give --model DIR or --synthetic MS, not both"),
+    (["--synthetic", "1", "--depth", "1", "--sweep-depth", "0,1"], "give --depth D or --sweep-depth"),
+    (["--synthetic", "1", "--sweep-depth", "0,x"], "expected comma-separated depths"),
+    (["--synthetic", "1", "--output-len", "1"], "--output-len must be at least 2"),
+])
+def test_bad_options_are_one_line(tmp_path, args, message):
+    result = CliRunner().invoke(main, ["profile", *args, "--out", str(tmp_path)])
+    assert result.exit_code != 0
+    assert message in result.output
