@@ -302,3 +302,11 @@ def parse_depths(text: str) -> list[int]:
     if not depths or min(depths) < 0:
         raise click.BadParameter(f"expected comma-separated depths >= 0 such as 0,1,2, got {text!r}", param_hint="--sweep-depth")
     return sorted(set(depths))
+
+
+@main.command()
+def doctor() -> None:
+    """Versions, GPUs and their memory, peer-to-peer access and links between GPUs, and whether nsys is installed."""
+    from graphrt.doctor import run_doctor
+
+    sys.exit(run_doctor(echo=click.echo))

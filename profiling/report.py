@@ -162,7 +162,7 @@ def run_section(summary: RunSummary, files: list[str]) -> list[str]:
         "",
         *stage_table(summary),
         "",
-        f"- micro-batches in flight (mean over the window): {summary.in_flight:.2f}",
+        f"- micro-batches in flight (mean over the window, each from its first stage start to its last stage end): {summary.in_flight:.2f}",
         f"- output tokens/s (decode, over the window): {summary.tokens_per_s:.1f}",
         f"- host time per scheduler tick: mean {summary.host_ms_per_tick:.3f} ms, median "
         f"{summary.host_ms_per_tick_median:.3f} ms over {summary.num_ticks} ticks in the window (waits for the "

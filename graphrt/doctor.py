@@ -1,0 +1,176 @@
+"""`graphrt doctor`: what this machine offers graphrt, in one screen.
+
+Versions (torch, triton, CUDA, driver), each GPU with its memory, which GPU pairs can read each
+other's memory directly (peer-to-peer) and over what link (NVLink, or how far apart on PCIe),
+and whether Nsight Systems is installed. A machine without a GPU is a normal answer, not an error.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Callable
+
+import torch
+
+GIB = 1 << 30
+
+# NVML topology levels as `nvidia-smi topo -m` names them, nearest first.
+PCIE_LEVELS = {
+    "TOPOLOGY_INTERNAL": "same board",
+    "TOPOLOGY_SINGLE": "PIX (one PCIe switch)",
+    "TOPOLOGY_MULTIPLE": "PXB (several PCIe switches)",
+    "TOPOLOGY_HOSTBRIDGE": "PHB (through the host bridge)",
+    "TOPOLOGY_NODE": "NODE (host bridges in one NUMA node)",
+    "TOPOLOGY_SYSTEM": "SYS (across NUMA nodes)",
+}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+    capability: tuple[int, int]
+    pci_bus_id: str | None
+
+
+def package_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def driver_version() -> str | None:
+    """The CUDA driver API version the driver supports (e.g. 12.8), or None without a driver."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        return None
+    err, value = runtime.cudaDriverGetVersion()
+    if err != runtime.cudaError_t.cudaSuccess or not value:
+        return None
+    return f"{value // 1000}.{value % 1000 // 10}"
+
+
+def pci_bus_id(index: int) -> str | None:
+    from cuda.bindings import runtime
+
+    err, raw = runtime.cudaDeviceGetPCIBusId(32, index)
+    if err != runtime.cudaError_t.cudaSuccess:
+        return None
+    return bytes(raw).split(b"\0", 1)[0].decode()
+
+
+def list_gpus() -> list[Gpu]:
+    gpus = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        free, total = torch.cuda.mem_get_info(index)
+        gpus.append(Gpu(index, props.name, total, free, (props.major, props.minor), pci_bus_id(index)))
+    return gpus
+
+
+def peer_access(num_gpus: int) -> dict[tuple[int, int], bool]:
+    """(i, j) -> whether GPU i can read GPU j's memory directly (cudaDeviceCanAccessPeer)."""
+    from cuda.bindings import runtime
+
+    access = {}
+    for i in range(num_gpus):
+        for j in range(num_gpus):
+            if i != j:
+                err, can = runtime.cudaDeviceCanAccessPeer(i, j)
+                access[i, j] = err == runtime.cudaError_t.cudaSuccess and bool(can)
+    return access
+
+
+def link_types(gpus: list[Gpu]) -> tuple[dict[tuple[int, int], str], str | None]:
+    """(i, j) -> "NVLink" or the PCIe level between the two, from NVML; plus why it is empty, if it is.
+
+    GPUs are matched to NVML by PCI bus id, since CUDA's numbering (CUDA_VISIBLE_DEVICES, fastest
+    first) need not be NVML's."""
+    try:
+        from cuda.bindings import nvml
+    except ImportError as exc:
+        return {}, f"cuda.bindings.nvml is not available ({exc})"
+    try:
+        nvml.init_v2()
+    except Exception as exc:  # noqa: BLE001 - NvmlError, or the driver library not found at all
+        return {}, f"NVML did not start ({exc})"
+    try:
+        handles = {g.index: nvml.device_get_handle_by_pci_bus_id_v2(g.pci_bus_id) for g in gpus if g.pci_bus_id}
+        links = {}
+        for i, first in handles.items():
+            for j, second in handles.items():
+                if i == j:
+                    continue
+                try:
+                    nvlink = nvml.device_get_p2p_status(first, second, nvml.GpuP2PCapsIndex.P2P_CAPS_INDEX_NVLINK)
+                    if nvlink == nvml.GpuP2PStatus.P2P_STATUS_OK:
+                        links[i, j] = "NVLink"
+                        continue
+                    level = nvml.GpuTopologyLevel(nvml.device_get_topology_common_ancestor(first, second))
+                    links[i, j] = PCIE_LEVELS.get(level.name, level.name)
+                except nvml.NvmlError as exc:
+                    links[i, j] = f"unknown ({exc})"
+        return links, None
+    finally:
+        nvml.shutdown()
+
+
+def peer_table(gpus: list[Gpu], access: dict[tuple[int, int], bool], links: dict[tuple[int, int], str]) -> list[str]:
+    """Row i, column j: can GPU i read GPU j's memory, and the link between them."""
+    cells = {
+        (i, j): "-" if i == j else ("P2P" if access[i, j] else "no P2P") + (f", {links[i, j]}" if (i, j) in links else "")
+        for i in range(len(gpus)) for j in range(len(gpus))
+    }
+    width = max(len(c) for c in cells.values()) + 2
+    lines = ["        " + "".join(f"GPU{j}".ljust(width) for j in range(len(gpus)))]
+    for i in range(len(gpus)):
+        lines.append(f"  GPU{i}  " + "".join(cells[i, j].ljust(width) for j in range(len(gpus))))
+    return lines
+
+
+def run_doctor(echo: Callable[[str], None] = print) -> int:
+    """Print the report; always 0 (a CPU-only machine is a valid place to run graphrt)."""
+    cuda_build = torch.version.cuda or "none (CPU build)"
+    echo("graphrt doctor")
+    echo(f"  python {platform.python_version()} on {platform.system()} {platform.machine()}")
+    echo(f"  torch {torch.__version__} (CUDA build: {cuda_build}), triton {package_version('triton')}, "
+         f"cuda-python {package_version('cuda-python')}, nvtx {package_version('nvtx')}")
+    driver = driver_version()
+    echo(f"  CUDA driver: {'supports CUDA ' + driver if driver else 'none found'}")
+    nsys = shutil.which("nsys")
+    nsys_line = f"  nsys: {nsys}" if nsys else "  nsys: not on PATH (install Nsight Systems to take traces; see docs/profiling.md)"
+    if not torch.cuda.is_available():
+        echo("  GPUs: no CUDA GPU is visible to torch, so graphrt runs on the CPU (one worker thread per stage)")
+        echo(nsys_line)
+        return 0
+    gpus = list_gpus()
+    try:
+        from cuda.bindings import nvml
+
+        nvml.init_v2()
+        echo(f"  NVIDIA driver {nvml.system_get_driver_version()}")
+        nvml.shutdown()
+    except Exception:  # noqa: BLE001 - the driver version is a nicety; the CUDA one is above
+        pass
+    echo(f"  GPUs: {len(gpus)}")
+    for gpu in gpus:
+        echo(f"  GPU{gpu.index}: {gpu.name}, sm_{gpu.capability[0]}{gpu.capability[1]}, {gpu.total_bytes / GIB:.1f} GiB "
+             f"({gpu.free_bytes / GIB:.1f} GiB free), PCI {gpu.pci_bus_id or 'unknown'}")
+    if len(gpus) > 1:
+        links, why_no_links = link_types(gpus)
+        echo("  peer-to-peer access (row reads column's memory) and link:")
+        for line in peer_table(gpus, peer_access(len(gpus)), links):
+            echo(line)
+        if why_no_links:
+            echo(f"  links unknown: {why_no_links}")
+    else:
+        echo("  peer-to-peer: one GPU, no pairs (with --pp N all stages share it, each on its own stream)")
+    echo(nsys_line)
+    return 0
