@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from graphrt.capture.cuda_info import driver_version
+
 GIB = 1 << 30
 
 # NVML topology levels as `nvidia-smi topo -m` names them, nearest first.
@@ -43,18 +45,6 @@ def package_version(name: str) -> str:
         return version(name)
     except PackageNotFoundError:
         return "not installed"
-
-
-def driver_version() -> str | None:
-    """The CUDA driver API version the driver supports (e.g. 12.8), or None without a driver."""
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        return None
-    err, value = runtime.cudaDriverGetVersion()
-    if err != runtime.cudaError_t.cudaSuccess or not value:
-        return None
-    return f"{value // 1000}.{value % 1000 // 10}"
 
 
 def pci_bus_id(index: int) -> str | None:
