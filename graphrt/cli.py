@@ -47,7 +47,7 @@ def model_options(command):
         click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default=None, help="Decode kernels [default: triton on CUDA, torch elsewhere]."),
         click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest decode bucket [default: 32 on CPU; on CUDA from KV cache memory, 8 to 256]."),
         click.option("--buckets", default=None, help="Decode bucket sizes, e.g. 1,2,4,8,16 [default: 1, 2, 4, 8, then every 8 up to --max-batch]."),
-        click.option("--depth", type=click.IntRange(min=0), default=None, help="Micro-batches in flight beyond one per stage: the ring has pp + depth slots [default: 1]."),
+        click.option("--depth", type=click.IntRange(min=0), default=None, help="Micro-batches in flight beyond one per stage: the ring has pp + depth slots [default: 0 with one stage, else 1]."),
         click.option("--no-graphs", is_flag=True, help="Replay decode eagerly over the same static buffers instead of CUDA graphs."),
         click.option("--allow-eager", is_flag=True, help="Run a (stage, bucket) whose capture fails eagerly instead of stopping."),
     ]
@@ -250,19 +250,20 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
 
 
 @main.command()
-@click.option("--model", type=click.Path(path_type=Path), default=None, help="Hugging Face style model folder [default: SmolLM2-135M-Instruct].")
-@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages.")
+@model_options
+@click.option("--cache", type=click.Path(path_type=Path), default=None, help="Graph cache folder written by `graphrt capture`.")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True, help="Requests decoded at once; more wait in the queue.")
+@click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Context length [default: the model's].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True, help="0 picks a free port.")
-@click.option("--api-key", envvar="GRAPHRT_API_KEY", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes [env: GRAPHRT_API_KEY].")
-@click.option("--max-batch", type=click.IntRange(min=1), default=64, show_default=True, help="Most requests running at once.")
-@click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Context length [default: the model's].")
-def serve(model, pp, host, port, api_key, max_batch, max_model_len) -> None:
+@click.option("--api-key", envvar="GRAPHRT_API_KEY", default=None, help="Require this bearer token (also GRAPHRT_API_KEY).")
+def serve(cache, max_num_seqs, max_model_len, host, port, api_key, **model_args) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM."""
     from graphrt.server import ServeOptions
     from graphrt.server import serve as run_server
 
-    options = ServeOptions(model=model, pp=pp, host=host, port=port, api_key=api_key or None, max_batch=max_batch, max_model_len=max_model_len)
+    llm_kwargs = dict(engine_kwargs(**model_args), cache=cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    options = ServeOptions(host=host, port=port, api_key=api_key or None, llm_kwargs=llm_kwargs)
     run_server(options, echo=click.echo)
 
 

@@ -164,8 +164,10 @@ class EngineConfig:
     buckets: list[int] | None = None  # decode batch sizes with a graph; None: 1, 2, 4, 8, then every 8
     max_batch: int | None = None  # largest bucket; None: capture.buckets.default_max_batch
     allow_eager: bool = False  # a (stage, bucket) that fails capture runs eagerly instead of aborting
-    depth: int = 1  # micro-batches in flight beyond one per stage: the ring has pp + depth slots
+    depth: int | None = None  # micro-batches beyond one per stage (ring of pp + depth); None: 0 if pp == 1 else 1
     timeline: bool = False  # record when each stage works on which micro-batch (graphrt.profiling)
+    procs: bool = False  # stages 1..pp-1 in worker processes over torch.distributed (graphrt.remote)
+    watchdog_s: float = 30.0  # with procs: a stage silent this long is declared dead
 
     def __post_init__(self) -> None:
         if not isinstance(self.pp, int) or self.pp < 1:
@@ -182,6 +184,10 @@ class EngineConfig:
             )
         if self.devices is not None and len(self.devices) != self.pp:
             raise ValueError(f"--devices names {len(self.devices)} devices for {self.pp} stages; give one per stage")
+        if self.depth is None:
+            # One stage gains nothing from a deeper ring: it would only split each decode batch in
+            # two and read the weights twice per round (benchmarks/results.md, "ring depth").
+            self.depth = 0 if self.pp == 1 else 1
         if not isinstance(self.depth, int) or self.depth < 0:
             raise ValueError(f"depth must be a non-negative integer (micro-batches beyond one per stage), got {self.depth!r}")
         if self.max_batch is not None and self.max_batch < 1:
@@ -190,18 +196,14 @@ class EngineConfig:
             raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
+        if self.procs and self.pp < 2:
+            raise ValueError(f"procs needs at least two stages (--pp 2 or more), got pp={self.pp}")
+        if not self.watchdog_s > 0:
+            raise ValueError(f"watchdog_s must be a positive number of seconds, got {self.watchdog_s!r}")
         if self.dtype != "auto":
             self.dtype = parse_dtype(self.dtype)
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
-        if not isinstance(self.depth, int) or self.depth < 0:
-            raise ValueError(f"depth must be a non-negative integer (micro-batches beyond one per stage), got {self.depth!r}")
-        if self.max_batch is not None and self.max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
-        if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):
-            raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
-        if self.kernels not in ("auto", "torch", "triton"):
-            raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.dtype != "auto":
             return self.dtype
         if device.type == "cpu":

@@ -11,7 +11,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -27,14 +27,11 @@ GRACEFUL_SHUTDOWN_S = 5  # after cancelling in-flight requests, how long connect
 
 @dataclass
 class ServeOptions:
-    model: Path | None = None  # None: the default model
-    pp: int = 1
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the banner says which)
     api_key: str | None = None
-    max_batch: int = 64  # the engine's max_num_seqs
-    max_model_len: int | None = None
     max_body_bytes: int = 1 << 20
+    llm_kwargs: dict = field(default_factory=dict)  # graphrt.LLM's: model, pp, depth, cache, max_num_seqs, ...
 
 
 class GracefulServer(uvicorn.Server):
@@ -92,7 +89,7 @@ def address_of(sock: socket.socket) -> str:
 def load_engine(options: ServeOptions):
     from graphrt.llm import LLM
 
-    return LLM(model=options.model, pp=options.pp, max_num_seqs=options.max_batch, max_model_len=options.max_model_len).engine
+    return LLM(**options.llm_kwargs).engine
 
 
 def warm_up(engine) -> None:
@@ -122,8 +119,10 @@ def start_engine(options: ServeOptions, echo: Callable[[str], None]):
     try:
         start = time.perf_counter()
         engine = load_engine(options)
-        echo(f"[graphrt] load {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, pp={options.pp}, "
-             f"max batch {options.max_batch}, context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks")
+        echo(f"[graphrt] load and capture {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, "
+             f"pp={len(engine.devices)} depth={engine.ring.num_slots - len(engine.devices)}, {engine.backend} decode, "
+             f"buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "
+             f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks")
         start = time.perf_counter()
         warm_up(engine)
         echo(f"[graphrt] warm-up {time.perf_counter() - start:.1f} s")
