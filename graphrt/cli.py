@@ -47,16 +47,18 @@ def model_options(command):
         click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default=None, help="Decode kernels [default: triton on CUDA, torch elsewhere]."),
         click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest decode bucket [default: 32 on CPU; on CUDA from KV cache memory, 8 to 256]."),
         click.option("--buckets", default=None, help="Decode bucket sizes, e.g. 1,2,4,8,16 [default: 1, 2, 4, 8, then every 8 up to --max-batch]."),
-        click.option("--depth", type=click.IntRange(min=0), default=None, help="Micro-batches in flight beyond one per stage: the ring has pp + depth slots [default: 0 with one stage, else 1]."),
+        click.option("--depth", type=click.IntRange(min=0), default=None, help="Micro-batches in flight beyond one per stage: the ring has pp + depth slots [default: 1 with several CUDA stages, else 0]."),
         click.option("--no-graphs", is_flag=True, help="Replay decode eagerly over the same static buffers instead of CUDA graphs."),
         click.option("--allow-eager", is_flag=True, help="Run a (stage, bucket) whose capture fails eagerly instead of stopping."),
+        click.option("--procs", is_flag=True, help="Run stages 1..pp-1 in worker processes over torch.distributed (see docs/distributed.md)."),
+        click.option("--watchdog-s", type=click.FloatRange(min=0, min_open=True), default=None, help="With --procs: a stage silent this long is declared dead [default: 30]."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def engine_kwargs(model, pp, devices, dtype, kernels, max_batch, buckets, depth, no_graphs, allow_eager) -> dict:
+def engine_kwargs(model, pp, devices, dtype, kernels, max_batch, buckets, depth, no_graphs, allow_eager, procs=False, watchdog_s=None) -> dict:
     from graphrt.capture.buckets import parse_buckets
 
     return dict(
@@ -70,6 +72,8 @@ def engine_kwargs(model, pp, devices, dtype, kernels, max_batch, buckets, depth,
         depth=depth,
         use_graphs=False if no_graphs else None,
         allow_eager=allow_eager or None,
+        procs=procs or None,
+        watchdog_s=watchdog_s,
     )
 
 

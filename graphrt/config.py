@@ -164,7 +164,7 @@ class EngineConfig:
     buckets: list[int] | None = None  # decode batch sizes with a graph; None: 1, 2, 4, 8, then every 8
     max_batch: int | None = None  # largest bucket; None: capture.buckets.default_max_batch
     allow_eager: bool = False  # a (stage, bucket) that fails capture runs eagerly instead of aborting
-    depth: int | None = None  # micro-batches beyond one per stage (ring of pp + depth); None: 0 if pp == 1 else 1
+    depth: int | None = None  # micro-batches beyond one per stage (ring of pp + depth); None: default_depth()
     timeline: bool = False  # record when each stage works on which micro-batch (graphrt.profiling)
     procs: bool = False  # stages 1..pp-1 in worker processes over torch.distributed (graphrt.remote)
     watchdog_s: float = 30.0  # with procs: a stage silent this long is declared dead
@@ -185,9 +185,7 @@ class EngineConfig:
         if self.devices is not None and len(self.devices) != self.pp:
             raise ValueError(f"--devices names {len(self.devices)} devices for {self.pp} stages; give one per stage")
         if self.depth is None:
-            # One stage gains nothing from a deeper ring: it would only split each decode batch in
-            # two and read the weights twice per round (benchmarks/results.md, "ring depth").
-            self.depth = 0 if self.pp == 1 else 1
+            self.depth = self.default_depth()
         if not isinstance(self.depth, int) or self.depth < 0:
             raise ValueError(f"depth must be a non-negative integer (micro-batches beyond one per stage), got {self.depth!r}")
         if self.max_batch is not None and self.max_batch < 1:
@@ -202,6 +200,17 @@ class EngineConfig:
             raise ValueError(f"watchdog_s must be a positive number of seconds, got {self.watchdog_s!r}")
         if self.dtype != "auto":
             self.dtype = parse_dtype(self.dtype)
+
+    def default_depth(self) -> int:
+        """1 for several CUDA stages, else 0 (measured: benchmarks/results.md, "ring depth").
+
+        A deeper ring hides the host's turnaround behind other micro-batches, which matters when a
+        stage's work takes about as long as that turnaround (GPU stages: milliseconds). It also
+        splits each decode round into more, smaller micro-batches, each reading the stage's weights
+        once: on one stage, or on CPU stages sharing the same cores, that only costs throughput.
+        """
+        on_cuda = all(d.startswith("cuda") for d in self.devices) if self.devices else torch.cuda.is_available()
+        return 1 if self.pp > 1 and on_cuda else 0
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":
