@@ -27,6 +27,7 @@ from graphrt.kv_cache import BlockAllocator, bytes_per_block
 from graphrt.pipeline import Pipeline, default_devices
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline
+from graphrt.remote import Cluster, load_first_stage
 from graphrt.ring import MicroBatch, Ring
 from graphrt.sampling import Sampler, SamplingParams
 from graphrt.scheduler import ScheduledStep, Scheduler
@@ -70,7 +71,9 @@ class Engine:
         self.devices = [torch.device(d) for d in (config.devices or default_devices(config.pp))]
         self.dtype = config.resolve_dtype(self.model_config, self.devices[0])
         self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
-        self.pipeline = Pipeline.load(
+        # With procs, stages 1..pp-1 live in worker processes (started now, so they boot meanwhile).
+        self.cluster = Cluster.start(self.model_dir, config) if config.procs else None
+        self.pipeline = (load_first_stage if self.cluster else Pipeline.load)(
             self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels
         )
         num_blocks = self._num_kv_blocks()
@@ -97,13 +100,15 @@ class Engine:
         )
         self.sampler = Sampler(self.devices[-1], config.seed)
         self.timeline = Timeline(self.devices) if config.timeline else None
-        self.ring = Ring(
+        if self.cluster:
+            self.cluster.handshake(self)
+        self.ring = (self.cluster.make_ring if self.cluster else Ring)(
             self.pipeline, self.graphs, self.sampler, num_slots=config.pp + config.depth,
             max_tokens=max(config.prefill_chunk_size, self.plan.max_batch), timeline=self.timeline, ranges=self.ranges,
         )
         self.in_flight: deque[MicroBatch] = deque()
         self._decode_busy_until = 0.0
-        self.weight_bytes = self.pipeline.weight_bytes()
+        self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
         self.stats = EngineStats()
         self._ids = itertools.count()
         self.eos_ids = set(self.model_config.eos_token_ids)

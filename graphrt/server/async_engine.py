@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from graphrt.errors import GraphrtError, RequestError
 from graphrt.sampling import SamplingParams
 from graphrt.sequence import Sequence
+from graphrt.transport import StageFailure
 
 logger = logging.getLogger("graphrt.server")
 
@@ -210,6 +211,13 @@ class AsyncEngine:
     def _step(self, deliveries: list) -> None:
         try:
             seqs = self.engine.step()
+        except StageFailure as exc:
+            # A stage process died or went silent (--procs): nothing in flight can finish; the server stops.
+            logger.error("%s; failing %d requests in flight", exc, len(self._jobs))
+            for job in list(self._jobs):
+                self._abort(job)
+                deliveries.append((job, Failed(503, str(exc))))
+            return
         except Exception:
             # A bug in the engine: fail what is in flight rather than leave clients hanging.
             logger.exception("engine step failed; failing %d requests in flight", len(self._jobs))

@@ -48,6 +48,12 @@ class GracefulServer(uvicorn.Server):
         if self.started:
             self.on_started()
 
+    async def on_tick(self, counter: int) -> bool:
+        # With --procs, a dead stage ends the server (its monitor has failed what was in flight).
+        if stage_failure(self.async_engine.engine) is not None:
+            return True
+        return await super().on_tick(counter)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.async_engine.stop()
         await super().shutdown(sockets)
@@ -65,6 +71,12 @@ class GracefulServer(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def stage_failure(engine):
+    """The StageFailure that stopped a --procs engine's pipeline, or None."""
+    cluster = getattr(engine, "cluster", None)
+    return cluster.failure if cluster is not None else None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -149,6 +161,8 @@ def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
             echo("try: " + curl_example(url, settings.model_id, options.api_key is not None))
 
         make_server(engine, settings, banner).run(sockets=[sock])
+        if stage_failure(engine) is not None:
+            raise stage_failure(engine)  # the CLI prints it and exits 1
         echo("[graphrt] stopped")
     finally:
         sock.close()

@@ -1,0 +1,357 @@
+"""Remote stages on rank 0: the engine's side of `--procs` (stages as processes, or hosts).
+
+Rank 0 holds stage 0 only. `RemoteRing` is the ring with the same interface as the local one: a
+micro-batch runs stage 0 on its stream, then the same stream sends the header, metadata and
+hidden states to rank 1; the slot's event completes when the receive thread gets the token ids
+back from the last rank. A heartbeat flows round the ring when it is idle, so every rank hears
+from its neighbour within the watchdog, and a monitor thread watches the worker processes rank 0
+started. Any failure fails every micro-batch in flight with a `StageFailure` naming the stage.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from graphrt.capture.manifest import model_fingerprint
+from graphrt.handshake import StagePlan, engine_handshake
+from graphrt.kernels import kernel_set
+from graphrt.model import Stage
+from graphrt.pipeline import Pipeline, partition_layers
+from graphrt.ring import MicroBatch, Ring, RingSlot
+from graphrt.streams import CpuStream
+from graphrt.transport import (
+    DECODE, HEARTBEAT, PREFILL, SHUTDOWN, Link, Message, Sampling, StageFailure, cpu_threads_per_stage, open_group, recv_reply,
+    send_message, stage_name,
+)
+
+STARTUP_TIMEOUT_S = 600.0  # loading and capturing a large stage can take minutes
+EXIT_GRACE_S = 3.0  # after a failure, how long workers get to exit on their own before SIGTERM
+MONITOR_INTERVAL_S = 0.1
+
+
+def load_first_stage(cfg, files, devices, dtype, max_position, kernels="auto") -> Pipeline:
+    """Pipeline.load for rank 0: stage 0 of len(devices) stages, and nothing else."""
+    stage = Stage(cfg, 0, len(devices), partition_layers(cfg, len(devices))[0], devices[0], dtype, max_position, kernel_set(kernels, devices[0].type))
+    stage.load(files)
+    return Pipeline([stage], [])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_workers(model_dir, config, port: int) -> list[subprocess.Popen]:
+    """Ranks 1..pp-1 on this host, as `python -m graphrt.worker` with torchrun's environment."""
+    args = [sys.executable, "-m", "graphrt.worker", "--model", str(model_dir), "--watchdog-s", str(config.watchdog_s)]
+    if config.dtype != "auto":
+        args += ["--dtype", str(config.dtype).removeprefix("torch.")]
+    if config.devices:
+        args += ["--devices", ",".join(config.devices)]
+    children = []
+    for rank in range(1, config.pp):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(config.pp), LOCAL_RANK=str(rank))
+        children.append(subprocess.Popen(args, env=env))
+    return children
+
+
+class RemoteEvent:
+    """A slot's event: set when its tokens are back from the last rank, or failed."""
+
+    def __init__(self):
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.sent = None  # stage 0's event after its send: an error there (a bug in stage 0) surfaces here
+
+    def query(self) -> bool:
+        return self._done.is_set() or (self.sent is not None and self.sent.query() and self.sent.error is not None)
+
+    def synchronize(self) -> None:
+        while not self._done.wait(0.05):
+            if self.sent is not None and self.sent.query() and self.sent.error is not None:
+                raise self.sent.error
+        if self.error is not None:
+            raise self.error
+
+    def _set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+
+class Cluster:
+    """Rank 0's view of the other ranks: the link, the processes it started, the watchdog."""
+
+    def __init__(self, link: Link, children: list[subprocess.Popen], watchdog_s: float):
+        self.link, self.children, self.watchdog_s = link, children, watchdog_s
+        self.failure: StageFailure | None = None
+        self.remote_weight_bytes = 0
+        self.ring: RemoteRing | None = None
+        self._pending: dict[int, RemoteEvent] = {}
+        self._lock = threading.Lock()
+        self.closing = threading.Event()
+        self._run(self._monitor, "graphrt-monitor")
+
+    @staticmethod
+    def start(model_dir, config) -> Cluster:
+        """Join torchrun's ranks (RANK=0 in the environment) or start pp-1 workers on this host."""
+        device = torch.device(config.devices[0]) if config.devices else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(cpu_threads_per_stage(config.pp))
+        if os.environ.get("RANK") == "0" and "WORLD_SIZE" in os.environ:
+            if int(os.environ["WORLD_SIZE"]) != config.pp:
+                raise ValueError(f"--pp {config.pp} but WORLD_SIZE is {os.environ['WORLD_SIZE']}; one rank per stage")
+            children, init_method = [], "env://"
+        else:
+            port = free_port()
+            children = spawn_workers(model_dir, config, port)
+            init_method = f"tcp://127.0.0.1:{port}?rank=0&world_size={config.pp}"
+        group = _open_watching(children, backend, init_method)
+        link = Link(group, 0, config.pp, device if backend == "nccl" else torch.device("cpu"), config.watchdog_s)
+        return Cluster(link, children, config.watchdog_s)
+
+    # -- start-up ---------------------------------------------------------------------------------
+
+    def handshake(self, engine) -> None:
+        """Agree with every rank on the plan; on a mismatch every rank stops naming the field."""
+        config = engine.config
+        plan = StagePlan(
+            fingerprint=model_fingerprint(engine.model_dir),
+            dtype=str(engine.dtype).removeprefix("torch."),
+            pp=config.pp,
+            layers=partition_layers(engine.model_config, config.pp),
+            buckets=list(engine.plan.sizes),
+            num_blocks=engine.allocator.num_blocks,
+            block_size=config.block_size,
+            max_model_len=engine.max_model_len,
+            num_slots=config.pp + config.depth,
+            max_tokens=max(config.prefill_chunk_size, engine.plan.max_batch),
+            seed=config.seed,
+            use_cuda_graphs=engine.backend == "cuda",
+            kernels=config.kernels,
+            allow_eager=config.allow_eager,
+        )
+        try:
+            self.remote_weight_bytes = engine_handshake(self.link, plan, STARTUP_TIMEOUT_S)
+        except StageFailure as exc:
+            self.fail(str(exc))
+            self.close()
+            raise
+
+    def make_ring(self, pipeline, graphs, sampler, **options) -> RemoteRing:
+        self.ring = RemoteRing(pipeline, graphs, sampler, cluster=self, **options)
+        self._receiver = self._run(self._receive, "graphrt-receive")
+        self._run(self._heartbeat, "graphrt-heartbeat")
+        return self.ring
+
+    # -- micro-batches ----------------------------------------------------------------------------
+
+    def expect(self, micro_batch: int) -> RemoteEvent:
+        event = RemoteEvent()
+        with self._lock:
+            if self.failure is not None:
+                event._set(self.failure)
+            else:
+                self._pending[micro_batch] = event
+        return event
+
+    def send(self, message: Message) -> None:
+        """On stage 0's stream: pass a micro-batch (or heartbeat, or shutdown) to rank 1."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            send_message(self.link, message, 1)
+        except StageFailure as exc:
+            self._fail_soon(str(exc))
+            raise
+
+    def _receive(self) -> None:
+        last = self.link.world_size - 1
+        while True:
+            try:
+                kind, micro_batch, slot, tokens = recv_reply(self.link, last)
+            except StageFailure as exc:
+                if not self.closing.is_set():
+                    self._fail_soon(str(exc))
+                return
+            if kind == SHUTDOWN:
+                return
+            if kind == HEARTBEAT:
+                continue
+            if tokens is not None:
+                self.ring.slots[slot].tokens[: tokens.shape[0]].copy_(tokens)
+            with self._lock:
+                event = self._pending.pop(micro_batch, None)
+            if event is not None:
+                event._set()
+
+    def _heartbeat(self) -> None:
+        interval = self.watchdog_s / 4
+        while not self.closing.wait(interval):
+            if self.failure is not None:
+                return
+            if time.monotonic() - self.ring.last_sent >= interval and not self.ring.heartbeat_queued:
+                self.ring.queue_heartbeat()
+
+    # -- failure ----------------------------------------------------------------------------------
+
+    def _monitor(self) -> None:
+        while not self.closing.wait(MONITOR_INTERVAL_S):
+            if self.failure is None:
+                self._check_children()
+
+    def _check_children(self) -> None:
+        for rank, child in enumerate(self.children, start=1):
+            code = child.poll()
+            if code is not None and not self.closing.is_set():
+                self.fail(f"{stage_name(rank)} exited with code {code}")
+                return
+
+    def _fail_soon(self, message: str) -> None:
+        """A broken link: if a process rank 0 started has died, name it rather than its neighbour."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and self.failure is None and self.children:
+            self._check_children()
+            time.sleep(MONITOR_INTERVAL_S)
+        self.fail(message)
+
+    def fail(self, message: str) -> None:
+        """Fail every micro-batch in flight (and every later one); stop the workers rank 0 started."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = StageFailure(f"{message}; the pipeline is down, restart graphrt")
+            pending, self._pending = list(self._pending.values()), {}
+        print(f"[graphrt] {stage_name(0)} stops: {self.failure}", file=sys.stderr, flush=True)
+        for event in pending:
+            event._set(self.failure)
+        self._run(self._reap, "graphrt-reap")
+
+    def _reap(self) -> None:
+        """Workers notice a broken neighbour themselves; whoever has not exited after a grace is stopped."""
+        deadline = time.monotonic() + EXIT_GRACE_S
+        for signal_them in (subprocess.Popen.terminate, subprocess.Popen.kill):
+            for child in self.children:
+                try:
+                    child.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    signal_them(child)
+            deadline = time.monotonic() + EXIT_GRACE_S
+
+    def close(self) -> None:
+        """Tell every worker to stop (they exit 0) and wait for them; after a failure, just reap."""
+        self.closing.set()
+        if self.failure is None and self.ring is not None:
+            self.ring.streams[0].submit(lambda: self.send(Message(SHUTDOWN, -1, 0)))
+            self.ring.streams[0].close()
+            self._receiver.join(self.watchdog_s)  # the receive thread ends at the shutdown reply
+        for child in self.children:
+            try:
+                child.wait(self.watchdog_s if self.failure is None else 2 * EXIT_GRACE_S + 1)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+    def _run(self, target, name: str) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+
+def _open_watching(children: list[subprocess.Popen], backend: str, init_method: str):
+    """open_group, but a worker that dies while the ranks meet is reported at once, not after the timeout."""
+    result: list = []
+
+    def meet() -> None:
+        try:
+            result.append(open_group(backend, init_method, STARTUP_TIMEOUT_S))
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            result.append(exc)
+
+    thread = threading.Thread(target=meet, name="graphrt-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(MONITOR_INTERVAL_S)
+        for rank, child in enumerate(children, start=1):
+            if child.poll() is not None:
+                for other in children:
+                    other.kill()
+                raise StageFailure(f"{stage_name(rank)} exited with code {child.returncode} before the ranks met; its output says why")
+    if isinstance(result[0], Exception):
+        for child in children:
+            child.kill()
+        raise StageFailure(f"the ranks could not meet at {init_method}: {result[0]}")
+    return result[0]
+
+
+@dataclass
+class RemoteRing(Ring):
+    """The ring, with stages 1..pp-1 in other processes. Stage 0 runs here as in `Ring`, writing its
+    output into the slot's buffer for stage 1, from which the same stream sends it."""
+
+    cluster: Cluster | None = None
+    last_sent: float = field(init=False, default_factory=time.monotonic)
+    heartbeat_queued: bool = field(init=False, default=False)
+    _seeded: dict = field(init=False, default_factory=dict)  # request id -> Sequence with a generator on the last rank
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for stream in self.streams:
+            stream.close()
+        # A thread even on CUDA: sends, heartbeats and shutdown must leave rank 0 in one order.
+        self.streams = [CpuStream("graphrt-stage0")]
+        stage = self.pipeline.stages[0]
+        for slot in self.slots:
+            slot.recv.append(torch.empty(self.max_tokens, stage.cfg.hidden_size, dtype=stage.dtype, device=stage.device))
+
+    def launch(self, slot: RingSlot, step, token_ids, meta, now: float) -> MicroBatch:
+        mb = super().launch(slot, step, token_ids, meta, now)
+        event = self.cluster.expect(mb.id)  # before the send is queued, so the reply always finds it
+        sampling = self._sampling(mb)
+        kind = PREFILL if step.is_prefill else DECODE
+        self.streams[0].submit(lambda: self._send(Message(kind, mb.id, slot.index, meta, mb.bucket, sampling), slot, token_ids.shape[0]))
+        event.sent = self.streams[0].record()
+        mb.done = event
+        return mb
+
+    def _send(self, message: Message, slot: RingSlot, num_tokens: int) -> None:
+        message.hidden = slot.recv[1][:num_tokens]
+        self.cluster.send(message)
+        self.last_sent = time.monotonic()
+
+    def _sampling(self, mb: MicroBatch) -> Sampling:
+        seqs = mb.sampled_seqs
+        for seq in seqs:
+            if seq.params.seed is not None:
+                self._seeded[seq.request_id] = seq
+        released = [rid for rid, seq in self._seeded.items() if seq.finished]
+        for rid in released:
+            del self._seeded[rid]
+        return Sampling(mb.sample_rows, [s.request_id for s in seqs], [s.params for s in seqs], [s.params.seed for s in seqs], released)
+
+    def queue_heartbeat(self) -> None:
+        self.heartbeat_queued = True
+
+        def beat() -> None:
+            self.heartbeat_queued = False
+            if self.cluster.closing.is_set():
+                return
+            self.cluster.send(Message(HEARTBEAT, -1, 0))
+            self.last_sent = time.monotonic()
+
+        self.streams[0].submit(beat)
+
+    def close(self) -> None:
+        self.cluster.close()
+        for stream in self.streams:
+            stream.close()

@@ -1,0 +1,216 @@
+"""The wire between stage processes: fixed-layout tensors over a torch.distributed process group.
+
+A micro-batch travels from rank k to rank k+1 as
+  header    int64 (HEADER_SIZE,): kind, micro-batch id, slot, rows, tokens, bucket, block-table
+            width, sampled rows, released request ids
+  ints      int64: positions, slot mapping, block tables, seq lens, logits rows, query lens
+            (prefill), then for sampling: sampled rows, request ids, top_k, seeds, has-seed,
+            then the request ids whose generators can go
+  floats    float64 (2 * sampled rows): temperature, top_p      (only when rows are sampled)
+  hidden    (tokens, hidden_size) in the stage dtype, into the receiver's per-slot buffer (k > 0)
+and the last rank answers rank 0 with a reply header (REPLY_SIZE,) followed by the token ids.
+Nothing is pickled, so every rank reads the same bytes the same way, and gloo (CPU) and NCCL (GPU,
+device tensors) carry it alike. Every wait is bounded by the watchdog, so a dead or silent peer
+becomes an error naming its stage instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from graphrt.batch import StepMetadata
+from graphrt.errors import GraphrtError
+from graphrt.sampling import SamplingParams
+
+HEADER_SIZE = 16
+REPLY_SIZE = 4
+PREFILL, DECODE, HEARTBEAT, SHUTDOWN = 0, 1, 2, 3
+
+
+class StageFailure(GraphrtError):
+    """A stage process died, stopped answering, or was refused at start-up."""
+
+
+def cpu_threads_per_stage(world_size: int) -> int:
+    """Stages on one CPU share its cores; more threads than cores make every op wait on the others."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def stage_name(rank: int) -> str:
+    return "stage 0 (the engine, rank 0)" if rank == 0 else f"stage {rank} (rank {rank})"
+
+
+@dataclass
+class Sampling:
+    """What the last stage needs to sample a micro-batch's rows as the single-process engine would."""
+
+    rows: list[int]  # rows of the micro-batch that get a token
+    request_ids: list[int]
+    params: list[SamplingParams]
+    seeds: list[int | None]
+    released: list[int]  # request ids whose seeded generators are no longer needed
+
+
+@dataclass
+class Message:
+    """One micro-batch as a stage receives it."""
+
+    kind: int
+    micro_batch: int
+    slot: int
+    meta: StepMetadata | None = None
+    bucket: int | None = None
+    sampling: Sampling | None = None
+    hidden: torch.Tensor | None = None  # (tokens, hidden_size), a view into the slot's buffer
+
+
+class Link:
+    """Point-to-point sends and receives with a deadline, on one process group."""
+
+    def __init__(self, group, rank: int, world_size: int, device: torch.device, timeout_s: float):
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.device = device  # where tensors must live to travel (cuda with NCCL)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+
+    def send(self, tensors: list[torch.Tensor], dst: int) -> None:
+        works = [self.group.send([t.to(self.device).contiguous()], dst, 0) for t in tensors]
+        for work in works:
+            self._wait(work, dst, "send to")
+
+    def recv(self, tensor: torch.Tensor, src: int, timeout: datetime.timedelta | None = None) -> torch.Tensor:
+        """Receive into `tensor` (on the link's device; copied back if `tensor` lives elsewhere)."""
+        target = tensor if tensor.device == self.device else torch.empty_like(tensor, device=self.device)
+        self._wait(self.group.recv([target], src, 0), src, "receive from", timeout)
+        if target is not tensor:
+            tensor.copy_(target)
+        return tensor
+
+    def _wait(self, work, peer: int, what: str, timeout: datetime.timedelta | None = None) -> None:
+        timeout = timeout or self.timeout
+        try:
+            work.wait(timeout)
+        except RuntimeError as exc:
+            reason = "timed out" if "imed out" in str(exc) or "timeout" in str(exc) else "lost the connection"
+            raise StageFailure(
+                f"{stage_name(peer)} stopped answering: {what} it {reason} after at most "
+                f"{timeout.total_seconds():g} s ({str(exc).splitlines()[0][:160]})"
+            ) from None
+
+
+def encode(message: Message) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """header, ints, floats (None when no row is sampled) for a micro-batch message."""
+    header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+    header[:3] = torch.tensor([message.kind, message.micro_batch, message.slot])
+    if message.meta is None:
+        return header, torch.zeros(0, dtype=torch.int64), None
+    meta, sampling = message.meta, message.sampling
+    rows, width = meta.block_tables.shape
+    num_tokens = meta.positions.shape[0]
+    num_sampled = len(sampling.rows) if sampling else 0
+    released = sampling.released if sampling else []
+    header[3:9] = torch.tensor([rows, num_tokens, message.bucket or 0, width, num_sampled, len(released)])
+    parts = [meta.positions, meta.slot_mapping, meta.block_tables.reshape(-1), meta.seq_lens, meta.logits_indices]
+    parts = [p.cpu() for p in parts]
+    if meta.query_lens is not None:
+        parts.append(torch.tensor(meta.query_lens, dtype=torch.int64))
+    floats = None
+    if sampling is not None:
+        seeds = [s if s is not None else 0 for s in sampling.seeds]
+        has_seed = [int(s is not None) for s in sampling.seeds]
+        top_k = [p.top_k for p in sampling.params]
+        parts.append(torch.tensor(sampling.rows + sampling.request_ids + top_k + seeds + has_seed + released, dtype=torch.int64))
+    if num_sampled:
+        floats = torch.tensor([p.temperature for p in sampling.params] + [p.top_p for p in sampling.params], dtype=torch.float64)
+    return header, torch.cat(parts), floats
+
+
+def int_payload_size(header: torch.Tensor) -> int:
+    kind, rows, num_tokens, width, num_sampled, num_released = (int(header[i]) for i in (0, 3, 4, 6, 7, 8))
+    size = 2 * num_tokens + rows * width + 2 * rows + (rows if kind == PREFILL else 0)
+    return size + 5 * num_sampled + num_released
+
+
+def decode(header: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor | None) -> Message:
+    kind, micro_batch, slot, rows, num_tokens, bucket, width, num_sampled, num_released = header[:9].tolist()
+    if kind in (HEARTBEAT, SHUTDOWN):
+        return Message(kind, micro_batch, slot)
+    sizes = [num_tokens, num_tokens, rows * width, rows, rows]
+    sizes += [rows] if kind == PREFILL else []
+    sizes += [num_sampled] * 5 + [num_released]
+    fields = ints.split(sizes)
+    positions, slot_mapping, tables, seq_lens, logits_indices = fields[:5]
+    rest = fields[5:]
+    query_lens = None
+    if kind == PREFILL:
+        query_lens, rest = rest[0].tolist(), rest[1:]
+    seq_lens_list = seq_lens.tolist()
+    meta = StepMetadata(
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=tables.view(rows, width),
+        seq_lens=seq_lens,
+        logits_indices=logits_indices,
+        seq_lens_host=seq_lens_list,
+        query_lens=query_lens,
+    )
+    sample_rows, request_ids, top_k, seeds, has_seed, released = (t.tolist() for t in rest)
+    sampling = None
+    if num_sampled or num_released:
+        values = floats.tolist() if num_sampled else []
+        temperature, top_p = values[:num_sampled], values[num_sampled:]
+        params = [SamplingParams(max_tokens=None, temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)]
+        sampling = Sampling(sample_rows, request_ids, params, [s if h else None for s, h in zip(seeds, has_seed)], released)
+    return Message(kind, micro_batch, slot, meta, bucket or None, sampling)
+
+
+def send_message(link: Link, message: Message, dst: int) -> None:
+    header, ints, floats = encode(message)
+    tensors = [header]
+    if message.meta is not None:
+        tensors.append(ints)
+        if floats is not None:
+            tensors.append(floats)
+        if message.hidden is not None:
+            tensors.append(message.hidden)
+    link.send(tensors, dst)
+
+
+def recv_message(link: Link, src: int, buffers: list[torch.Tensor], timeout: datetime.timedelta | None = None) -> Message:
+    """The next micro-batch from `src`; its hidden states land in `buffers[slot]` (this stage's)."""
+    header = link.recv(torch.empty(HEADER_SIZE, dtype=torch.int64), src, timeout)
+    if int(header[0]) in (HEARTBEAT, SHUTDOWN):
+        return decode(header, torch.zeros(0, dtype=torch.int64), None)
+    ints = link.recv(torch.empty(int_payload_size(header), dtype=torch.int64), src)
+    num_sampled = int(header[7])
+    floats = link.recv(torch.empty(2 * num_sampled, dtype=torch.float64), src) if num_sampled else None
+    message = decode(header, ints, floats)
+    message.hidden = link.recv(buffers[message.slot][: int(header[4])], src)
+    return message
+
+
+def send_reply(link: Link, kind: int, micro_batch: int, slot: int, token_ids: torch.Tensor | None) -> None:
+    count = 0 if token_ids is None else token_ids.shape[0]
+    header = torch.tensor([kind, micro_batch, slot, count], dtype=torch.int64)
+    link.send([header] + ([token_ids.to(torch.int64)] if count else []), 0)
+
+
+def recv_reply(link: Link, src: int) -> tuple[int, int, int, torch.Tensor | None]:
+    kind, micro_batch, slot, count = link.recv(torch.empty(REPLY_SIZE, dtype=torch.int64), src).tolist()
+    tokens = link.recv(torch.empty(count, dtype=torch.int64), src) if count else None
+    return kind, micro_batch, slot, tokens
+
+
+def open_group(backend: str, init_method: str, timeout_s: float):
+    """A process group of our own (not torch's global default), so several can come and go in one
+    process. `init_method`: env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or tcp://H:P?rank=R&world_size=W."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(dist.rendezvous(init_method, timeout=timeout))
+    store.set_timeout(timeout)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, world_size)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)

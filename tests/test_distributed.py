@@ -1,0 +1,160 @@
+"""Stages as processes (`procs=True`, `--procs`): the same tokens as one process, a dead stage
+fails what is in flight and every process exits, and ranks that disagree are refused at start-up.
+
+Every wait here is bounded: worker processes are killed in `finally` and subprocesses run under
+timeouts, so a regression fails the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from graphrt import LLM, SamplingParams
+from graphrt.remote import free_port
+from graphrt.server import ServerSettings, ServerThread
+from graphrt.synthetic import make_synthetic
+from graphrt.transport import StageFailure
+
+OPTIONS = dict(dtype="float64", kv_cache_tokens=2048, buckets=[1, 2, 4], prefill_chunk_size=16)
+PROMPTS = [[(7 * i + j) % 96 + 1 for j in range(3 + 5 * i)] for i in range(5)]  # 3..23 tokens: several prefill chunks
+WATCHDOG_S = 3.0
+
+
+def outputs(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
+def wait_all_exited(children: list[subprocess.Popen], within_s: float) -> list[int | None]:
+    deadline = time.monotonic() + within_s
+    for child in children:
+        try:
+            child.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    codes = [child.poll() for child in children]
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+    return codes
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_stage_processes_give_the_single_process_tokens(tiny_model_factory, pp):
+    model = tiny_model_factory("llama-gqa-tied")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    alone = LLM(model=model, pp=pp, **OPTIONS)
+    expected = outputs(alone, greedy), outputs(alone, seeded)
+    alone.engine.close()
+    llm = LLM(model=model, pp=pp, procs=True, watchdog_s=30, **OPTIONS)
+    children = llm.engine.cluster.children
+    try:
+        assert [c.poll() for c in children] == [None] * (pp - 1)
+        assert (outputs(llm, greedy), outputs(llm, seeded)) == expected
+        assert llm.engine.weight_bytes == alone.engine.weight_bytes  # the workers reported theirs
+    finally:
+        llm.engine.close()
+        codes = wait_all_exited(children, within_s=10)
+    assert codes == [0] * (pp - 1)  # a normal close: every worker exits cleanly
+
+
+def test_killing_a_stage_fails_requests_in_flight_and_every_process_exits(tiny_model_factory):
+    llm = LLM(model=tiny_model_factory("llama-gqa-tied"), pp=3, procs=True, watchdog_s=WATCHDOG_S, **OPTIONS)
+    make_synthetic(llm.engine, stage_ms=10)  # stage 0 takes 10 ms, so the requests are still running at the kill
+    children = llm.engine.cluster.children
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            llm.generate(PROMPTS, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        thread.start()
+        time.sleep(1.0)
+        assert thread.is_alive(), "the requests finished before the kill; the test needs a slower stage"
+        killed_at = time.monotonic()
+        children[0].send_signal(signal.SIGKILL)  # rank 1, the middle stage
+        thread.join(WATCHDOG_S + 10)
+        assert not thread.is_alive(), "generate did not return after a stage died"
+        codes = wait_all_exited(children, within_s=WATCHDOG_S + 10 - (time.monotonic() - killed_at))
+    finally:
+        for child in children:
+            child.kill()
+    assert len(errors) == 1 and isinstance(errors[0], StageFailure)
+    assert "stage 1 (rank 1) exited with code -9" in str(errors[0])
+    assert all(code not in (None, 0) for code in codes), codes
+    with pytest.raises(StageFailure, match="stage 1"):  # the engine stays failed rather than hanging
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))
+
+
+def test_server_over_stage_processes_answers_and_fails_with_503(tiny_model_factory):
+    model = tiny_model_factory("llama-gqa-tied")
+    body = {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    alone = LLM(model=model, pp=2, **OPTIONS)
+    expected = alone.generate(PROMPTS[2], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    alone.engine.close()
+    llm = LLM(model=model, pp=2, procs=True, watchdog_s=WATCHDOG_S, **OPTIONS)
+    children = llm.engine.cluster.children
+    server = ServerThread(llm.engine, ServerSettings(model_id="tiny")).start()
+    try:
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+        assert answer["usage"]["completion_tokens"] == len(expected.token_ids) == 10
+        assert answer["choices"][0]["finish_reason"] == "length"
+        make_synthetic(llm.engine, stage_ms=10)
+        statuses: list[int] = []
+        long = {**body, "max_tokens": 200}
+        thread = threading.Thread(target=lambda: statuses.append(httpx.post(f"{server.url}/v1/completions", json=long, timeout=30).status_code))
+        thread.start()
+        time.sleep(1.0)
+        killed_at = time.monotonic()
+        children[0].send_signal(signal.SIGKILL)
+        thread.join(WATCHDOG_S + 10)
+        codes = wait_all_exited(children, within_s=WATCHDOG_S + 10 - (time.monotonic() - killed_at))
+        assert statuses == [503]
+        assert codes == [-9]
+        server._thread.join(5)  # the server stops by itself: it cannot serve without the stage
+        assert not server._thread.is_alive(), "the server kept serving a dead pipeline"
+    finally:
+        for child in children:
+            child.kill()
+        server.stop()
+
+
+def start_rank(rank: int, port: int, args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "graphrt.worker", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.parametrize(
+    ("worker_args", "field"),
+    [(["--other-model"], "model_fingerprint"), (["--dtype", "float32"], "dtype")],
+    ids=["model", "dtype"],
+)
+def test_ranks_that_disagree_are_refused_naming_the_field(tiny_model_factory, worker_args, field):
+    """torchrun's way: the same `python -m graphrt.worker` on every rank; rank 0 runs `graphrt generate`."""
+    model = tiny_model_factory("llama-gqa-tied")
+    other = tiny_model_factory("llama-mha-untied")
+    port = free_port()
+    engine_args = ["generate", "--model", str(model), "--pp", "2", "--dtype", "float64", "--prompt", "hi", "--watchdog-s", "5"]
+    worker_model = other if worker_args == ["--other-model"] else model
+    worker_extra = [] if worker_args == ["--other-model"] else worker_args
+    ranks = [start_rank(0, port, engine_args), start_rank(1, port, ["--model", str(worker_model), *worker_extra])]
+    try:
+        logs = [rank.communicate(timeout=90)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [1, 1], logs
+    for log in logs:
+        assert f"stage 1 (rank 1) disagrees with the engine about {field}" in log, log
