@@ -10,7 +10,7 @@ started. Any failure fails every micro-batch in flight with a `StageFailure` nam
 
 from __future__ import annotations
 
-import datetime
+import atexit
 import os
 import socket
 import subprocess
@@ -118,7 +118,9 @@ class Cluster:
             init_method = f"tcp://127.0.0.1:{port}?rank=0&world_size={config.pp}"
         group = _open_watching(children, backend, init_method)
         link = Link(group, 0, config.pp, device if backend == "nccl" else torch.device("cpu"), config.watchdog_s)
-        return Cluster(link, children, config.watchdog_s)
+        cluster = Cluster(link, children, config.watchdog_s)
+        atexit.register(cluster.close)  # a CLI that never closes its engine still stops its workers cleanly
+        return cluster
 
     # -- start-up ---------------------------------------------------------------------------------
 
@@ -250,6 +252,8 @@ class Cluster:
 
     def close(self) -> None:
         """Tell every worker to stop (they exit 0) and wait for them; after a failure, just reap."""
+        if self.closing.is_set():
+            return
         self.closing.set()
         if self.failure is None and self.ring is not None:
             self.ring.streams[0].submit(lambda: self.send(Message(SHUTDOWN, -1, 0)))
@@ -261,6 +265,12 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+        # Let gloo go now, while this process is whole: a group torn down at interpreter exit with
+        # its peers gone aborts the process.
+        try:
+            (self.link.group.abort if self.failure is not None else self.link.group.shutdown)()
+        except Exception:  # noqa: BLE001 - best effort; the peers are gone either way
+            pass
 
     def _run(self, target, name: str) -> threading.Thread:
         thread = threading.Thread(target=target, name=name, daemon=True)

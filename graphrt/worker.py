@@ -12,6 +12,7 @@ MASTER_ADDR, MASTER_PORT, and LOCAL_RANK for the GPU of this process.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
@@ -199,8 +200,17 @@ def main(args: list[str] | None = None) -> None:
     if int(os.environ["RANK"]) == 0:  # rank 0 is the engine (and the server)
         from graphrt.cli import main as cli
 
-        cli(args + ["--procs"])
-        return
+        try:
+            cli(args + ["--procs"])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        # The engine has closed or failed its cluster; skip a teardown in which the store's and
+        # gloo's threads, their peers gone, can abort the process after the answer was given.
+        atexit._run_exitfuncs()  # closes the cluster (its workers exit 0) if the command did not
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     options = parse_options(args)
     outcome: list[int] = []
     # The loop runs on a thread, so this one stays free to handle SIGTERM/SIGINT at once.
