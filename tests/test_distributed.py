@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from graphrt import LLM, SamplingParams
+from graphrt.errors import GraphrtError
 from graphrt.remote import free_port
 from graphrt.server import ServerSettings, ServerThread
 from graphrt.synthetic import make_synthetic
@@ -91,10 +92,12 @@ def test_killing_a_stage_fails_requests_in_flight_and_every_process_exits(tiny_m
     finally:
         for child in children:
             child.kill()
-    assert len(errors) == 1 and isinstance(errors[0], StageFailure)
+    # The engine may wrap the StageFailure (its own stage-error recovery); the stage is named either way.
+    assert len(errors) == 1 and isinstance(errors[0], GraphrtError), errors
     assert "stage 1 (rank 1) exited with code -9" in str(errors[0])
+    assert isinstance(errors[0], StageFailure) or isinstance(errors[0].__cause__, StageFailure)
     assert all(code not in (None, 0) for code in codes), codes
-    with pytest.raises(StageFailure, match="stage 1"):  # the engine stays failed rather than hanging
+    with pytest.raises(GraphrtError, match=r"stage 1 \(rank 1\)"):  # the engine stays failed rather than hanging
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from graphrt.errors import GraphrtError, RequestError
 from graphrt.sampling import SamplingParams
 from graphrt.sequence import Sequence
-from graphrt.transport import StageFailure
 
 logger = logging.getLogger("graphrt.server")
 
@@ -211,19 +210,19 @@ class AsyncEngine:
     def _step(self, deliveries: list) -> None:
         try:
             seqs = self.engine.step()
-        except StageFailure as exc:
-            # A stage process died or went silent (--procs): nothing in flight can finish; the server stops.
-            logger.error("%s; failing %d requests in flight", exc, len(self._jobs))
+        except Exception as exc:
+            failure = getattr(getattr(self.engine, "cluster", None), "failure", None)
+            if failure is not None:
+                # A stage process died or went silent (--procs): nothing in flight can finish; the server stops.
+                logger.error("%s; failing %d requests in flight", failure, len(self._jobs))
+                status, message = 503, str(failure)
+            else:
+                # A bug in the engine: fail what is in flight rather than leave clients hanging.
+                logger.error("engine step failed; failing %d requests in flight", len(self._jobs), exc_info=exc)
+                status, message = 500, "internal error in the engine; see the server log"
             for job in list(self._jobs):
                 self._abort(job)
-                deliveries.append((job, Failed(503, str(exc))))
-            return
-        except Exception:
-            # A bug in the engine: fail what is in flight rather than leave clients hanging.
-            logger.exception("engine step failed; failing %d requests in flight", len(self._jobs))
-            for job in list(self._jobs):
-                self._abort(job)
-                deliveries.append((job, Failed(500, "internal error in the engine; see the server log")))
+                deliveries.append((job, Failed(status, message)))
             return
         now = time.perf_counter()
         for seq in seqs:
