@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -18,6 +19,8 @@ from graphrt.errors import GraphrtError
 from graphrt.kv_cache import StageKVCache
 from graphrt.model import Stage
 from graphrt.profiling.nvtx import Ranges
+
+logger = logging.getLogger("graphrt")
 
 VERIFY_MAX_CONTEXT = 128  # verification contexts stay short so CPU capture is quick
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}  # relative
@@ -82,6 +85,25 @@ def verify(graph, stage: Stage, cache: StageKVCache, rows: int, seed: int) -> tu
     """(max abs difference, largest magnitude) between a replay and a direct eager forward on the
     same fresh rows. A different batch shape may round differently, so callers compare relatively."""
     x, meta = random_decode_rows(stage, rows, cache.k.shape[1], cache.k.shape[2], seed)
+    with flushed_denormals(stage.device):
+        return _compare(graph, stage, cache, x, meta, rows)
+
+
+@contextmanager
+def flushed_denormals(device: torch.device):
+    """Random verification rows produce denormal floats, which x86 handles ~100x slower: on the
+    CPU this made start-up 3x slower (6.8 s vs 2.3 s for SmolLM2). Off again afterwards, since the
+    setting belongs to the caller's thread."""
+    if device.type != "cpu" or not torch.set_flush_denormal(True):
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _compare(graph, stage: Stage, cache: StageKVCache, x: torch.Tensor, meta: StepMetadata, rows: int) -> tuple[float, float]:
     graph.inputs.load(x, meta)
     replayed = graph.replay(meta.max_seq_len)[:rows].float().clone()
     reference = stage(x, meta, cache).float()
@@ -102,58 +124,69 @@ def capture_stage(
     """Largest bucket first, so smaller graphs reuse the pool memory the largest one reserved."""
     ranges = ranges if ranges is not None else Ranges()
     pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None
-    warmup_stream = torch.cuda.Stream(stage.device) if use_cuda_graphs else None
+    side_stream = torch.cuda.Stream(stage.device) if use_cuda_graphs else None
     graphs, records = {}, []
-    buckets = sorted(plan.sizes, reverse=True)
-    bar = tqdm(buckets, desc=f"capture stage {stage.index}", unit="bucket", disable=not show_progress, leave=False)
+    bar = tqdm(sorted(plan.sizes, reverse=True), desc=f"capture stage {stage.index}", unit="bucket", disable=not show_progress, leave=False)
     for bucket in bar:
         bar.set_postfix(bucket=bucket)
         with ranges.capture(stage.index, bucket):  # record + verify, as one NVTX range
             inputs = StaticInputs.allocate(stage, bucket, max_blocks)
             start = time.perf_counter()
-            graph, note, pool_bytes, nodes = None, None, None, None
-            if use_cuda_graphs and bucket not in forced_eager:
-                pool_before = pool_segment_bytes(pool)
-                try:
-                    with frozen_gc():
-                        graph = CudaStageGraph.record(stage, cache, inputs, pool, warmup_stream)
-                    torch.cuda.synchronize(stage.device)
-                except Exception as exc:  # the op that broke capture is in the message
-                    where = f"stage {stage.index}, bucket {bucket}"
-                    if not allow_eager:
-                        raise CaptureError(
-                            f"capturing {where} failed: {exc}. A host sync or a dynamic shape inside the "
-                            "stage's forward breaks capture; fix it, or pass --allow-eager to run this pair eagerly"
-                        ) from None
-                    note = f"capture failed, running eagerly: {str(exc).splitlines()[0]}"
-                    print(f"WARNING: {where}: {note}", flush=True)
-                else:
-                    pool_bytes = pool_segment_bytes(pool) - pool_before  # what this graph added to the stage's pool
-                    nodes, why_no_nodes = graph_node_counts(graph.graph)
-                    note = why_no_nodes
-            elif use_cuda_graphs:
-                note = "marked eager in the graph cache (--allow-eager at capture)"
+            if not use_cuda_graphs:
+                graph, record = None, GraphRecord(stage.index, bucket, "eager", 0, None, None, None, "eager backend: no CUDA graph, so no pool or nodes")
+            elif bucket in forced_eager:
+                graph, record = None, GraphRecord(stage.index, bucket, "eager", 0, None, None, None, "marked eager in the graph cache (--allow-eager at capture)")
             else:
-                note = "eager backend: no CUDA graph, so no pool or nodes"
-            if graph is None:
-                graph = EagerStageGraph(stage, cache, inputs)
-            capture_ms = (time.perf_counter() - start) * 1000
-            error = None
-            if graph.mode == "graph" or bucket == plan.max_batch:
-                # An eager pair runs the same code at every bucket; checking the largest (with padding
-                # rows) covers the static-buffer path without a slow start on a CPU.
-                rows = bucket if graph.mode == "graph" else max(1, bucket - 1)
-                error, magnitude = verify(graph, stage, cache, rows, seed=stage.index * 1000 + bucket)
-                limit = TOLERANCE[stage.dtype] * max(1.0, magnitude)
-                if not error <= limit:
-                    raise CaptureError(
-                        f"stage {stage.index}, bucket {bucket}: replay differs from eager by {error:.3g} "
-                        f"(outputs up to {magnitude:.3g}, tolerance {limit:.3g}); the graph is not safe to use"
-                    )
-            elif note is not None:
-                note += f"; eager pairs are verified at bucket {plan.max_batch}"
+                graph, record = record_cuda_graph(stage, cache, inputs, pool, side_stream, allow_eager)
+            graph = graph or EagerStageGraph(stage, cache, inputs)
+            record.capture_ms = (time.perf_counter() - start) * 1000
+            record.max_abs_error = verify_bucket(graph, stage, cache, plan, bucket)
+            if record.max_abs_error is None and record.note is not None:
+                record.note += f"; eager pairs are verified at bucket {plan.max_batch}"
             graphs[bucket] = graph
-            records.append(GraphRecord(stage.index, bucket, graph.mode, capture_ms, pool_bytes, nodes, error, note))
+            records.append(record)
     bar.close()
     records.sort(key=lambda r: r.bucket)
     return StageGraphs(stage, plan, graphs), records
+
+
+def record_cuda_graph(stage, cache, inputs, pool, side_stream, allow_eager: bool) -> tuple[CudaStageGraph | None, GraphRecord]:
+    """Record one (stage, bucket); on failure raise CaptureError, or with allow_eager return None."""
+    bucket = inputs.x.shape[0]
+    pool_before = pool_segment_bytes(pool)
+    try:
+        with frozen_gc():
+            graph = CudaStageGraph.record(stage, cache, inputs, pool, side_stream)
+        torch.cuda.synchronize(stage.device)
+    except Exception as exc:  # the op that broke capture is in the message
+        where = f"stage {stage.index}, bucket {bucket}"
+        if not allow_eager:
+            raise CaptureError(
+                f"capturing {where} failed: {exc}. A host sync or a dynamic shape inside the "
+                "stage's forward breaks capture; fix it, or pass --allow-eager to run this pair eagerly"
+            ) from None
+        note = f"capture failed, running eagerly: {str(exc).splitlines()[0]}"
+        logger.warning("%s: %s", where, note)
+        return None, GraphRecord(stage.index, bucket, "eager", 0, None, None, None, note)
+    pool_bytes = pool_segment_bytes(pool) - pool_before  # what this graph added to the stage's pool
+    nodes, why_no_nodes = graph_node_counts(graph.graph)
+    return graph, GraphRecord(stage.index, bucket, "graph", 0, pool_bytes, nodes, None, why_no_nodes)
+
+
+def verify_bucket(graph, stage: Stage, cache: StageKVCache, plan: BucketPlan, bucket: int) -> float | None:
+    """Replay against eager; raise CaptureError beyond tolerance. Returns the max abs error.
+
+    An eager pair runs the same code at every bucket, so only the largest is checked (with
+    padding rows): that covers the static-buffer path without a slow start on a CPU.
+    """
+    if graph.mode != "graph" and bucket != plan.max_batch:
+        return None
+    rows = bucket if graph.mode == "graph" else max(1, bucket - 1)
+    error, magnitude = verify(graph, stage, cache, rows, seed=stage.index * 1000 + bucket)
+    limit = TOLERANCE[stage.dtype] * max(1.0, magnitude)
+    if not error <= limit:
+        raise CaptureError(
+            f"stage {stage.index}, bucket {bucket}: replay differs from eager by {error:.3g} "
+            f"(outputs up to {magnitude:.3g}, tolerance {limit:.3g}); the graph is not safe to use"
+        )
+    return error

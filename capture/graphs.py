@@ -88,22 +88,24 @@ class CudaStageGraph:
 
     @staticmethod
     def record(
-        stage: Stage, cache: StageKVCache, inputs: StaticInputs, pool, warmup_stream: torch.cuda.Stream, num_warmups: int = 2
+        stage: Stage, cache: StageKVCache, inputs: StaticInputs, pool, side_stream: torch.cuda.Stream, num_warmups: int = 2
     ) -> CudaStageGraph:
-        """`warmup_stream` is one per stage: each new stream would get its own cuBLAS workspace."""
-        caller = torch.cuda.current_stream(stage.device)
-        warmup_stream.wait_stream(caller)
-        with torch.cuda.stream(warmup_stream):
-            for _ in range(num_warmups):  # lets lazy initialisation (cuBLAS handles, autotuning) happen outside
-                stage(inputs.x, inputs.meta, cache)
-        caller.wait_stream(warmup_stream)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=pool):
-                output = stage(inputs.x, inputs.meta, cache)
-        finally:
-            # A failed capture can leave its capture stream current; later work must not run there.
-            torch.cuda.set_stream(caller)
+        """Warm up and capture on `side_stream`, one per stage: every new stream would get its own
+        cuBLAS workspace, and graphs sharing a pool should be captured on the same stream."""
+        with torch.cuda.device(stage.device):  # capture follows the current device, not the tensors'
+            caller = torch.cuda.current_stream()
+            side_stream.wait_stream(caller)
+            with torch.cuda.stream(side_stream):
+                for _ in range(num_warmups):  # lazy initialisation (cuBLAS handles, autotuning) happens here
+                    stage(inputs.x, inputs.meta, cache)
+            caller.wait_stream(side_stream)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=side_stream):
+                    output = stage(inputs.x, inputs.meta, cache)
+            finally:
+                # A failed capture can leave its capture stream current; later work must not run there.
+                torch.cuda.set_stream(caller)
         return CudaStageGraph(graph, inputs, output)
 
     def replay(self, max_seq_len: int | None = None) -> torch.Tensor:

@@ -22,7 +22,7 @@ from graphrt.capture.manifest import (
     stale_fields,
 )
 from graphrt.config import EngineConfig, ModelConfig
-from graphrt.errors import ModelLoadError, RequestError
+from graphrt.errors import ModelLoadError, RequestError, StageError
 from graphrt.kv_cache import BlockAllocator, bytes_per_block
 from graphrt.pipeline import Pipeline, default_devices
 from graphrt.profiling.nvtx import Ranges
@@ -93,6 +93,11 @@ class Engine:
             )
             self.graphs.append(graphs)
             self.graph_records += records
+        for cache in self.pipeline.caches:
+            # Verification wrote random rows into the cache; unwritten slots of live blocks are read
+            # (masked) by attention, and leftovers there could be NaN or slow denormals.
+            cache.k.zero_()
+            cache.v.zero_()
         self.eager_pairs = {(r.stage, r.bucket) for r in self.graph_records if r.mode == "eager"}
         self.num_eager_fallbacks = 0  # decode micro-batches that ran eagerly on a CUDA-graph engine
         self.scheduler = Scheduler(
@@ -116,18 +121,23 @@ class Engine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
 
     def _num_kv_blocks(self) -> int:
+        """Every stage holds every block id (for its own layers), so the device that needs the most
+        bytes per block, relative to its free memory, decides how many blocks there are."""
         cfg, block_size = self.config, self.config.block_size
-        per_block = sum(bytes_per_block(self.model_config, len(s.layers), block_size, self.dtype) for s in self.pipeline.stages)
         if cfg.kv_cache_tokens is not None:
             return -(-cfg.kv_cache_tokens // block_size) + 1  # + the scratch block
+        per_block: dict[torch.device, int] = {}
+        for stage in self.pipeline.stages:
+            per_block[stage.device] = per_block.get(stage.device, 0) + bytes_per_block(
+                self.model_config, len(stage.layers), block_size, self.dtype
+            )
         if self.devices[0].type == "cuda":
-            free = min(torch.cuda.mem_get_info(d)[0] for d in set(self.devices))
-            budget = int(free * GPU_MEMORY_FRACTION) * len(set(self.devices))
+            fits = min(int(torch.cuda.mem_get_info(d)[0] * GPU_MEMORY_FRACTION) // size for d, size in per_block.items())
         else:
-            budget = CPU_KV_CACHE_BYTES
+            fits = CPU_KV_CACHE_BYTES // sum(per_block.values())
         # No need for more than every sequence at full context.
         enough = self.config.max_num_seqs * -(-self.max_model_len // block_size) + 1
-        return max(2, min(budget // per_block, enough))
+        return max(2, min(fits, enough))
 
     def _bucket_plan(self, num_blocks: int) -> BucketPlan:
         if self.config.buckets:
@@ -224,13 +234,17 @@ class Engine:
         step = self.scheduler.schedule(self.ring.num_slots)
         if step is None:
             return False
-        token_ids, meta = step.build(self.config.block_size)
+        token_ids, meta = step.build(self.config.block_size, pin=self.devices[0].type == "cuda")
         for seq, query_len in zip(step.seqs, step.query_lens):
             seq.num_computed += query_len
             seq.num_in_flight += 1
         if not step.is_prefill and self.eager_pairs and self.backend == "cuda":
             self._count_eager_fallbacks(len(step.seqs))
-        self.in_flight.append(self.ring.launch(slot, step, token_ids, meta, time.perf_counter()))
+        try:
+            mb = self.ring.launch(slot, step, token_ids, meta, time.perf_counter())
+        except Exception as exc:  # enqueuing itself failed (on CUDA, e.g. out of memory)
+            self._recover(exc, extra=step.seqs)
+        self.in_flight.append(mb)
         return True
 
     def _harvest(self, block: bool) -> list[Sequence]:
@@ -240,9 +254,13 @@ class Engine:
         """
         updated: list[Sequence] = []
         if self.in_flight and (block or self.in_flight[0].done.query()):
-            mb = self.in_flight.popleft()
+            mb = self.in_flight[0]
             waited_from = self.timeline.now() if self.timeline else 0.0
-            mb.done.synchronize()
+            try:
+                mb.done.synchronize()
+            except Exception as exc:  # a stage raised while running this micro-batch
+                self._recover(exc)
+            self.in_flight.popleft()
             if self.timeline:
                 self.timeline.record_wait(waited_from, self.timeline.now())
             slot = self.ring.slots[mb.slot]
@@ -264,6 +282,24 @@ class Engine:
             self.timeline.resolve()
         return updated
 
+    def _recover(self, exc: Exception, extra: list[Sequence] = ()) -> None:
+        """A stage failed, so every micro-batch in flight is lost: fail the requests they carried,
+        give their KV blocks back, start the ring afresh, and raise. Requests not in flight and
+        later ones are served as usual."""
+        lost = {id(seq): seq for mb in self.in_flight for seq in mb.step.seqs}
+        lost.update((id(seq), seq) for seq in extra)
+        self.in_flight.clear()
+        self.ring.reset()  # waits for the stage workers to drain, so no late write lands in a freed block
+        for seq in lost.values():
+            seq.num_in_flight = 0
+            if not seq.finished:
+                seq.finish_reason = FinishReason.ERROR
+            self._release(seq)
+        raise StageError(
+            f"a pipeline stage failed ({type(exc).__name__}: {exc}); the {len(lost)} requests in flight "
+            "were ended with an error and the engine goes on with the rest"
+        ) from exc
+
     def _account(self, mb, now: float) -> None:
         if mb.step.is_prefill:
             self.stats.prefill_tokens += sum(mb.step.query_lens)
@@ -275,7 +311,10 @@ class Engine:
         self.stats.decode_tokens += len(mb.step.seqs)
 
     def run(self, step: ScheduledStep) -> torch.Tensor:
-        """Push one scheduled step through every stage; return each sequence's last-token logits."""
+        """Push one scheduled step through every stage on this thread; return each sequence's
+        last-token logits. A synchronous path for checks and tests, never mixed with the ring."""
+        if self.in_flight:
+            raise RuntimeError("Engine.run while micro-batches are in flight would race the stage workers")
         token_ids, meta = step.build(self.config.block_size)
         if not step.is_prefill and self.eager_pairs and self.backend == "cuda":
             self._count_eager_fallbacks(len(step.seqs))

@@ -18,3 +18,7 @@ class RequestError(GraphrtError):
 
     Only that request fails; the engine keeps serving the others.
     """
+
+
+class StageError(GraphrtError):
+    """A pipeline stage failed while running micro-batches; the requests they carried are ended."""

@@ -20,7 +20,7 @@ from graphrt.capture.graphs import StageGraphs
 from graphrt.pipeline import Pipeline
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline
-from graphrt.sampling import Sampler
+from graphrt.sampling import Sampler, host_to_device
 from graphrt.scheduler import ScheduledStep
 from graphrt.sequence import Sequence
 from graphrt.streams import make_stream
@@ -63,7 +63,7 @@ class Ring:
 
     def __post_init__(self) -> None:
         stages = self.pipeline.stages
-        self.streams = [make_stream(stage.device, f"graphrt-stage{stage.index}") for stage in stages]
+        self.streams = self._make_streams()
         pinned = stages[-1].device.type == "cuda"
         self.slots = [
             RingSlot(
@@ -74,6 +74,17 @@ class Ring:
             )
             for k in range(self.num_slots)
         ]
+
+    def _make_streams(self) -> list:
+        return [make_stream(stage.device, f"graphrt-stage{stage.index}") for stage in self.pipeline.stages]
+
+    def reset(self) -> None:
+        """After a stage failure: fresh streams (a CPU worker keeps its error) and every slot free."""
+        for stream in self.streams:
+            stream.close()
+        self.streams = self._make_streams()
+        for slot in self.slots:
+            slot.micro_batch = None
 
     def free_slot(self) -> RingSlot | None:
         return next((slot for slot in self.slots if slot.micro_batch is None), None)
@@ -115,7 +126,7 @@ class Ring:
                 with self.ranges.transfer(index):
                     slot.recv[index + 1][:num_tokens].copy_(out, non_blocking=True)
             elif mb.sample_rows:
-                logits = out if len(mb.sample_rows) == out.shape[0] else out[torch.tensor(mb.sample_rows, device=out.device)]
+                logits = out if len(mb.sample_rows) == out.shape[0] else out[host_to_device(mb.sample_rows, torch.int64, out.device)]
                 with self.ranges.sample():
                     token_ids_out = self.sampler(logits, params, generators)
                 slot.tokens[: len(mb.sample_rows)].copy_(token_ids_out, non_blocking=True)

@@ -38,6 +38,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-row tensor on `device` without blocking the host: `torch.tensor(..., device=cuda)`
+    copies synchronously, which would make the host wait for the whole pipeline."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
     """Picks one token per row on the logits' device, without syncing the host.
 
@@ -65,11 +74,12 @@ class Sampler:
         if all(p.greedy for p in params):
             return greedy_ids
         device = logits.device
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        rows = lambda values, dtype=torch.float32: host_to_device(values, dtype, device)  # noqa: E731
+        temperature = rows([p.temperature if not p.greedy else 1.0 for p in params])
         probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        top_k = torch.tensor([p.top_k or logits.shape[-1] for p in params], device=device)
+        top_p = rows([p.top_p for p in params])
+        top_k = rows([p.top_k or logits.shape[-1] for p in params], torch.int64)
         # Keep the smallest prefix whose mass reaches top_p (always the first token), and at most top_k.
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         rank = torch.arange(logits.shape[-1], device=device)
@@ -81,5 +91,5 @@ class Sampler:
                 race[row].exponential_(1.0, generator=generator)
         choice = (sorted_probs / race).argmax(dim=-1, keepdim=True)
         sampled_ids = sorted_ids.gather(-1, choice).squeeze(-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        is_greedy = rows([p.greedy for p in params], torch.bool)
         return torch.where(is_greedy, greedy_ids, sampled_ids)

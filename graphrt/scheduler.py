@@ -25,8 +25,12 @@ class ScheduledStep:
     query_lens: list[int]  # tokens each sequence feeds in this step
     is_prefill: bool
 
-    def build(self, block_size: int) -> tuple[torch.Tensor, StepMetadata]:
-        """Token ids and metadata on the host; the pipeline moves them to each stage."""
+    def build(self, block_size: int, pin: bool = False) -> tuple[torch.Tensor, StepMetadata]:
+        """Token ids and metadata on the host; the pipeline moves them to each stage.
+
+        `pin` puts them in page-locked memory, so the copies to a GPU are truly asynchronous (from
+        pageable memory the driver may wait for the stream, and the host would block).
+        """
         token_ids, positions, slots, seq_lens, last_rows = [], [], [], [], []
         for seq, query_len in zip(self.seqs, self.query_lens):
             start = seq.num_computed
@@ -40,6 +44,9 @@ class ScheduledStep:
         tables = [seq.block_ids + [SCRATCH_BLOCK] * (width - len(seq.block_ids)) for seq in self.seqs]
         # Two tensor constructions per micro-batch instead of six: this runs on the host every tick.
         flat = torch.tensor(token_ids + positions + slots + seq_lens + last_rows, dtype=torch.int64)
+        tables_t = torch.tensor(tables, dtype=torch.int64)
+        if pin:
+            flat, tables_t = flat.pin_memory(), tables_t.pin_memory()
         num_tokens, rows = len(token_ids), len(seq_lens)
         token_tensor, positions_t, slots_t, seq_lens_t, last_rows_t = flat.split(
             [num_tokens, num_tokens, num_tokens, rows, rows]
@@ -47,7 +54,7 @@ class ScheduledStep:
         meta = StepMetadata(
             positions=positions_t,
             slot_mapping=slots_t,
-            block_tables=torch.tensor(tables, dtype=torch.int64),
+            block_tables=tables_t,
             seq_lens=seq_lens_t,
             logits_indices=last_rows_t,
             seq_lens_host=seq_lens,

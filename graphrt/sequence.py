@@ -15,6 +15,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
+    ERROR = "error"  # a pipeline stage failed while this request was in flight
 
 
 @dataclass(eq=False)  # identity, not field-by-field: sequences are looked up in lists every tick

@@ -72,9 +72,10 @@ class CpuStream:
         self._queue.put(("record", event))
         return event
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish (or skip, after an error) the queued work, then stop the worker."""
         self._queue.put(None)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout_s)
 
 
 class CudaEvent:
@@ -106,8 +107,8 @@ class CudaStream:
     def record(self) -> CudaEvent:
         return CudaEvent(self._stream)
 
-    def close(self) -> None:
-        pass
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stream.synchronize()
 
 
 def make_stream(device: torch.device, name: str) -> CpuStream | CudaStream:

@@ -128,3 +128,34 @@ def test_depth_zero_matches_the_pipeline_formula(tiny_model_factory):
     assert expected < 0.92  # the host turnaround shows at depth 0
     for share in shares:
         assert abs(share - expected) <= 0.05, (shares, expected)
+
+
+def test_a_failing_stage_ends_only_the_requests_in_flight(tiny_model_factory):
+    """One exception in a stage: the micro-batches in flight are lost, their requests end with an
+    error, every KV block comes back, and the engine serves the next request."""
+    from graphrt.errors import StageError
+
+    llm = LLM(model=tiny_model_factory(), pp=2, depth=1, kv_cache_tokens=1024, buckets=[1, 2, 4])
+    engine = llm.engine
+    stage = engine.pipeline.stages[1]
+    forward, calls = stage.forward, []
+
+    def flaky(x, meta, cache):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return forward(x, meta, cache)
+
+    stage.forward = flaky
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request([i + 1] * 6, params) for i in range(4)]
+    with pytest.raises(StageError, match="injected fault"):
+        while engine.has_work():
+            engine.step()
+    assert any(s.finish_reason is not None and s.finish_reason.value == "error" for s in seqs)
+    while engine.has_work():  # requests that were not in flight go on
+        engine.step()
+    assert engine.allocator.num_free == engine.allocator.num_blocks - 1
+    again = llm.generate([[3, 4, 5]], params)[0]
+    assert len(again.token_ids) == 20
+    engine.close()
