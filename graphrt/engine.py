@@ -295,9 +295,11 @@ class Engine:
             if not seq.finished:
                 seq.finish_reason = FinishReason.ERROR
             self._release(seq)
+        pipeline_down = self.cluster is not None and self.cluster.failure is not None
         raise StageError(
             f"a pipeline stage failed ({type(exc).__name__}: {exc}); the {len(lost)} requests in flight "
-            "were ended with an error and the engine goes on with the rest"
+            "were ended with an error"
+            + ("; the stage processes are gone, restart graphrt" if pipeline_down else " and the engine goes on with the rest")
         ) from exc
 
     def _account(self, mb, now: float) -> None:
