@@ -79,7 +79,6 @@ class Scheduler:
         self.max_decode_batch = max_decode_batch  # the largest captured bucket
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._last_was_prefill = False
 
     def check(self, prompt_len: int, max_tokens: int | None) -> int:
         """Validate a request's lengths; return its resolved max_tokens. Raises RequestError."""
@@ -131,22 +130,30 @@ class Scheduler:
         prefilling = [s for s in self.running if s.in_prefill]
         decode_phase = [s for s in self.running if not s.in_prefill]
         ready = [s for s in decode_phase if s.num_in_flight == 0]
-        # Alternate when both kinds wait, so long prompts never starve running decodes.
-        if prefilling and (not ready or not self._last_was_prefill):
-            self._last_was_prefill = True
-            return self._prefill_chunk(prefilling)
-        self._last_was_prefill = False
-        if not ready:
-            return None
         # Rounded down, so every slot gets rows; the rows left over rotate in as slots come back.
         per_slot = max(1, len(decode_phase) // num_slots)
+        if prefilling:
+            # Decode rows ride along with a prompt chunk: the chunk reads every weight anyway, so
+            # they cost little there, and running decodes never wait behind long prompts.
+            riders = ready[: min(per_slot, self.max_decode_batch, self.prefill_chunk_size // 2)]
+            self._rotate(riders)
+            return self._prefill_chunk(prefilling, riders)
+        if not ready:
+            return None
         batch = ready[: min(per_slot, self.max_decode_batch)]
-        # The rows left out go first next time.
-        self.running = [s for s in self.running if s not in batch] + batch
+        self._rotate(batch)
         return ScheduledStep(batch, [1] * len(batch), is_prefill=False)
 
-    def _prefill_chunk(self, prefilling: list[Sequence]) -> ScheduledStep:
-        seqs, lens, budget = [], [], self.prefill_chunk_size
+    def _rotate(self, batch: list[Sequence]) -> None:
+        """The rows left out of this micro-batch go first next time."""
+        if batch:
+            chosen = set(map(id, batch))
+            self.running = [s for s in self.running if id(s) not in chosen] + batch
+
+    def _prefill_chunk(self, prefilling: list[Sequence], riders: list[Sequence]) -> ScheduledStep:
+        """Up to `prefill_chunk_size` tokens: one for each decode rider, the rest prompt tokens."""
+        seqs, lens = list(riders), [1] * len(riders)
+        budget = self.prefill_chunk_size - len(riders)
         for seq in prefilling:
             take = min(seq.prompt_len - seq.num_computed, budget)
             seqs.append(seq)
