@@ -1,7 +1,8 @@
-"""Which sequences run in the next step, and the metadata that step needs.
+"""Which sequences run in the next micro-batch, and the metadata it needs.
 
-A step is either a prefill chunk (up to `prefill_chunk_size` prompt tokens from one or more
-sequences, eager) or a decode batch (one token for each running sequence). KV blocks for a
+A micro-batch is either a prefill chunk (up to `prefill_chunk_size` tokens: prompt tokens from
+one or more sequences plus one token for each decode row riding along; eager) or a decode batch
+(one token per row, at most the largest bucket; replayed as a graph). KV blocks for a
 request's whole budget (prompt + max_tokens) are allocated on admission, so a running sequence
 never waits for memory and nothing is ever preempted.
 """
