@@ -288,7 +288,14 @@ def profile(synthetic_ms, sweep_depth, num_requests, input_len, output_len, host
         raise click.UsageError("give --model DIR or --synthetic MS, not both")
     if sweep_depth is not None and model_args["depth"] is not None:
         raise click.UsageError("give --depth D or --sweep-depth D0,D1,..., not both")
-    depths = parse_depths(sweep_depth) if sweep_depth is not None else [1 if model_args["depth"] is None else model_args["depth"]]
+    if sweep_depth is not None:
+        depths = parse_depths(sweep_depth)
+    elif model_args["depth"] is not None:
+        depths = [model_args["depth"]]
+    else:
+        from graphrt.config import EngineConfig
+
+        depths = [EngineConfig(pp=model_args["pp"] or 1, devices=parse_devices(model_args["devices"])).default_depth()]
     kwargs = engine_kwargs(**model_args)
     kwargs.pop("depth")
     options = ProfileOptions(
