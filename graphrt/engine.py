@@ -73,6 +73,17 @@ class Engine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
         # With procs, stages 1..pp-1 live in worker processes (started now, so they boot meanwhile).
         self.cluster = Cluster.start(self.model_dir, config) if config.procs else None
+        try:
+            self._start(files, cache_dir, show_progress)
+        except BaseException as exc:
+            if self.cluster is not None:  # workers must not wait out their timeouts for a dead engine
+                self.cluster.fail(f"the engine (rank 0) failed to start: {exc}")
+                self.cluster.close()
+            raise
+
+    def _start(self, files: WeightFiles, cache_dir: Path | None, show_progress: bool) -> None:
+        """Load the stages, size the KV cache, capture the graphs, and build the ring."""
+        config = self.config
         self.pipeline = (load_first_stage if self.cluster else Pipeline.load)(
             self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels
         )
@@ -84,22 +95,7 @@ class Engine:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         forced_eager = self._check_graph_cache() if self.cache_dir is not None else set()
         self.ranges = Ranges()
-        self.graphs, self.graph_records = [], []
-        max_blocks = -(-self.max_model_len // config.block_size)
-        for stage, cache in zip(self.pipeline.stages, self.pipeline.caches):
-            graphs, records = capture_stage(
-                stage, cache, self.plan, max_blocks, self.backend == "cuda", config.allow_eager,
-                {bucket for s, bucket in forced_eager if s == stage.index}, show_progress, self.ranges,
-            )
-            self.graphs.append(graphs)
-            self.graph_records += records
-        for cache in self.pipeline.caches:
-            # Verification wrote random rows into the cache; unwritten slots of live blocks are read
-            # (masked) by attention, and leftovers there could be NaN or slow denormals.
-            cache.k.zero_()
-            cache.v.zero_()
-        self.eager_pairs = {(r.stage, r.bucket) for r in self.graph_records if r.mode == "eager"}
-        self.num_eager_fallbacks = 0  # decode micro-batches that ran eagerly on a CUDA-graph engine
+        self._capture_graphs(forced_eager, show_progress)
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch
         )
@@ -119,6 +115,24 @@ class Engine:
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+
+    def _capture_graphs(self, forced_eager: set[tuple[int, int]], show_progress: bool) -> None:
+        self.graphs, self.graph_records = [], []
+        max_blocks = -(-self.max_model_len // self.config.block_size)
+        for stage, cache in zip(self.pipeline.stages, self.pipeline.caches):
+            graphs, records = capture_stage(
+                stage, cache, self.plan, max_blocks, self.backend == "cuda", self.config.allow_eager,
+                {bucket for s, bucket in forced_eager if s == stage.index}, show_progress, self.ranges,
+            )
+            self.graphs.append(graphs)
+            self.graph_records += records
+        for cache in self.pipeline.caches:
+            # Verification wrote random rows into the cache; unwritten slots of live blocks are read
+            # (masked) by attention, and leftovers there could be NaN or slow denormals.
+            cache.k.zero_()
+            cache.v.zero_()
+        self.eager_pairs = {(r.stage, r.bucket) for r in self.graph_records if r.mode == "eager"}
+        self.num_eager_fallbacks = 0  # decode micro-batches that ran eagerly on a CUDA-graph engine
 
     def _num_kv_blocks(self) -> int:
         """Every stage holds every block id (for its own layers), so the device that needs the most

@@ -113,6 +113,12 @@ class Cluster:
                 raise ValueError(f"--pp {config.pp} but WORLD_SIZE is {os.environ['WORLD_SIZE']}; one rank per stage")
             children, init_method = [], "env://"
         else:
+            if backend == "nccl" and torch.cuda.device_count() < config.pp:
+                # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") at the first send.
+                raise ValueError(
+                    f"--procs with --pp {config.pp} needs {config.pp} GPUs on this host (one per stage process), "
+                    f"found {torch.cuda.device_count()}; drop --procs to run the stages as streams of one process"
+                )
             port = free_port()
             children = spawn_workers(model_dir, config, port)
             init_method = f"tcp://127.0.0.1:{port}?rank=0&world_size={config.pp}"
@@ -267,10 +273,11 @@ class Cluster:
                 child.wait()
         # Let gloo go now, while this process is whole: a group torn down at interpreter exit with
         # its peers gone aborts the process.
-        try:
-            (self.link.group.abort if self.failure is not None else self.link.group.shutdown)()
-        except Exception:  # noqa: BLE001 - best effort; the peers are gone either way
-            pass
+        for group in (self.link.group, self.link.reply_group):
+            try:
+                (group.abort if self.failure is not None else group.shutdown)()
+            except Exception:  # noqa: BLE001 - best effort; the peers are gone either way
+                pass
 
     def _run(self, target, name: str) -> threading.Thread:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -316,13 +323,13 @@ class RemoteRing(Ring):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for stream in self.streams:
-            stream.close()
-        # A thread even on CUDA: sends, heartbeats and shutdown must leave rank 0 in one order.
-        self.streams = [CpuStream("graphrt-stage0")]
         stage = self.pipeline.stages[0]
         for slot in self.slots:
             slot.recv.append(torch.empty(self.max_tokens, stage.cfg.hidden_size, dtype=stage.dtype, device=stage.device))
+
+    def _make_streams(self) -> list:
+        # A thread even on CUDA: sends, heartbeats and shutdown must leave rank 0 in one order.
+        return [CpuStream("graphrt-stage0")]
 
     def launch(self, slot: RingSlot, step, token_ids, meta, now: float) -> MicroBatch:
         mb = super().launch(slot, step, token_ids, meta, now)

@@ -70,22 +70,28 @@ class Message:
 
 
 class Link:
-    """Point-to-point sends and receives with a deadline, on one process group."""
+    """Point-to-point sends and receives with a deadline. Micro-batches go down the stages on one
+    process group, tokens come back to rank 0 on another: with pp = 2 both directions join the same
+    two ranks, and on NCCL one communicator's send would queue behind its own pending receive."""
 
-    def __init__(self, group, rank: int, world_size: int, device: torch.device, timeout_s: float):
-        self.group, self.rank, self.world_size = group, rank, world_size
+    def __init__(self, groups: tuple, rank: int, world_size: int, device: torch.device, timeout_s: float):
+        (self.group, self.reply_group), self.rank, self.world_size = groups, rank, world_size
         self.device = device  # where tensors must live to travel (cuda with NCCL)
         self.timeout = datetime.timedelta(seconds=timeout_s)
 
-    def send(self, tensors: list[torch.Tensor], dst: int) -> None:
-        works = [self.group.send([t.to(self.device).contiguous()], dst, 0) for t in tensors]
+    def send(self, tensors: list[torch.Tensor], dst: int, reply: bool = False) -> None:
+        group = self.reply_group if reply else self.group
+        works = [group.send([t.to(self.device).contiguous()], dst, 0) for t in tensors]
         for work in works:
             self._wait(work, dst, "send to")
 
-    def recv(self, tensor: torch.Tensor, src: int, timeout: datetime.timedelta | None = None) -> torch.Tensor:
+    def recv(
+        self, tensor: torch.Tensor, src: int, timeout: datetime.timedelta | None = None, reply: bool = False
+    ) -> torch.Tensor:
         """Receive into `tensor` (on the link's device; copied back if `tensor` lives elsewhere)."""
         target = tensor if tensor.device == self.device else torch.empty_like(tensor, device=self.device)
-        self._wait(self.group.recv([target], src, 0), src, "receive from", timeout)
+        group = self.reply_group if reply else self.group
+        self._wait(group.recv([target], src, 0), src, "receive from", timeout)
         if target is not tensor:
             tensor.copy_(target)
         return tensor
@@ -196,21 +202,26 @@ def recv_message(link: Link, src: int, buffers: list[torch.Tensor], timeout: dat
 def send_reply(link: Link, kind: int, micro_batch: int, slot: int, token_ids: torch.Tensor | None) -> None:
     count = 0 if token_ids is None else token_ids.shape[0]
     header = torch.tensor([kind, micro_batch, slot, count], dtype=torch.int64)
-    link.send([header] + ([token_ids.to(torch.int64)] if count else []), 0)
+    link.send([header] + ([token_ids.to(torch.int64)] if count else []), 0, reply=True)
 
 
 def recv_reply(link: Link, src: int) -> tuple[int, int, int, torch.Tensor | None]:
-    kind, micro_batch, slot, count = link.recv(torch.empty(REPLY_SIZE, dtype=torch.int64), src).tolist()
-    tokens = link.recv(torch.empty(count, dtype=torch.int64), src) if count else None
+    kind, micro_batch, slot, count = link.recv(torch.empty(REPLY_SIZE, dtype=torch.int64), src, reply=True).tolist()
+    tokens = link.recv(torch.empty(count, dtype=torch.int64), src, reply=True) if count else None
     return kind, micro_batch, slot, tokens
 
 
-def open_group(backend: str, init_method: str, timeout_s: float):
-    """A process group of our own (not torch's global default), so several can come and go in one
+def open_group(backend: str, init_method: str, timeout_s: float) -> tuple:
+    """Two process groups of our own (not torch's global default), so several can come and go in one
     process. `init_method`: env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or tcp://H:P?rank=R&world_size=W."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store, rank, world_size = next(dist.rendezvous(init_method, timeout=timeout))
     store.set_timeout(timeout)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+    def group(name: str):
+        prefixed = dist.PrefixStore(name, store)
+        if backend == "nccl":
+            return dist.ProcessGroupNCCL(prefixed, rank, world_size)
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+
+    return group("stages"), group("replies")  # see Link

@@ -16,9 +16,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from graphrt.errors import GraphrtError, RequestError
+from graphrt.errors import GraphrtError, RequestError, StageError
 from graphrt.sampling import SamplingParams
-from graphrt.sequence import Sequence
+from graphrt.sequence import FinishReason, Sequence
 
 logger = logging.getLogger("graphrt.server")
 
@@ -110,11 +110,11 @@ class AsyncEngine:
         return self.accepting and self._thread is not None and self._thread.is_alive()
 
     def submit(self, job: GenerationJob) -> bool:
-        """Queue a job; False once stopping (the job was not queued)."""
+        """Queue a job; False once stopping or if the engine thread is gone (the job was not queued)."""
         with self._admission:
-            if self.accepting:
+            if self.healthy:
                 self._commands.put(("add", job))
-            return self.accepting
+            return self.healthy
 
     def abort(self, job: GenerationJob) -> None:
         self._commands.put(("abort", job))
@@ -133,6 +133,17 @@ class AsyncEngine:
     # -- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop_until_stopped()
+        except BaseException as exc:  # noqa: BLE001 - a bug here must not leave clients waiting forever
+            logger.error("the engine thread failed; failing every request", exc_info=exc)
+            with self._admission:
+                self.accepting = False
+            failed = Failed(500, "internal error in the engine; see the server log")
+            queued = [job for kind, job in self._take_commands(block=False) if kind == "add"]
+            self._deliver([(job, failed) for job in list(self._jobs) + queued])
+
+    def _loop_until_stopped(self) -> None:
         running = True
         while running:
             deliveries: list[tuple[GenerationJob, object]] = []
@@ -216,6 +227,14 @@ class AsyncEngine:
                 # A stage process died or went silent (--procs): nothing in flight can finish; the server stops.
                 logger.error("%s; failing %d requests in flight", failure, len(self._jobs))
                 status, message = 503, str(failure)
+            elif isinstance(exc, StageError):
+                # A stage failed and the engine recovered: only the requests it was carrying end.
+                hit = [job for job in self._jobs if any(s.finish_reason is FinishReason.ERROR for s in job.seqs)]
+                logger.error("%s; failing %d requests", exc, len(hit))
+                for job in hit:
+                    self._abort(job)
+                    deliveries.append((job, Failed(500, "a pipeline stage failed while running this request; retry it")))
+                return
             else:
                 # A bug in the engine: fail what is in flight rather than leave clients hanging.
                 logger.error("engine step failed; failing %d requests in flight", len(self._jobs), exc_info=exc)

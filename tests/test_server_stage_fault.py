@@ -1,0 +1,36 @@
+"""A stage that fails once: the server answers the request it was carrying with a 500 and keeps
+serving; the KV blocks come back."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from graphrt.llm import LLM
+from graphrt.server import ServerSettings, ServerThread
+
+
+def test_one_stage_fault_fails_only_the_request_in_flight(tiny_model_factory):
+    engine = LLM(model=tiny_model_factory(), pp=2, kv_cache_tokens=1024).engine
+    stage = engine.pipeline.stages[1]
+    forward, faults = stage.forward, []
+
+    def faulty(x, meta, cache):
+        if faults:
+            faults.pop()
+            raise RuntimeError("injected fault")
+        return forward(x, meta, cache)
+
+    stage.forward = faulty
+    model_id = engine.model_dir.name
+    with ServerThread(engine, ServerSettings(model_id=model_id)) as running:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
+        request = dict(model=model_id, prompt=[5, 6, 7], max_tokens=8, temperature=0)
+        before = client.completions.create(**request)
+        faults.append(1)
+        with pytest.raises(openai.InternalServerError, match="pipeline stage failed"):
+            client.completions.create(**request)
+        after = client.completions.create(**request)
+        assert after.choices[0].text == before.choices[0].text
+        assert after.usage.completion_tokens == 8
+    assert engine.allocator.num_free == engine.allocator.num_blocks - 1
