@@ -58,11 +58,15 @@ def frozen_gc():
         gc.unfreeze()
 
 
-def random_decode_rows(stage: Stage, rows: int, num_blocks: int, block_size: int, seed: int) -> tuple[torch.Tensor, StepMetadata]:
-    """Plausible decode inputs: random tokens or hidden states, each row in its own real blocks."""
+def random_decode_rows(
+    stage: Stage, rows: int, num_blocks: int, block_size: int, seed: int, max_context: int = VERIFY_MAX_CONTEXT
+) -> tuple[torch.Tensor, StepMetadata]:
+    """Plausible decode inputs: random tokens or hidden states, each row in its own real blocks,
+    with contexts of at most `max_context` tokens."""
     gen = torch.Generator().manual_seed(seed)
-    max_blocks_per_row = -(-VERIFY_MAX_CONTEXT // block_size)
-    seq_lens = torch.randint(1, VERIFY_MAX_CONTEXT + 1, (rows,), generator=gen)
+    max_context = min(max_context, VERIFY_MAX_CONTEXT)
+    max_blocks_per_row = -(-max_context // block_size)
+    seq_lens = torch.randint(1, max_context + 1, (rows,), generator=gen)
     tables = torch.randint(1, num_blocks, (rows, max_blocks_per_row), generator=gen)
     positions = seq_lens - 1
     slots = tables[torch.arange(rows), positions // block_size] * block_size + positions % block_size
@@ -84,7 +88,9 @@ def random_decode_rows(stage: Stage, rows: int, num_blocks: int, block_size: int
 def verify(graph, stage: Stage, cache: StageKVCache, rows: int, seed: int) -> tuple[float, float]:
     """(max abs difference, largest magnitude) between a replay and a direct eager forward on the
     same fresh rows. A different batch shape may round differently, so callers compare relatively."""
-    x, meta = random_decode_rows(stage, rows, cache.k.shape[1], cache.k.shape[2], seed)
+    block_size = cache.k.shape[2]
+    longest = graph.inputs.meta.block_tables.shape[1] * block_size  # the static block table's reach
+    x, meta = random_decode_rows(stage, rows, cache.k.shape[1], block_size, seed, longest)
     with flushed_denormals(stage.device):
         return _compare(graph, stage, cache, x, meta, rows)
 

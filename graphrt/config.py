@@ -125,7 +125,7 @@ class ModelConfig:
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
                 head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                max_position=int(raw.get("max_position_embeddings", 4096)),
+                max_position=_context_limit(raw),
                 rope=RopeConfig.from_hf(raw),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=bool(extras.get("qkv_bias", False) or raw.get("attention_bias", False)),
@@ -136,6 +136,17 @@ class ModelConfig:
             )
         except KeyError as exc:
             raise ModelLoadError(f"config.json lacks the field {exc.args[0]!r}; the model folder is incomplete") from None
+
+
+def _context_limit(raw: dict) -> int:
+    """max_position_embeddings, capped at the sliding window where the model uses one: graphrt
+    attends to the whole context, which matches such a model only within its window."""
+    limit = int(raw.get("max_position_embeddings", 4096))
+    window = raw.get("sliding_window")
+    uses_window = raw.get("use_sliding_window", True)  # Qwen2 configs carry a window they don't use
+    if window and uses_window:
+        limit = min(limit, int(window))
+    return limit
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

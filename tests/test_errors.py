@@ -117,3 +117,14 @@ def test_cli_errors_are_one_line_without_traceback(tiny_model_factory, args, mes
     assert result.exit_code == 1
     assert message in result.output
     assert "Traceback" not in result.output and result.output.count("\n") == 1
+
+
+def test_a_sliding_window_caps_the_context(tiny_model_factory, tmp_path):
+    model_dir = shutil.copytree(tiny_model_factory("mistral"), tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["sliding_window"] = 64  # attention is not windowed, so only 64 tokens are exact
+    (model_dir / "config.json").write_text(json.dumps(config))
+    llm = LLM(model=model_dir, kv_cache_tokens=256)
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(RequestError, match="the prompt is 70 tokens but the context holds 64"):
+        llm.generate([1] * 70)
