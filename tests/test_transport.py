@@ -1,0 +1,58 @@
+"""The wire between stage processes: every field of a micro-batch survives encode and decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphrt.batch import StepMetadata
+from graphrt.sampling import SamplingParams
+from graphrt.transport import DECODE, HEARTBEAT, PREFILL, Message, Sampling, decode, encode, int_payload_size
+
+
+def micro_batch(kind: int, with_sampling: bool, released: list[int]) -> Message:
+    rows, width = 3, 4
+    query_lens = [5, 1, 2] if kind == PREFILL else None
+    num_tokens = sum(query_lens) if query_lens else rows
+    meta = StepMetadata(
+        positions=torch.arange(num_tokens) + 7,
+        slot_mapping=torch.arange(num_tokens) * 3 + 1,
+        block_tables=torch.arange(rows * width).view(rows, width) + 2,
+        seq_lens=torch.tensor([12, 9, 30]),
+        logits_indices=torch.tensor([num_tokens - 4, num_tokens - 3, num_tokens - 1]),
+        seq_lens_host=[12, 9, 30],
+        query_lens=query_lens,
+    )
+    sampling = None
+    if with_sampling or released:
+        rows_sampled = [0, 2] if with_sampling else []
+        params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9), SamplingParams(temperature=0.0)][: len(rows_sampled)]
+        sampling = Sampling(rows_sampled, [41, 43][: len(rows_sampled)], params, [1234, None][: len(rows_sampled)], released)
+    return Message(kind, micro_batch=17, slot=2, meta=meta, bucket=4 if kind == DECODE else None, sampling=sampling)
+
+
+@pytest.mark.parametrize("kind", [PREFILL, DECODE])
+@pytest.mark.parametrize("with_sampling, released", [(True, [5, 8]), (True, []), (False, [9]), (False, [])])
+def test_a_micro_batch_round_trips(kind, with_sampling, released):
+    sent = micro_batch(kind, with_sampling, released)
+    header, ints, floats = encode(sent)
+    assert ints.shape[0] == int_payload_size(header)  # the receiver sizes its buffer from the header
+    got = decode(header, ints, floats)
+    assert (got.kind, got.micro_batch, got.slot, got.bucket) == (kind, 17, 2, sent.bucket)
+    for field in ("positions", "slot_mapping", "block_tables", "seq_lens", "logits_indices"):
+        assert torch.equal(getattr(got.meta, field), getattr(sent.meta, field)), field
+    assert got.meta.seq_lens_host == sent.meta.seq_lens_host and got.meta.query_lens == sent.meta.query_lens
+    if sent.sampling is None:
+        assert got.sampling is None
+        return
+    assert got.sampling.rows == sent.sampling.rows and got.sampling.request_ids == sent.sampling.request_ids
+    assert got.sampling.seeds == sent.sampling.seeds and got.sampling.released == sent.sampling.released
+    for ours, theirs in zip(got.sampling.params, sent.sampling.params):
+        assert (ours.temperature, ours.top_k, ours.top_p) == (theirs.temperature, theirs.top_k, theirs.top_p)
+
+
+def test_a_heartbeat_has_no_payload():
+    header, ints, floats = encode(Message(HEARTBEAT, micro_batch=-1, slot=0))
+    assert ints.numel() == 0 and floats is None
+    got = decode(header, ints, floats)
+    assert (got.kind, got.meta, got.sampling) == (HEARTBEAT, None, None)
