@@ -275,6 +275,7 @@ class Engine:
             except Exception as exc:  # a stage raised while running this micro-batch
                 self._recover(exc)
             self.in_flight.popleft()
+            self.ring.collect_busy(mb)
             if self.timeline:
                 self.timeline.record_wait(waited_from, self.timeline.now())
             slot = self.ring.slots[mb.slot]

@@ -19,7 +19,7 @@ from graphrt.batch import StepMetadata
 from graphrt.capture.graphs import StageGraphs
 from graphrt.pipeline import Pipeline
 from graphrt.profiling.nvtx import Ranges
-from graphrt.profiling.timeline import Timeline
+from graphrt.profiling.timeline import Timeline, mark
 from graphrt.sampling import Sampler, host_to_device
 from graphrt.scheduler import ScheduledStep
 from graphrt.sequence import Sequence
@@ -35,6 +35,7 @@ class MicroBatch:
     launched_at: float
     done: object = None  # the last stage's event
     bucket: int | None = None
+    busy_events: list = field(default_factory=list)  # CUDA: (stage, start, end) events of its work
 
     @property
     def sampled_seqs(self) -> list[Sequence]:
@@ -63,6 +64,7 @@ class Ring:
 
     def __post_init__(self) -> None:
         stages = self.pipeline.stages
+        self.busy_s = [0.0] * len(stages)  # seconds each local stage has spent on micro-batches
         self.streams = self._make_streams()
         pinned = stages[-1].device.type == "cuda"
         self.slots = [
@@ -111,6 +113,7 @@ class Ring:
         num_tokens = token_ids.shape[0]
         kind = "prefill" if mb.step.is_prefill else "decode"
         started = self.timeline.begin(stage.device) if self.timeline else None
+        busy_from = mark(stage.device)
         if mb.step.is_prefill:
             work = self.ranges.prefill(index, num_tokens)
         else:
@@ -130,11 +133,28 @@ class Ring:
                 with self.ranges.sample():
                     token_ids_out = self.sampler(logits, params, generators)
                 slot.tokens[: len(mb.sample_rows)].copy_(token_ids_out, non_blocking=True)
+        self._busy_end(index, stage.device, busy_from, mb)
         if self.timeline:
             self.timeline.end(
                 stage.device, started, stage=index, slot=mb.slot, micro_batch=mb.id, kind=kind,
                 rows=len(mb.step.seqs), bucket=mb.bucket,
             )
+
+    # Always-on per-stage busy time, for /metrics: a clock read in the CPU worker, or a pair of
+    # CUDA events read back with the micro-batch (never a host clock around asynchronous work).
+
+    def _busy_end(self, index: int, device: torch.device, began, mb: MicroBatch) -> None:
+        ended = mark(device)
+        if device.type == "cuda":
+            mb.busy_events.append((index, began, ended))
+        else:
+            self.busy_s[index] += ended - began
+
+    def collect_busy(self, mb: MicroBatch) -> None:
+        """Add a finished micro-batch's CUDA-timed stage work to `busy_s`."""
+        for index, began, ended in mb.busy_events:
+            self.busy_s[index] += began.elapsed_time(ended) / 1000
+        mb.busy_events.clear()
 
     def close(self) -> None:
         for stream in self.streams:

@@ -14,6 +14,16 @@ from dataclasses import dataclass
 import torch
 
 
+def mark(device: torch.device):
+    """A point in a stage's work: a CUDA event recorded on the current stream (read only after the
+    work is done), or on a CPU the clock, read in the worker that does the work."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
 @dataclass(frozen=True)
 class Slice:
     stage: int
@@ -46,22 +56,15 @@ class Timeline:
 
     def begin(self, device: torch.device):
         """Called on the stage's stream (inside the CPU worker, or with the CUDA stream current)."""
-        if device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return self.now()
+        return mark(device)
 
     def end(self, device: torch.device, started, **fields) -> None:
-        if device.type == "cuda":
-            finished = torch.cuda.Event(enable_timing=True)
-            finished.record()
-            with self._lock:
-                self._pending.append(({**fields, "device": device}, started, finished))
-            return
-        finished = self.now()
+        finished = mark(device)
         with self._lock:
-            self.slices.append(Slice(start=started, end=finished, **fields))
+            if device.type == "cuda":
+                self._pending.append(({**fields, "device": device}, started, finished))
+            else:
+                self.slices.append(Slice(start=started - self.origin, end=finished - self.origin, **fields))
 
     def resolve(self) -> None:
         """Turn the CUDA events of finished work into slices (call after the work is done)."""

@@ -159,3 +159,14 @@ def test_a_failing_stage_ends_only_the_requests_in_flight(tiny_model_factory):
     again = llm.generate([[3, 4, 5]], params)[0]
     assert len(again.token_ids) == 20
     engine.close()
+
+
+def test_always_on_busy_time_agrees_with_the_timeline(tiny_model_factory):
+    llm = LLM(model=tiny_model_factory(), pp=2, kv_cache_tokens=1024, timeline=True)
+    engine = make_synthetic(llm.engine, stage_ms=5)
+    llm.generate([[i + 1, 2, 3] for i in range(6)], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    for stage in range(2):
+        from_timeline = sum(s.end - s.start for s in engine.timeline.slices if s.stage == stage)
+        assert from_timeline > 0
+        assert abs(engine.ring.busy_s[stage] - from_timeline) <= 0.05 * from_timeline
+    engine.close()

@@ -3,6 +3,8 @@ choices, stop strings, models, metrics and the API key. One server for the modul
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -181,8 +183,12 @@ def metric(text: str, name: str) -> float:
 
 def test_metrics(client, server):
     before = httpx.get(f"{server.url}/metrics").text
+    started = time.perf_counter()
     client.completions.create(model=MODEL, prompt="One two three", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    wall = time.perf_counter() - started
     after = httpx.get(f"{server.url}/metrics").text
+    busy = metric(after, 'graphrt_stage_busy_seconds_total{stage="0"}') - metric(before, 'graphrt_stage_busy_seconds_total{stage="0"}')
+    assert 0 < busy <= wall  # the stage worked on this request, and not longer than it took
     assert metric(after, 'graphrt_requests_total{outcome="length"}') == metric(before, 'graphrt_requests_total{outcome="length"}') + 1
     assert metric(after, "graphrt_generation_tokens_total") == metric(before, "graphrt_generation_tokens_total") + 5
     assert metric(after, "graphrt_prompt_tokens_total") > metric(before, "graphrt_prompt_tokens_total")

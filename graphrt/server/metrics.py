@@ -1,6 +1,7 @@
 """Prometheus metrics for /metrics, in a registry of the server's own (no process-wide state).
 
-Per-stage busy fraction comes with the profiling work; it is not reported here yet.
+Each stage's busy fraction is `rate(graphrt_stage_busy_seconds_total[1m])`: the counter adds the
+seconds the stage spent on micro-batches (with --procs, only the stages in this process).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("graphrt_kv_blocks_used", "KV cache blocks held by requests", value=usable_blocks - snap.num_free_blocks)
         yield GaugeMetricFamily("graphrt_kv_blocks_free", "KV cache blocks free (the scratch block not counted)", value=snap.num_free_blocks)
         yield CounterMetricFamily("graphrt_eager_fallbacks", "Decode micro-batches that ran eagerly instead of replaying a graph", value=snap.num_eager_fallbacks)
+        busy = CounterMetricFamily(
+            "graphrt_stage_busy_seconds", "Seconds each pipeline stage spent on micro-batches; its rate is the busy fraction",
+            labels=["stage"],
+        )
+        for stage, seconds in enumerate(snap.stage_busy_s):
+            busy.add_metric([str(stage)], seconds)
+        yield busy
 
 
 class ServerMetrics:
