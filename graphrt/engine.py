@@ -304,7 +304,14 @@ class Engine:
         lost = {id(seq): seq for mb in self.in_flight for seq in mb.step.seqs}
         lost.update((id(seq), seq) for seq in extra)
         self.in_flight.clear()
-        self.ring.reset()  # waits for the stage workers to drain, so no late write lands in a freed block
+        if self.cluster is not None:
+            # Stage processes can't be drained from here: late writes of lost micro-batches could
+            # land in freed blocks, so the whole pipeline stops instead (workers exit, name the cause).
+            self.cluster.fail(f"{type(exc).__name__} in stage 0: {exc}")
+            for slot in self.ring.slots:
+                slot.micro_batch = None
+        else:
+            self.ring.reset()  # waits for the stage workers to drain, so no late write lands in a freed block
         for seq in lost.values():
             seq.num_in_flight = 0
             if not seq.finished:
