@@ -363,17 +363,26 @@ class Engine:
         params = seq.params
         if token_id in self.eos_ids and not params.ignore_eos:
             seq.finish_reason = FinishReason.STOP
-        if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_ids)
-            for stop in params.stop:
-                cut = seq.text.find(stop)
-                if cut != -1:
-                    seq.text = seq.text[:cut]
-                    seq.finish_reason = FinishReason.STOP
         if seq.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
+        if self.tokenizer is not None:
+            self._extend_text(seq)
         if seq.finished:
             self._release(seq)
+
+    def _extend_text(self, seq: Sequence) -> None:
+        """Append the new token's text (decoding a few tokens, not the whole output: this runs for
+        every token) and end the sequence at a stop string."""
+        old_len = len(seq.text)
+        delta, *offsets = self.tokenizer.decode_next(seq.output_ids, *seq.detok_offsets, final=seq.finished)
+        seq.detok_offsets = tuple(offsets)
+        seq.text += delta
+        for stop in seq.params.stop:
+            # Only a stop string that ends in the new text can be new.
+            cut = seq.text.find(stop, max(0, old_len - len(stop) + 1))
+            if cut != -1:
+                seq.text = seq.text[:cut]
+                seq.finish_reason = FinishReason.STOP
 
     def _release(self, seq: Sequence) -> None:
         """Take a finished sequence out of scheduling; free its blocks unless a micro-batch still uses them."""

@@ -29,6 +29,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     text: str = ""
+    detok_offsets: tuple[int, int] = (0, 0)  # (prefix, read) offsets of incremental detokenization
     finish_reason: FinishReason | None = None
     num_in_flight: int = 0  # micro-batches in the ring that carry this sequence
     arrival_time: float = field(default_factory=time.perf_counter)

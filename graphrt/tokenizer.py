@@ -30,6 +30,20 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
 
+    def decode_next(self, token_ids: list[int], prefix_offset: int, read_offset: int, final: bool = False) -> tuple[str, int, int]:
+        """The text the newest tokens add, decoding only a short window instead of the whole output.
+
+        `token_ids[prefix_offset:read_offset]` were already turned into text; decoding them again
+        together with the new tokens keeps word boundaries right. A trailing partial UTF-8
+        character is held back (empty result, offsets unchanged) unless `final`.
+        Returns (new text, new prefix_offset, new read_offset).
+        """
+        prefix_text = self.decode(token_ids[prefix_offset:read_offset])
+        text = self.decode(token_ids[prefix_offset:])
+        if len(text) > len(prefix_text) and (final or not text.endswith("\ufffd")):
+            return text[len(prefix_text):], read_offset, len(token_ids)
+        return "", prefix_offset, read_offset
+
     def apply_chat_template(self, messages: list[dict]) -> str:
         """The prompt text for a conversation, ending where the assistant's reply begins."""
         if not self._tok.chat_template:

@@ -76,3 +76,11 @@ def test_stop_string_and_eos(default_model):
     assert stopped.text == full.text[: full.text.index("5")]
     capped = llm.generate(prompt, SamplingParams(max_tokens=3, temperature=0))[0]
     assert capped.finish_reason == "length" and capped.token_ids == full.token_ids[:3]
+
+
+def test_incremental_text_equals_decoding_the_whole_output(default_model):
+    llm = LLM(kv_cache_tokens=4096)
+    prompts = [llm.chat_prompt(q) for q in ("Say 'café' and add a smiley emoji.", "Write one sentence in French.")]
+    sampled = SamplingParams(max_tokens=48, temperature=0.9, seed=3, ignore_eos=True)
+    for output in llm.generate(prompts, sampled):
+        assert output.text == llm.tokenizer.decode(output.token_ids)
