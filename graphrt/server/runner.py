@@ -12,7 +12,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import uvicorn
