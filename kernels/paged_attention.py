@@ -20,9 +20,11 @@ def write_kv(
 
 
 def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    # (..., num_blocks) block ids -> (..., num_blocks * block_size, kv_heads, head_dim)
-    gathered = cache[block_ids]
-    return gathered.flatten(-4, -3)
+    # (..., num_blocks) block ids -> (..., num_blocks * block_size, kv_heads, head_dim).
+    # index_select copies whole blocks; `cache[block_ids]` (advanced indexing) goes element by
+    # element and is about 4x slower on the CPU, where this gather is a sixth of a decode step.
+    gathered = cache.index_select(0, block_ids.flatten())
+    return gathered.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
 
 
 def paged_decode_attention(
@@ -40,22 +42,25 @@ def paged_decode_attention(
     context including the current one (at least 1). `max_seq_len`, when the caller knows it on the
     host, trims the block table so the reference reads only live blocks. Returns (batch, heads, head_dim).
     """
-    block_size = k_cache.shape[1]
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     if max_seq_len is not None:
         block_tables = block_tables[:, : -(-max_seq_len // block_size)]
     keys = _gather_context(k_cache, block_tables)  # (batch, ctx, kv_heads, head_dim)
     values = _gather_context(v_cache, block_tables)
     ctx = keys.shape[1]
     visible = torch.arange(ctx, device=q.device)[None, :] < seq_lens[:, None]  # (batch, ctx)
+    # The query heads that share a KV head are that head's query rows (head h reads KV head
+    # h // group, as in transformers), so attention is plain multi-query per KV head; faster on
+    # the CPU than enable_gqa, which gives every query head its own pass over the keys.
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # (batch, heads, 1, head_dim)
-        keys.transpose(1, 2),
+        q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim),
+        keys.transpose(1, 2),  # (batch, kv_heads, ctx, head_dim)
         values.transpose(1, 2),
         attn_mask=visible[:, None, None, :],
         scale=scale,
-        enable_gqa=True,
     )
-    return out.squeeze(2)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def paged_prefill_attention(
