@@ -48,6 +48,7 @@ def model_options(command):
         click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest decode bucket [default: 32 on CPU; on CUDA from KV cache memory, 8 to 256]."),
         click.option("--buckets", default=None, help="Decode bucket sizes, e.g. 1,2,4,8,16 [default: 1, 2, 4, 8, then every 8 up to --max-batch]."),
         click.option("--depth", type=click.IntRange(min=0), default=None, help="Micro-batches in flight beyond one per stage: the ring has pp + depth slots [default: 1 with several CUDA stages, else 0]."),
+        click.option("--async-scheduling/--no-async-scheduling", default=True, help="Launch a slot's next decode step before its tokens are read back, so the host's turnaround overlaps the stages' work [default: on]."),
         click.option("--no-graphs", is_flag=True, help="Replay decode eagerly over the same static buffers instead of CUDA graphs."),
         click.option("--allow-eager", is_flag=True, help="Run a (stage, bucket) whose capture fails eagerly instead of stopping."),
         click.option("--procs", is_flag=True, help="Run stages 1..pp-1 in worker processes over torch.distributed (see docs/distributed.md)."),
@@ -58,7 +59,9 @@ def model_options(command):
     return command
 
 
-def engine_kwargs(model, pp, devices, dtype, kernels, max_batch, buckets, depth, no_graphs, allow_eager, procs=False, watchdog_s=None) -> dict:
+def engine_kwargs(
+    model, pp, devices, dtype, kernels, max_batch, buckets, depth, async_scheduling, no_graphs, allow_eager, procs=False, watchdog_s=None,
+) -> dict:
     from graphrt.capture.buckets import parse_buckets
 
     return dict(
@@ -70,6 +73,7 @@ def engine_kwargs(model, pp, devices, dtype, kernels, max_batch, buckets, depth,
         max_batch=max_batch,
         buckets=parse_buckets(buckets) if buckets else None,
         depth=depth,
+        async_scheduling=async_scheduling,
         use_graphs=False if no_graphs else None,
         allow_eager=allow_eager or None,
         procs=procs or None,

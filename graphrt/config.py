@@ -176,6 +176,7 @@ class EngineConfig:
     max_batch: int | None = None  # largest bucket; None: capture.buckets.default_max_batch
     allow_eager: bool = False  # a (stage, bucket) that fails capture runs eagerly instead of aborting
     depth: int | None = None  # micro-batches beyond one per stage (ring of pp + depth); None: default_depth()
+    async_scheduling: bool = True  # launch a slot's next step before its tokens are read back (graphrt.ring)
     timeline: bool = False  # record when each stage works on which micro-batch (graphrt.profiling)
     procs: bool = False  # stages 1..pp-1 in worker processes over torch.distributed (graphrt.remote)
     watchdog_s: float = 30.0  # with procs: a stage silent this long is declared dead

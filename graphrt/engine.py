@@ -97,7 +97,8 @@ class Engine:
         self.ranges = Ranges()
         self._capture_graphs(forced_eager, show_progress)
         self.scheduler = Scheduler(
-            self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch
+            self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch,
+            lookahead=int(config.async_scheduling),
         )
         self.sampler = Sampler(self.devices[-1], config.seed)
         self.timeline = Timeline(self.devices) if config.timeline else None
@@ -105,7 +106,8 @@ class Engine:
             self.cluster.handshake(self)
         self.ring = (self.cluster.make_ring if self.cluster else Ring)(
             self.pipeline, self.graphs, self.sampler, num_slots=config.pp + config.depth,
-            max_tokens=max(config.prefill_chunk_size, self.plan.max_batch), timeline=self.timeline, ranges=self.ranges,
+            max_tokens=max(config.prefill_chunk_size, self.plan.max_batch), per_slot=1 + int(config.async_scheduling),
+            timeline=self.timeline, ranges=self.ranges,
         )
         self.in_flight: deque[MicroBatch] = deque()
         self._decode_busy_until = 0.0
@@ -249,15 +251,19 @@ class Engine:
         if step is None:
             return False
         token_ids, meta = step.build(self.config.block_size, pin=self.devices[0].type == "cuda")
+        # Rows whose input is a token still on the device read it from the micro-batch sampling it.
+        producers = {id(seq.pending): seq.pending for seq in step.seqs if seq.awaits_token}
         for seq, query_len in zip(step.seqs, step.query_lens):
             seq.num_computed += query_len
             seq.num_in_flight += 1
         if not step.is_prefill and self.eager_pairs and self.backend == "cuda":
             self._count_eager_fallbacks(len(step.seqs))
         try:
-            mb = self.ring.launch(slot, step, token_ids, meta, time.perf_counter())
+            mb = self.ring.launch(slot, step, token_ids, meta, time.perf_counter(), list(producers.values()))
         except Exception as exc:  # enqueuing itself failed (on CUDA, e.g. out of memory)
             self._recover(exc, extra=step.seqs)
+        for row, seq in enumerate(mb.sampled_seqs):
+            seq.pending, seq.feed_index = mb, mb.token_base + row
         self.in_flight.append(mb)
         return True
 
@@ -278,17 +284,20 @@ class Engine:
             self.ring.collect_busy(mb)
             if self.timeline:
                 self.timeline.record_wait(waited_from, self.timeline.now())
-            slot = self.ring.slots[mb.slot]
-            new_ids = slot.tokens[: len(mb.sample_rows)].tolist()
-            slot.micro_batch = None
+            new_ids = self.ring.read_tokens(mb)
+            self.ring.retire(mb)
             now = time.perf_counter()
-            self._account(mb, now)
             for seq in mb.step.seqs:
                 seq.num_in_flight -= 1
             for seq, token_id in zip(mb.sampled_seqs, new_ids):
-                if not seq.finished:  # aborted while in flight: drop the token
+                if seq.pending is mb:
+                    seq.pending = None
+                # Aborted while in flight, or finished a step earlier (async scheduling had already
+                # launched the next one): the token is dropped.
+                if not seq.finished:
                     self._append(seq, token_id, now)
                     updated.append(seq)
+            self._account(mb, now, len(updated))
             for seq in mb.step.seqs:
                 if seq.finished and seq.num_in_flight == 0 and seq.block_ids:
                     self.allocator.free(seq.block_ids)
@@ -309,11 +318,11 @@ class Engine:
             # land in freed blocks, so the whole pipeline stops instead (workers exit, name the cause).
             self.cluster.fail(f"{type(exc).__name__} in stage 0: {exc}")
             for slot in self.ring.slots:
-                slot.micro_batch = None
+                slot.in_flight.clear()
         else:
             self.ring.reset()  # waits for the stage workers to drain, so no late write lands in a freed block
         for seq in lost.values():
-            seq.num_in_flight = 0
+            seq.num_in_flight, seq.pending = 0, None
             if not seq.finished:
                 seq.finish_reason = FinishReason.ERROR
             self._release(seq)
@@ -324,7 +333,7 @@ class Engine:
             + ("; the stage processes are gone, restart graphrt" if pipeline_down else " and the engine goes on with the rest")
         ) from exc
 
-    def _account(self, mb, now: float) -> None:
+    def _account(self, mb, now: float, new_tokens: int) -> None:
         if mb.step.is_prefill:
             self.stats.prefill_tokens += sum(mb.step.query_lens)
             return
@@ -332,7 +341,7 @@ class Engine:
         self.stats.decode_seconds += max(0.0, now - max(mb.launched_at, self._decode_busy_until))
         self._decode_busy_until = now
         self.stats.decode_steps += 1
-        self.stats.decode_tokens += len(mb.step.seqs)
+        self.stats.decode_tokens += new_tokens
 
     def run(self, step: ScheduledStep) -> torch.Tensor:
         """Push one scheduled step through every stage on this thread; return each sequence's

@@ -96,7 +96,7 @@ class Cluster:
         self.failure: StageFailure | None = None
         self.remote_weight_bytes = 0
         self.ring: RemoteRing | None = None
-        self._pending: dict[int, RemoteEvent] = {}
+        self._pending: dict[int, tuple[RemoteEvent, int]] = {}  # micro-batch id -> (event, token_base)
         self._lock = threading.Lock()
         self.closing = threading.Event()
         self._run(self._monitor, "graphrt-monitor")
@@ -164,13 +164,13 @@ class Cluster:
 
     # -- micro-batches ----------------------------------------------------------------------------
 
-    def expect(self, micro_batch: int) -> RemoteEvent:
+    def expect(self, mb: MicroBatch) -> RemoteEvent:
         event = RemoteEvent()
         with self._lock:
             if self.failure is not None:
                 event._set(self.failure)
             else:
-                self._pending[micro_batch] = event
+                self._pending[mb.id] = (event, mb.token_base)
         return event
 
     def send(self, message: Message) -> None:
@@ -187,7 +187,7 @@ class Cluster:
         last = self.link.world_size - 1
         while True:
             try:
-                kind, micro_batch, slot, tokens = recv_reply(self.link, last)
+                kind, micro_batch, _slot, tokens = recv_reply(self.link, last)
             except StageFailure as exc:
                 if not self.closing.is_set():
                     self._fail_soon(str(exc))
@@ -196,11 +196,11 @@ class Cluster:
                 return
             if kind == HEARTBEAT:
                 continue
-            if tokens is not None:
-                self.ring.slots[slot].tokens[: tokens.shape[0]].copy_(tokens)
             with self._lock:
-                event = self._pending.pop(micro_batch, None)
+                event, token_base = self._pending.pop(micro_batch, (None, 0))
             if event is not None:
+                if tokens is not None:
+                    self.ring.host_tokens[token_base : token_base + tokens.shape[0]].copy_(tokens)
                 event._set()
 
     def _heartbeat(self) -> None:
@@ -239,7 +239,7 @@ class Cluster:
             if self.failure is not None:
                 return
             self.failure = StageFailure(f"{message}; the pipeline is down, restart graphrt")
-            pending, self._pending = list(self._pending.values()), {}
+            pending, self._pending = [event for event, _ in self._pending.values()], {}
         print(f"[graphrt] {stage_name(0)} stops: {self.failure}", file=sys.stderr, flush=True)
         for event in pending:
             event._set(self.failure)
@@ -326,14 +326,15 @@ class RemoteRing(Ring):
         stage = self.pipeline.stages[0]
         for slot in self.slots:
             slot.recv.append(torch.empty(self.max_tokens, stage.cfg.hidden_size, dtype=stage.dtype, device=stage.device))
+        self.feed = self.host_tokens  # the receive thread writes the tokens there; stage 0 reads them on the host
 
     def _make_streams(self) -> list:
         # A thread even on CUDA: sends, heartbeats and shutdown must leave rank 0 in one order.
         return [CpuStream("graphrt-stage0")]
 
-    def launch(self, slot: RingSlot, step, token_ids, meta, now: float) -> MicroBatch:
-        mb = super().launch(slot, step, token_ids, meta, now)
-        event = self.cluster.expect(mb.id)  # before the send is queued, so the reply always finds it
+    def launch(self, slot: RingSlot, step, token_ids, meta, now: float, producers=()) -> MicroBatch:
+        mb = super().launch(slot, step, token_ids, meta, now, producers)
+        event = self.cluster.expect(mb)  # before the send is queued, so the reply always finds it
         sampling = self._sampling(mb)
         kind = PREFILL if step.is_prefill else DECODE
         self.streams[0].submit(lambda: self._send(Message(kind, mb.id, slot.index, meta, mb.bucket, sampling), slot, token_ids.shape[0]))

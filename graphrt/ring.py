@@ -1,11 +1,19 @@
 """The micro-batch ring: L = pp + depth slots moving through the stages at once.
 
-Each slot owns, on every stage, the buffer its activations arrive in, and a host buffer for its
-sampled tokens, so micro-batches in flight never share memory. Launching a micro-batch enqueues,
-stage by stage on that stage's stream: wait for the previous stage's event, run the stage (the
-bucket's graph for decode, eager for prefill), copy the output into the next stage's receive
-buffer for this slot, record an event. The last stage samples on device and copies the token ids
-to the slot's host buffer; the host reads them when the slot's event has passed.
+Each slot owns, on every stage, the buffer its activations arrive in, so micro-batches running at
+once never share memory. Launching a micro-batch enqueues, stage by stage on that stage's stream:
+wait for the previous stage's event, run the stage (the bucket's graph for decode, eager for
+prefill), copy the output into the next stage's receive buffer for this slot, record an event.
+The last stage samples on device and writes the token ids twice: into the token feed on stage 0's
+device, where the next step of those sequences reads them, and into pinned host memory, which the
+host reads once the micro-batch's event has passed.
+
+Async scheduling: a slot holds up to `per_slot` micro-batches. The second one is launched before
+the first is read back; its stage 0 waits (on the device, not the host) for the first to leave
+the last stage, then takes its input tokens from the feed. The host so decides a whole ring ahead
+and its turnaround (read-back, detokenizing, stop checks, scheduling) overlaps the stages' work.
+Feed and host token buffers alternate between two halves per slot, so a micro-batch never
+overwrites tokens that a launched one has still to read.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ class MicroBatch:
     step: ScheduledStep
     sample_rows: list[int]  # rows of step.seqs that get a token from this micro-batch
     launched_at: float
+    token_base: int  # where its sampled tokens go in the ring's feed and host token buffer
+    reads_feed: bool  # some input tokens come from the feed (see Sequence.token_at)
     done: object = None  # the last stage's event
     bucket: int | None = None
     busy_events: list = field(default_factory=list)  # CUDA: (stage, start, end) events of its work
@@ -46,8 +56,8 @@ class MicroBatch:
 class RingSlot:
     index: int
     recv: list[torch.Tensor | None]  # per stage: activations from the previous stage (None on stage 0)
-    tokens: torch.Tensor  # host buffer for sampled token ids
-    micro_batch: MicroBatch | None = None
+    in_flight: list[MicroBatch] = field(default_factory=list)  # oldest first; they run one after another
+    launches: int = 0
 
 
 @dataclass
@@ -57,6 +67,7 @@ class Ring:
     sampler: Sampler
     num_slots: int
     max_tokens: int  # per micro-batch: max(prefill chunk, largest bucket)
+    per_slot: int = 1  # micro-batches a slot may hold: 2 with async scheduling
     timeline: Timeline | None = None
     ranges: Ranges = field(default_factory=Ranges)
     slots: list[RingSlot] = field(init=False)
@@ -66,16 +77,19 @@ class Ring:
         stages = self.pipeline.stages
         self.busy_s = [0.0] * len(stages)  # seconds each local stage has spent on micro-batches
         self.streams = self._make_streams()
-        pinned = stages[-1].device.type == "cuda"
         self.slots = [
             RingSlot(
                 index=k,
                 recv=[None]
                 + [torch.empty(self.max_tokens, s.cfg.hidden_size, dtype=s.dtype, device=s.device) for s in stages[1:]],
-                tokens=torch.zeros(self.max_tokens, dtype=torch.int64, pin_memory=pinned),
             )
             for k in range(self.num_slots)
         ]
+        # Two halves per slot (see the module docstring), indexed by MicroBatch.token_base.
+        size = self.num_slots * 2 * self.max_tokens
+        self.host_tokens = torch.zeros(size, dtype=torch.int64, pin_memory=stages[-1].device.type == "cuda")
+        first = stages[0].device
+        self.feed = self.host_tokens if first.type == "cpu" else torch.zeros(size, dtype=torch.int64, device=first)
 
     def _make_streams(self) -> list:
         return [make_stream(stage.device, f"graphrt-stage{stage.index}") for stage in self.pipeline.stages]
@@ -86,18 +100,32 @@ class Ring:
             stream.close()
         self.streams = self._make_streams()
         for slot in self.slots:
-            slot.micro_batch = None
+            slot.in_flight.clear()
 
     def free_slot(self) -> RingSlot | None:
-        return next((slot for slot in self.slots if slot.micro_batch is None), None)
+        """The slot to launch into: an empty one first, else the one launched into longest ago."""
+        open_slots = [slot for slot in self.slots if len(slot.in_flight) < self.per_slot]
+        return min(open_slots, key=lambda slot: (len(slot.in_flight), slot.launches), default=None)
 
-    def launch(self, slot: RingSlot, step: ScheduledStep, token_ids: torch.Tensor, meta: StepMetadata, now: float) -> MicroBatch:
-        """Enqueue one micro-batch on every stage; returns at once (CUDA) or after queuing (CPU)."""
+    def launch(
+        self, slot: RingSlot, step: ScheduledStep, token_ids: torch.Tensor, meta: StepMetadata, now: float,
+        producers: list[MicroBatch] = (),
+    ) -> MicroBatch:
+        """Enqueue one micro-batch on every stage; returns at once (CUDA) or after queuing (CPU).
+
+        `producers` are the micro-batches in flight whose tokens this one reads from the feed.
+        """
         sample_rows = [i for i, seq in enumerate(step.seqs) if not seq.in_prefill]
         bucket = None if step.is_prefill else self.graphs[0].plan.bucket_for(len(step.seqs))
-        mb = MicroBatch(next(self._ids), slot.index, step, sample_rows, now, bucket=bucket)
+        token_base = (2 * slot.index + slot.launches % 2) * self.max_tokens
+        mb = MicroBatch(next(self._ids), slot.index, step, sample_rows, now, token_base, bool(producers), bucket=bucket)
         params = [seq.params for seq in mb.sampled_seqs]
         generators = [seq.generator for seq in mb.sampled_seqs]
+        # Stage 0 starts once the slot's earlier micro-batch has left the last stage (its buffers
+        # are free) and the tokens it reads are in the feed.
+        waits = {id(earlier): earlier for earlier in [*slot.in_flight, *producers]}
+        for earlier in waits.values():
+            self.streams[0].wait_event(earlier.done)
         event = None
         for index, stream in enumerate(self.streams):
             if event is not None:
@@ -105,8 +133,17 @@ class Ring:
             stream.submit(lambda i=index: self._run_stage(i, slot, mb, token_ids, meta, params, generators))
             event = stream.record()
         mb.done = event
-        slot.micro_batch = mb
+        slot.in_flight.append(mb)
+        slot.launches += 1
         return mb
+
+    def read_tokens(self, mb: MicroBatch) -> list[int]:
+        """The sampled token ids of a micro-batch whose event has passed."""
+        return self.host_tokens[mb.token_base : mb.token_base + len(mb.sample_rows)].tolist()
+
+    def retire(self, mb: MicroBatch) -> None:
+        """The host has read `mb` back: its slot may take another micro-batch."""
+        self.slots[mb.slot].in_flight.remove(mb)
 
     def _run_stage(self, index, slot, mb, token_ids, meta, params, generators) -> None:
         stage, cache = self.pipeline.stages[index], self.pipeline.caches[index]
@@ -119,7 +156,7 @@ class Ring:
         else:
             work = self.ranges.stage(index, mb.slot, mb.bucket)
         with work:
-            x = token_ids.to(stage.device, non_blocking=True) if index == 0 else slot.recv[index][:num_tokens]
+            x = self._input_ids(token_ids, mb).to(stage.device, non_blocking=True) if index == 0 else slot.recv[index][:num_tokens]
             stage_meta = meta.to(stage.device)
             if mb.step.is_prefill:
                 out = stage(x, stage_meta, cache)
@@ -132,13 +169,23 @@ class Ring:
                 logits = out if len(mb.sample_rows) == out.shape[0] else out[host_to_device(mb.sample_rows, torch.int64, out.device)]
                 with self.ranges.sample():
                     token_ids_out = self.sampler(logits, params, generators)
-                slot.tokens[: len(mb.sample_rows)].copy_(token_ids_out, non_blocking=True)
+                rows = slice(mb.token_base, mb.token_base + len(mb.sample_rows))
+                if self.feed is not self.host_tokens:
+                    self.feed[rows].copy_(token_ids_out, non_blocking=True)
+                self.host_tokens[rows].copy_(token_ids_out, non_blocking=True)
         self._busy_end(index, stage.device, busy_from, mb)
         if self.timeline:
             self.timeline.end(
                 stage.device, started, stage=index, slot=mb.slot, micro_batch=mb.id, kind=kind,
                 rows=len(mb.step.seqs), bucket=mb.bucket,
             )
+
+    def _input_ids(self, token_ids: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """Stage 0's token ids, with each -1 - i replaced by the token at feed[i]."""
+        if not mb.reads_feed:
+            return token_ids
+        ids = token_ids.to(self.feed.device, non_blocking=True)
+        return torch.where(ids < 0, self.feed[(-1 - ids).clamp(min=0)], ids)
 
     # Always-on per-stage busy time, for /metrics: a clock read in the CPU worker, or a pair of
     # CUDA events read back with the micro-batch (never a host clock around asynchronous work).

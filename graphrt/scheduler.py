@@ -27,7 +27,8 @@ class ScheduledStep:
     is_prefill: bool
 
     def build(self, block_size: int, pin: bool = False) -> tuple[torch.Tensor, StepMetadata]:
-        """Token ids and metadata on the host; the pipeline moves them to each stage.
+        """Token ids and metadata on the host; the pipeline moves them to each stage. A token not
+        read back yet is given as -1 - its index in the ring's token feed.
 
         `pin` puts them in page-locked memory, so the copies to a GPU are truly asynchronous (from
         pageable memory the driver may wait for the stream, and the host would block).
@@ -72,8 +73,12 @@ class Scheduler:
         prefill_chunk_size: int,
         max_model_len: int,
         max_decode_batch: int,
+        lookahead: int = 0,
     ):
         self.allocator = allocator
+        # Micro-batches a decode row may still have in flight when it is scheduled again: 1 with
+        # async scheduling (its input token is then read on the device), 0 without.
+        self.lookahead = lookahead
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
         self.max_model_len = max_model_len
@@ -122,15 +127,16 @@ class Scheduler:
     def schedule(self, num_slots: int = 1) -> ScheduledStep | None:
         """The next micro-batch for one ring slot, or None if nothing can run now.
 
-        A sequence waiting for its next token (one in flight) can't decode again; the prompt
-        chunks of one sequence may fill several slots, since each stage runs them in order.
+        A decode row runs again once it has at most `lookahead` micro-batches in flight, and
+        never past max_tokens; the prompt chunks of one sequence may fill several slots, since
+        each stage runs them in order.
         Decode rows are spread over the ring (about 1/num_slots of them per slot, never more
         than the largest bucket) so every slot carries work.
         """
         self._admit()
         prefilling = [s for s in self.running if s.in_prefill]
         decode_phase = [s for s in self.running if not s.in_prefill]
-        ready = [s for s in decode_phase if s.num_in_flight == 0]
+        ready = [s for s in decode_phase if s.num_in_flight <= self.lookahead and s.outputs_scheduled < s.max_tokens]
         # Rounded down, so every slot gets rows; the rows left over rotate in as slots come back.
         per_slot = max(1, len(decode_phase) // num_slots)
         if prefilling:

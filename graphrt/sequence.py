@@ -32,6 +32,10 @@ class Sequence:
     detok_offsets: tuple[int, int] = (0, 0)  # (prefix, read) offsets of incremental detokenization
     finish_reason: FinishReason | None = None
     num_in_flight: int = 0  # micro-batches in the ring that carry this sequence
+    # The newest token while it is still on the device: the micro-batch sampling it, and where in
+    # the ring's token feed it lands (async scheduling launches the next step before it is read back).
+    pending: object | None = None
+    feed_index: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -52,7 +56,22 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def outputs_scheduled(self) -> int:
+        """Tokens sampled or being sampled: one per decode step launched, one for the prompt."""
+        return self.num_computed - self.prompt_len + 1
+
+    @property
+    def awaits_token(self) -> bool:
+        """The next step's input is the newest token, which has not been read back yet."""
+        return self.num_computed >= self.num_tokens
+
     def token_at(self, position: int) -> int:
+        """The token at `position`; for the newest one while it is still on the device, -1 - its
+        index in the ring's token feed, from which stage 0 reads it (see Ring.launch)."""
         if position < self.prompt_len:
             return self.prompt_ids[position]
-        return self.output_ids[position - self.prompt_len]
+        if position < self.num_tokens:
+            return self.output_ids[position - self.prompt_len]
+        assert self.pending is not None, "a token that is neither known nor in flight"
+        return -1 - self.feed_index

@@ -31,18 +31,25 @@ def make_synthetic(engine: Engine, stage_ms: float, host_ms: float = 0.0) -> Eng
     if host_ms:
         account = engine._account
 
-        def slow_account(mb, now, account=account):
+        def slow_account(mb, now, new_tokens, account=account):
             time.sleep(host_ms / 1000)
-            account(mb, now)
+            account(mb, now, new_tokens)
 
         engine._account = slow_account
     return engine
 
 
-def predicted_busy_fraction(pp: int, depth: int, stage_s: float, host_s: float) -> float:
-    """Steady-state busy share of each stage: a slot comes back after it crossed all stages and the
-    host handled it (pp * T + h), while the stage has L = pp + depth micro-batches of T to run in
-    that time: busy = L * T / max(L * T, pp * T + h)."""
+def predicted_busy_fraction(pp: int, depth: int, stage_s: float, host_s: float, async_scheduling: bool) -> float:
+    """Steady-state busy share of each stage, with micro-batches of T per stage and h of host time each.
+
+    Without async scheduling a slot comes back after it crossed all stages and the host handled it
+    (pp * T + h), while the stage has L = pp + depth micro-batches of T to run in that time:
+    busy = L * T / max(L * T, pp * T + h). With it, the host handles a micro-batch while the slot's
+    next one runs, so only its rate counts: one micro-batch per h against one per T on each stage,
+    busy = T / max(T, h), at any depth.
+    """
+    if async_scheduling:
+        return stage_s / max(stage_s, host_s)
     ring = pp + depth
     return ring * stage_s / max(ring * stage_s, pp * stage_s + host_s)
 

@@ -16,10 +16,11 @@ STAGE_MS, HOST_MS, PP = 20.0, 10.0, 4
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    """pp=4 synthetic stages of 20 ms, 10 ms of host time per micro-batch, at depth 0 and 1."""
+    """pp=4 synthetic stages of 20 ms, 10 ms of host time per micro-batch, at depth 0 and 1, with the
+    host in the loop (no async scheduling), so depth has something to hide."""
     out = tmp_path_factory.mktemp("profile")
     options = ProfileOptions(
-        engine_kwargs=dict(pp=PP, buckets=[1, 2, 4]), depths=[0, 1], sweep=True, out=out,
+        engine_kwargs=dict(pp=PP, buckets=[1, 2, 4], async_scheduling=False), depths=[0, 1], sweep=True, out=out,
         num_requests=8, input_range=(4, 8), output_range=(20, 20), synthetic_ms=STAGE_MS, host_ms=HOST_MS,
     )
     lines = []
@@ -32,7 +33,7 @@ def test_busy_share_matches_the_pipeline_formula_at_depth_zero(sweep):
     # The formula with the stage time the timeline saw (a sleep overshoots 20 ms a little).
     stage_s = sum(ms * depth0.stages[0].decode_counts[b] for b, ms in depth0.stages[0].decode_ms.items()) / 1000
     stage_s /= sum(depth0.stages[0].decode_counts.values())
-    expected = predicted_busy_fraction(pp=PP, depth=0, stage_s=stage_s, host_s=HOST_MS / 1000)
+    expected = predicted_busy_fraction(pp=PP, depth=0, stage_s=stage_s, host_s=HOST_MS / 1000, async_scheduling=False)
     assert expected < 0.92  # the host turnaround leaves a visible bubble
     for use in depth0.stages:
         assert abs(use.busy - expected) <= 0.05, ([s.busy for s in depth0.stages], expected)

@@ -40,10 +40,15 @@ def run_arrivals(llm: LLM, workload) -> list[list[int]]:
     return [seq.output_ids for seq in seqs]
 
 
+# Greedy outputs of this variant vary from token to token (the tied ones mostly echo their input),
+# so a step fed a wrong or stale token shows.
+VARIED = "llama3-rope"
+
+
 @pytest.fixture(scope="module")
 def alone(tiny_model_factory):
     """Each request's tokens when it runs by itself: one stage, nothing else in the batch."""
-    llm = LLM(model=tiny_model_factory("llama-gqa-tied"), dtype="float64", kv_cache_tokens=4096, depth=0)
+    llm = LLM(model=tiny_model_factory(VARIED), dtype="float64", kv_cache_tokens=4096, depth=0, async_scheduling=False)
     workload = make_workload(seed=7)
     reference = [
         llm.generate(r["prompt"], SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True))[0].token_ids
@@ -57,7 +62,7 @@ def alone(tiny_model_factory):
 def test_concurrent_requests_get_the_tokens_they_get_alone(tiny_model_factory, alone, pp, depth):
     workload, reference = alone
     llm = LLM(
-        model=tiny_model_factory("llama-gqa-tied"), pp=pp, depth=depth, dtype="float64",
+        model=tiny_model_factory(VARIED), pp=pp, depth=depth, dtype="float64",
         kv_cache_tokens=2048, prefill_chunk_size=24, buckets=[1, 2, 4, 8],
     )
     assert llm.engine.ring.num_slots == pp + depth
@@ -65,6 +70,43 @@ def test_concurrent_requests_get_the_tokens_they_get_alone(tiny_model_factory, a
     allocator = llm.engine.allocator
     assert allocator.num_free == allocator.num_blocks - 1
     llm.engine.close()
+
+
+@pytest.mark.parametrize("pp,depth", [(1, 0), (2, 0), (3, 1)])
+def test_async_scheduling_stops_where_the_host_loop_stops(tiny_model_factory, pp, depth):
+    """Steps launched before the host has seen the previous token: sequences that end on EOS end
+    exactly where they end without async scheduling, the token sampled after it is dropped, and
+    the next steps really took their input from the device feed. Seeded sampling, so each
+    request's tokens do not depend on the batch it shares."""
+    prompts = [request["prompt"] for request in make_workload(seed=11)]
+
+    def run(async_scheduling: bool, eos: int | None):
+        llm = LLM(
+            model=tiny_model_factory(VARIED), pp=pp, depth=depth, dtype="float64", kv_cache_tokens=2048,
+            prefill_chunk_size=24, buckets=[1, 2, 4, 8], async_scheduling=async_scheduling,
+        )
+        engine = llm.engine
+        engine.eos_ids = {eos} if eos is not None else set()
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=24, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
+        read_the_feed = False
+        while engine.has_work():
+            engine.step()
+            read_the_feed |= any(mb.reads_feed for mb in engine.in_flight)
+        assert read_the_feed == async_scheduling
+        assert engine.allocator.num_free == engine.allocator.num_blocks - 1
+        engine.close()
+        return [(s.output_ids, s.finish_reason.value) for s in seqs]
+
+    # An EOS that the model samples after the first token in as many outputs as possible.
+    counts = {}
+    for tokens, _ in run(False, eos=None):
+        for token in set(tokens[1:]) - {tokens[0]}:
+            counts[token] = counts.get(token, 0) + 1
+    eos = max(counts, key=counts.get)
+    with_async = run(True, eos)
+    stopped = [ids for ids, reason in with_async if reason == "stop"]
+    assert len(stopped) >= 5 and all(len(ids) > 1 and ids[-1] == eos and eos not in ids[:-1] for ids in stopped)
+    assert with_async == run(False, eos)
 
 
 def test_aborting_mid_flight_returns_every_block(tiny_model_factory):
@@ -102,8 +144,13 @@ def test_a_request_that_can_never_fit_fails_alone(tiny_model_factory):
     engine.close()
 
 
-def busy_shares(pp: int, depth: int, model_dir, stage_ms: float, host_ms: float) -> tuple[list[float], float, float]:
-    llm = LLM(model=model_dir, pp=pp, depth=depth, kv_cache_tokens=4096, buckets=[1, 2, 4, 8], timeline=True)
+def busy_shares(
+    pp: int, depth: int, model_dir, stage_ms: float, host_ms: float, async_scheduling: bool = True,
+) -> tuple[list[float], float, float]:
+    llm = LLM(
+        model=model_dir, pp=pp, depth=depth, kv_cache_tokens=4096, buckets=[1, 2, 4, 8], timeline=True,
+        async_scheduling=async_scheduling,
+    )
     engine = make_synthetic(llm.engine, stage_ms=stage_ms, host_ms=host_ms)
     llm.generate([[i + 1, 2, 3] for i in range(16)], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     timeline = engine.timeline
@@ -123,9 +170,20 @@ def test_ring_keeps_every_stage_busy(tiny_model_factory, depth):
 
 
 def test_depth_zero_matches_the_pipeline_formula(tiny_model_factory):
-    shares, stage_s, host_s = busy_shares(4, 0, tiny_model_factory("llama-gqa-tied"), stage_ms=20, host_ms=10)
-    expected = predicted_busy_fraction(pp=4, depth=0, stage_s=stage_s, host_s=host_s)
+    """Without async scheduling, the host's turnaround is a bubble at depth 0."""
+    shares, stage_s, host_s = busy_shares(4, 0, tiny_model_factory("llama-gqa-tied"), stage_ms=20, host_ms=10, async_scheduling=False)
+    expected = predicted_busy_fraction(pp=4, depth=0, stage_s=stage_s, host_s=host_s, async_scheduling=False)
     assert expected < 0.92  # the host turnaround shows at depth 0
+    for share in shares:
+        assert abs(share - expected) <= 0.05, (shares, expected)
+
+
+@pytest.mark.parametrize("host_ms", [10, 30])
+def test_async_scheduling_hides_the_host_at_depth_zero(tiny_model_factory, host_ms):
+    """With the next step launched before the tokens are read back, only the host's rate shows:
+    10 ms per micro-batch hides behind 20 ms stages, 30 ms caps them at two thirds."""
+    shares, stage_s, host_s = busy_shares(4, 0, tiny_model_factory("llama-gqa-tied"), stage_ms=20, host_ms=host_ms)
+    expected = predicted_busy_fraction(pp=4, depth=0, stage_s=stage_s, host_s=host_s, async_scheduling=True)
     for share in shares:
         assert abs(share - expected) <= 0.05, (shares, expected)
 
