@@ -106,3 +106,12 @@ def test_bad_options_are_one_line(tmp_path, args, message):
     result = CliRunner().invoke(main, ["profile", *args, "--out", str(tmp_path)])
     assert result.exit_code != 0
     assert message in result.output
+
+
+def test_an_out_path_that_is_a_file_is_one_line(tmp_path):
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a folder")
+    result = CliRunner().invoke(main, ["profile", "--synthetic", "1", "--out", str(blocker)])
+    assert result.exit_code == 1
+    assert "cannot write the profile to" in result.output and "choose a writable --out folder" in result.output
+    assert "Traceback" not in result.output
