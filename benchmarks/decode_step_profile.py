@@ -1,12 +1,14 @@
 """Where one CPU decode step goes: graphrt's stage forward vs transformers' decode forward.
 
-    python benchmarks/decode_step_profile.py [--rows 32] [--min-ctx 17] [--max-ctx 192] [--steps 10]
+    python benchmarks/decode_step_profile.py [--rows 32] [--min-ctx 17] [--max-ctx 192] [--steps 10] [--dense]
 
 Both run the default model (or --model) at the same batch and context lengths: graphrt through the
 real decode path (static buffers of the eager stage graph, paged KV cache, greedy sampling),
 transformers through `LlamaForCausalLM.forward` with a DynamicCache as long as the longest context
 (left padding masked, as its static-batch `generate` runs). Prints each side's time per step and
 the share of its profile taken by each group of ops, so the two are read against each other.
+`--dense` adds graphrt with its matmul weights dense (F.linear, MKL) instead of packed for oneDNN,
+timed in the same process, interleaved with the others.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from graphrt.batch import StepMetadata
 
 # aten op -> what it is in a decode step (ops not listed are reported under their own name).
 GROUPS = {
+    "mkldnn::_linear_pointwise": "matmul",
     "aten::addmm": "matmul",
     "aten::mm": "matmul",
     "aten::linear": "matmul",
@@ -80,6 +83,36 @@ def graphrt_step(llm: LLM, token_ids: torch.Tensor, meta: StepMetadata):
         return engine.sampler(x, params, generators)
 
     return step
+
+
+def swap_weights(stage, weights: dict[tuple[int, str], torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
+    """Put these matmul weights into the stage ((layer or -1 for the stage itself, name) -> weight);
+    return the ones they replace."""
+    replaced = {}
+    for (index, name), weight in weights.items():
+        owner = stage if index < 0 else stage.layers[index]
+        replaced[(index, name)] = getattr(owner, name)
+        setattr(owner, name, torch.nn.Parameter(weight, requires_grad=False))
+    return replaced
+
+
+def dense_twin(step, stage):
+    """The same step with the stage's packed matmul weights swapped for dense ones while it runs."""
+    names = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    owners = [(i, n) for i in range(len(stage.layers)) for n in names] + ([(-1, "lm_head")] if stage.is_last else [])
+    packed = {(i, n): getattr(stage if i < 0 else stage.layers[i], n) for i, n in owners}
+    if not any(w.is_mkldnn for w in packed.values()):
+        raise SystemExit("--dense: this stage's weights are not packed (not float32 on a CPU with oneDNN)")
+    dense = {key: w.to_dense() for key, w in packed.items()}
+
+    def step_dense() -> torch.Tensor:
+        swap_weights(stage, dense)
+        try:
+            return step()
+        finally:
+            swap_weights(stage, packed)
+
+    return step_dense
 
 
 def transformers_step(model_dir, dtype: torch.dtype, context_lens: list[int]):
@@ -154,6 +187,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds, the two sides interleaved")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-hf", action="store_true", help="graphrt only")
+    parser.add_argument("--dense", action="store_true", help="also graphrt with dense matmul weights (MKL)")
     args = parser.parse_args()
 
     rng = random.Random(0)
@@ -161,6 +195,10 @@ def main() -> None:
     llm = LLM(model=args.model, kv_cache_tokens=args.rows * (args.max_ctx + 16) + 64, buckets=[args.rows])
     token_ids, meta = build_decode_step(llm, context_lens)
     sides = {"graphrt": graphrt_step(llm, token_ids, meta)}
+    if args.dense:
+        if len(llm.engine.pipeline.stages) != 1:
+            raise SystemExit("--dense needs a single stage")
+        sides["graphrt dense"] = dense_twin(sides["graphrt"], llm.engine.pipeline.stages[0])
     if not args.no_hf:
         sides["transformers"] = transformers_step(llm.engine.model_dir, llm.engine.dtype, context_lens)
     print(f"{args.rows} rows, contexts {min(context_lens)}..{max(context_lens)} (mean {statistics.mean(context_lens):.0f}), "
@@ -172,9 +210,11 @@ def main() -> None:
     for name, step in sides.items():
         total_ms, shares = profile_shares(step, args.steps)
         report(name, times[name], total_ms, shares, args.top)
-    if "transformers" in times:
-        ratio = statistics.median(times["transformers"]) / statistics.median(times["graphrt"])
-        print(f"\ntransformers / graphrt step time: {ratio:.2f}x")
+    print()
+    for name in times:
+        if name != "graphrt":
+            ratio = statistics.median(times[name]) / statistics.median(times["graphrt"])
+            print(f"{name} / graphrt step time: {ratio:.2f}x")
     llm.engine.close()
 
 

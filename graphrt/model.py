@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrt.kernels import KernelSet, rotary_cos_sin
+from graphrt.kernels.linear import can_pack, linear, pack_weight
 from graphrt.batch import StepMetadata
 from graphrt.config import ModelConfig
 from graphrt.kv_cache import StageKVCache
@@ -69,7 +70,7 @@ class DecoderLayer(nn.Module):
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
         hidden, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
-        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
+        qkv = linear(hidden, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -87,9 +88,9 @@ class DecoderLayer(nn.Module):
             attn = ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.max_seq_len
             )
-        hidden = F.linear(attn.reshape(-1, self.q_size), self.o_proj)
+        hidden = linear(attn.reshape(-1, self.q_size), self.o_proj)
         hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, eps, residual)
-        hidden = F.linear(ops.silu_and_mul(F.linear(hidden, self.gate_up_proj)), self.down_proj)
+        hidden = linear(ops.silu_and_mul(linear(hidden, self.gate_up_proj)), self.down_proj)
         return hidden, residual
 
 
@@ -149,6 +150,19 @@ class Stage(nn.Module):
             for ours, theirs in names.items()
         }
         self.load_state_dict(state, strict=True, assign=True)
+        if can_pack(self.device, self.dtype):
+            self.pack_matmul_weights()
+
+    def pack_matmul_weights(self) -> None:
+        """Reorder every matmul weight once for oneDNN (see graphrt/kernels/linear.py); the
+        embedding stays dense, it is a gather."""
+        matmuls = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+        owners = [(layer, name) for layer in self.layers for name in matmuls]
+        if self.is_last:
+            owners.append((self, "lm_head"))
+        for owner, name in owners:
+            packed = pack_weight(getattr(owner, name))
+            setattr(owner, name, nn.Parameter(packed, requires_grad=False))
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the embedding is a gather, so it is not counted)."""
@@ -169,4 +183,4 @@ class Stage(nn.Module):
         if not self.is_last:
             return hidden + residual
         hidden, _ = self.ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)
-        return F.linear(hidden[meta.logits_indices], self.lm_head)
+        return linear(hidden[meta.logits_indices], self.lm_head)

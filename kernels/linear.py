@@ -1,0 +1,45 @@
+"""Matmuls against weights reordered once for oneDNN, on the CPU.
+
+For float32, `F.linear` calls MKL's sgemm, which on the 2-core AMD EPYC we measure on runs a decode
+step's skinny matmuls (32 rows by 576 to 49152 columns) at about 95 GFLOP/s. oneDNN, with each
+weight reordered once into its blocked layout, runs them at about 300 (benchmarks/
+decode_step_profile.py). A packed weight is an opaque mkldnn tensor: only `linear` here reads it,
+and `F.linear` on the dense weight is its reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# The layout oneDNN picks depends on the rows it expects; packed for 32 it runs 2 to 512 rows at
+# full speed. One row is the exception (oneDNN switches to a layout for vectors and would reorder
+# the weight on every call), so `linear` pads a single row to two.
+PACKED_FOR_ROWS = 32
+MIN_ROWS = 2
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """float32 on a CPU whose torch has oneDNN (bfloat16 F.linear already goes through oneDNN)."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """(out_features, in_features) dense -> the same weight in oneDNN's layout (an mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: (rows, in_features) -> (rows, out_features), for a dense or a packed weight."""
+    if not weight.is_mkldnn:
+        return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    if rows < MIN_ROWS:
+        x = torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
+    out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return out[:rows] if rows < MIN_ROWS else out
