@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphrt.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from graphrt.ring import MicroBatch
 
 
 class FinishReason(str, enum.Enum):
@@ -34,7 +38,7 @@ class Sequence:
     num_in_flight: int = 0  # micro-batches in the ring that carry this sequence
     # The newest token while it is still on the device: the micro-batch sampling it, and where in
     # the ring's token feed it lands (async scheduling launches the next step before it is read back).
-    pending: object | None = None
+    pending: MicroBatch | None = None
     feed_index: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
