@@ -150,6 +150,7 @@ class Stage(nn.Module):
             for ours, theirs in names.items()
         }
         self.load_state_dict(state, strict=True, assign=True)
+        del tensors, state  # each dense weight is freed as soon as its packed copy replaces it
         if can_pack(self.device, self.dtype):
             self.pack_matmul_weights()
 
