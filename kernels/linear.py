@@ -1,10 +1,10 @@
 """Matmuls against weights reordered once for oneDNN, on the CPU.
 
 For float32, `F.linear` calls MKL's sgemm, which on the 2-core AMD EPYC we measure on runs a decode
-step's skinny matmuls (32 rows by 576 to 49152 columns) at about 95 GFLOP/s. oneDNN, with each
-weight reordered once into its blocked layout, runs them at about 300 (benchmarks/
-decode_step_profile.py). A packed weight is an opaque mkldnn tensor: only `linear` here reads it,
-and `F.linear` on the dense weight is its reference.
+step's skinny matmuls (32 rows by 576 to 49152 columns) at about 100 GFLOP/s; oneDNN, with each
+weight reordered once into its blocked layout, runs them at about 300. A whole decode step:
+`python benchmarks/decode_step_profile.py --dense`. A packed weight is an opaque mkldnn tensor:
+only `linear` here reads it, and `F.linear` on the dense weight is its reference.
 """
 
 from __future__ import annotations

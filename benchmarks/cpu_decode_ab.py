@@ -1,0 +1,104 @@
+"""`graphrt bench`'s workload through graphrt variants in one process, interleaved, medians reported.
+
+    python benchmarks/cpu_decode_ab.py [--baseline fa12662] [--rounds 3] [--hf]
+
+Variants: `baseline` runs the torch kernels as they were at the --baseline commit (read with `git
+show`) on dense matmul weights (F.linear, MKL); `dense` the current kernels on dense weights;
+`packed` the current kernels on weights packed for oneDNN (graphrt/kernels/linear.py), what a CPU
+float32 engine runs. On a shared machine only the interleaved medians mean anything. `--hf` adds
+one run of transformers' static-batch generate, as `graphrt bench --compare-hf` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import graphrt.model
+from graphrt import LLM
+from graphrt.bench import make_workload, run_graphrt, run_transformers
+from graphrt.kernels import TORCH
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def kernels_at(commit: str, folder: Path):
+    """The torch KernelSet as it was at `commit`."""
+    modules = {}
+    for name in ("activation", "paged_attention", "rmsnorm", "rotary"):
+        source = subprocess.run(
+            ["git", "show", f"{commit}:kernels/{name}.py"], cwd=REPO, check=True, capture_output=True, text=True
+        ).stdout
+        path = folder / f"baseline_{name}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+        modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[name])
+    return dataclasses.replace(
+        TORCH,
+        name=f"torch@{commit}",
+        rms_norm=modules["rmsnorm"].rms_norm,
+        apply_rotary=modules["rotary"].apply_rotary,
+        silu_and_mul=modules["activation"].silu_and_mul,
+        write_kv=modules["paged_attention"].write_kv,
+        paged_decode_attention=modules["paged_attention"].paged_decode_attention,
+        paged_prefill_attention=modules["paged_attention"].paged_prefill_attention,
+    )
+
+
+def load(pack: bool, ops) -> LLM:
+    can_pack = graphrt.model.can_pack
+    graphrt.model.can_pack = can_pack if pack else (lambda device, dtype: False)
+    try:
+        llm = LLM()
+    finally:
+        graphrt.model.can_pack = can_pack
+    for stage in llm.engine.pipeline.stages:
+        stage.ops = ops
+        for layer in stage.layers:
+            layer.ops = ops
+    return llm
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default="fa12662", help="commit whose torch kernels the baseline runs")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--hf", action="store_true")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline_ops = kernels_at(args.baseline, Path(tmp))
+        variants = {
+            "baseline": load(False, baseline_ops),
+            "dense": load(False, TORCH),
+            "packed": load(True, TORCH),
+        }
+    engine = variants["packed"].engine
+    workload = make_workload(args.requests, (16, 64), (16, 128), engine.model_config.vocab_size, seed=0)
+    tok_s: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, llm in variants.items():
+            tok_s[name].append(run_graphrt(llm, workload).output_tok_s)
+            print(f"{name}: {tok_s[name][-1]:.1f} tok/s", file=sys.stderr)
+    for name, values in tok_s.items():
+        print(f"graphrt {name}: median {statistics.median(values):.1f} tok/s of {[round(v, 1) for v in values]}")
+    if args.hf:
+        model_dir, dtype, batch = engine.model_dir, engine.dtype, engine.plan.max_batch
+        for llm in variants.values():
+            llm.engine.close()
+        hf = run_transformers(model_dir, workload, batch, dtype).output_tok_s
+        print(f"transformers: {hf:.1f} tok/s")
+        for name, values in tok_s.items():
+            print(f"graphrt {name} / transformers: {statistics.median(values) / hf:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
