@@ -211,9 +211,9 @@ def main() -> None:
         total_ms, shares = profile_shares(step, args.steps)
         report(name, times[name], total_ms, shares, args.top)
     print()
-    for name in times:
+    for name, side_times in times.items():
         if name != "graphrt":
-            ratio = statistics.median(times[name]) / statistics.median(times["graphrt"])
+            ratio = statistics.median(side_times) / statistics.median(times["graphrt"])
             print(f"{name} / graphrt step time: {ratio:.2f}x")
     llm.engine.close()
 
