@@ -42,27 +42,29 @@ class ScheduledStep:
                 slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
             seq_lens.append(start + query_len)
             last_rows.append(len(token_ids) - 1)
-        width = max(len(seq.block_ids) for seq in self.seqs)
-        tables = [seq.block_ids + [SCRATCH_BLOCK] * (width - len(seq.block_ids)) for seq in self.seqs]
-        # Two tensor constructions per micro-batch instead of six: this runs on the host every tick.
-        flat = torch.tensor(token_ids + positions + slots + seq_lens + last_rows, dtype=torch.int64)
-        tables_t = torch.tensor(tables, dtype=torch.int64)
+        # Only the blocks the context reaches so far (a sequence holds blocks for its whole budget):
+        # attention reads no further, and a long max_tokens would otherwise make every table wide.
+        live = [-(-seq_len // block_size) for seq_len in seq_lens]
+        width = max(live)
+        tables = []
+        for seq, blocks in zip(self.seqs, live):
+            tables += seq.block_ids[:blocks]
+            tables += [SCRATCH_BLOCK] * (width - blocks)
+        # One tensor construction per micro-batch, then views: this runs on the host every tick.
+        flat = torch.tensor(token_ids + positions + slots + seq_lens + last_rows + tables, dtype=torch.int64)
         if pin:
-            flat, tables_t = flat.pin_memory(), tables_t.pin_memory()
-        num_tokens, rows = len(token_ids), len(seq_lens)
-        token_tensor, positions_t, slots_t, seq_lens_t, last_rows_t = flat.split(
-            [num_tokens, num_tokens, num_tokens, rows, rows]
-        )
+            flat = flat.pin_memory()
+        n, rows = len(token_ids), len(seq_lens)
         meta = StepMetadata(
-            positions=positions_t,
-            slot_mapping=slots_t,
-            block_tables=tables_t,
-            seq_lens=seq_lens_t,
-            logits_indices=last_rows_t,
+            positions=flat[n : 2 * n],
+            slot_mapping=flat[2 * n : 3 * n],
+            block_tables=flat[3 * n + 2 * rows :].view(rows, width),
+            seq_lens=flat[3 * n : 3 * n + rows],
+            logits_indices=flat[3 * n + rows : 3 * n + 2 * rows],
             seq_lens_host=seq_lens,
             query_lens=list(self.query_lens) if self.is_prefill else None,
         )
-        return token_tensor, meta
+        return flat[:n], meta
 
 
 class Scheduler:

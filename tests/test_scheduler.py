@@ -1,0 +1,50 @@
+"""ScheduledStep.build: the host-side tensors one micro-batch carries."""
+
+from __future__ import annotations
+
+from graphrt.kv_cache import SCRATCH_BLOCK
+from graphrt.sampling import SamplingParams
+from graphrt.scheduler import ScheduledStep
+from graphrt.sequence import Sequence
+
+BLOCK = 4
+
+
+def sequence(prompt_len: int, outputs: list[int], blocks: list[int]) -> Sequence:
+    seq = Sequence(request_id=0, prompt_ids=list(range(100, 100 + prompt_len)), params=SamplingParams(), max_tokens=64)
+    seq.output_ids, seq.block_ids = list(outputs), list(blocks)
+    return seq
+
+
+def test_a_decode_step_carries_live_blocks_only_and_feed_placeholders():
+    # 6 prompt tokens + 1 known output: its next input is that output, at position 6.
+    known = sequence(6, [7], blocks=[3, 5, 9, 11, 12])
+    known.num_computed = 6
+    # 2 prompt tokens + 2 outputs, the second still on the device at feed index 21.
+    awaiting = sequence(2, [8], blocks=[4, 6, 10])
+    awaiting.num_computed = 3
+    awaiting.pending, awaiting.feed_index = object(), 21
+    token_ids, meta = ScheduledStep([known, awaiting], [1, 1], is_prefill=False).build(BLOCK)
+
+    assert token_ids.tolist() == [7, -1 - 21]
+    assert meta.positions.tolist() == [6, 3]
+    assert meta.slot_mapping.tolist() == [5 * BLOCK + 2, 4 * BLOCK + 3]
+    assert meta.seq_lens.tolist() == [7, 4] and meta.seq_lens_host == [7, 4]
+    assert meta.logits_indices.tolist() == [0, 1]
+    # Contexts of 7 and 4 tokens reach 2 and 1 blocks, whatever their budgets hold.
+    assert meta.block_tables.tolist() == [[3, 5], [4, SCRATCH_BLOCK]]
+    assert not meta.is_prefill
+
+
+def test_a_prefill_chunk_with_a_rider():
+    rider = sequence(3, [42], blocks=[2, 8])
+    rider.num_computed = 3
+    prompt = sequence(9, [], blocks=[1, 7, 13])
+    prompt.num_computed = 4
+    token_ids, meta = ScheduledStep([rider, prompt], [1, 5], is_prefill=True).build(BLOCK)
+
+    assert token_ids.tolist() == [42, 104, 105, 106, 107, 108]
+    assert meta.positions.tolist() == [3, 4, 5, 6, 7, 8]
+    assert meta.logits_indices.tolist() == [0, 5]
+    assert meta.query_lens == [1, 5]
+    assert meta.block_tables.tolist() == [[2, SCRATCH_BLOCK, SCRATCH_BLOCK], [1, 7, 13]]
