@@ -4,9 +4,10 @@
 
 Both run the same chat prompt greedily for the same number of new tokens (EOS ignored). Decode
 rate excludes the prompt: graphrt's from its step timers, transformers' from the difference
-between a 1-token and an N-token `generate`. The roofline is the measured matmul bandwidth
-divided by the bytes of weights one decode step reads, where the bandwidth is what torch's
-batch-1 matmul streams from memory (a plain read runs several times faster; see results.md).
+between a 1-token and an N-token `generate`. A roofline is a measured bandwidth divided by the
+bytes of weights one decode step reads: the memory's (a plain streaming read), and what a batch-1
+matmul streams, with `F.linear` on dense weights (transformers' path, MKL on x86) and with
+graphrt's CPU matmul on weights packed for oneDNN (graphrt/kernels/linear.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import transformers
 
 from graphrt import LLM, SamplingParams
+from graphrt.kernels.linear import can_pack, linear, pack_weight
 
 PROMPT = "Explain pipeline parallelism to a new engineer."
 
@@ -34,16 +36,18 @@ def read_bandwidth_gb_s(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return num_bytes / best / 1e9
 
 
-def gemv_bandwidth_gb_s(hidden: int = 576, num_bytes: int = 512 << 20, repeats: int = 5) -> float:
-    """Batch-1 F.linear over 512 MB of (4 * hidden, hidden) matrices, far beyond the caches:
-    the rate any engine built on torch's CPU matmuls can stream weights at."""
+def gemv_bandwidth_gb_s(packed: bool, hidden: int = 576, num_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Batch-1 matmuls over 512 MB of (4 * hidden, hidden) matrices, far beyond the caches: the
+    rate at which `F.linear` (dense) or graphrt's `linear` (packed) streams weights."""
     matrices = [torch.randn(4 * hidden, hidden) for _ in range(num_bytes // (16 * hidden * hidden))]
+    if packed:
+        matrices = [pack_weight(m) for m in matrices]
     x = torch.randn(1, hidden)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         for weight in matrices:
-            torch.nn.functional.linear(x, weight)
+            linear(x, weight)
         best = min(best, time.perf_counter() - start)
     return sum(m.numel() * 4 for m in matrices) / best / 1e9
 
@@ -92,18 +96,19 @@ def main() -> None:
     del llm
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     theirs = hf_decode(model, prompt_ids, args.tokens, args.repeats)
-    read_bw, gemv_bw = read_bandwidth_gb_s(), gemv_bandwidth_gb_s()
-    roofline = gemv_bw * 1e9 / weight_bytes
+    bandwidths = {"streaming read": read_bandwidth_gb_s(), "batch-1 F.linear, dense": gemv_bandwidth_gb_s(packed=False)}
+    if can_pack(torch.device("cpu"), torch.float32):
+        bandwidths["batch-1 linear, packed for oneDNN"] = gemv_bandwidth_gb_s(packed=True)
+    memory_roofline = bandwidths["streaming read"] * 1e9 / weight_bytes
 
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(
-        f"weights read per step: {weight_bytes / 1e6:.0f} MB; streaming read {read_bw:.1f} GB/s; "
-        f"batch-1 matmul {gemv_bw:.1f} GB/s -> roofline {roofline:.1f} tok/s"
-    )
-    print("| engine | decode tok/s | weight GB/s | share of matmul roofline |")
+    print(f"weights read per step: {weight_bytes / 1e6:.0f} MB")
+    for name, gb_s in bandwidths.items():
+        print(f"{name}: {gb_s:.1f} GB/s -> roofline {gb_s * 1e9 / weight_bytes:.1f} tok/s")
+    print("| engine | decode tok/s | weight GB/s | share of the memory roofline |")
     print("|---|---|---|---|")
     for name, rate in ((f"graphrt pp={args.pp}", ours), ("transformers generate", theirs)):
-        print(f"| {name} | {rate:.1f} | {rate * weight_bytes / 1e9:.1f} | {rate / roofline:.0%} |")
+        print(f"| {name} | {rate:.1f} | {rate * weight_bytes / 1e9:.1f} | {rate / memory_roofline:.0%} |")
     print(f"ratio graphrt / transformers: {ours / theirs:.2f}x")
 
 
