@@ -97,8 +97,7 @@ class Engine:
         self.ranges = Ranges()
         self._capture_graphs(forced_eager, show_progress)
         self.scheduler = Scheduler(
-            self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch,
-            lookahead=int(config.async_scheduling),
+            self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch
         )
         self.sampler = Sampler(self.devices[-1], config.seed)
         self.timeline = Timeline(self.devices) if config.timeline else None
@@ -247,7 +246,7 @@ class Engine:
         slot = self.ring.free_slot()
         if slot is None:
             return False
-        step = self.scheduler.schedule(self.ring.num_slots)
+        step = self.scheduler.schedule(self.ring.num_slots, follows=slot.in_flight[-1] if slot.in_flight else None)
         if step is None:
             return False
         token_ids, meta = step.build(self.config.block_size, pin=self.devices[0].type == "cuda")

@@ -103,9 +103,10 @@ class Ring:
             slot.in_flight.clear()
 
     def free_slot(self) -> RingSlot | None:
-        """The slot to launch into: an empty one first, else the one launched into longest ago."""
+        """The slot to launch into: an empty one first, else the one whose micro-batch in flight
+        was launched first (it is the first to finish)."""
         open_slots = [slot for slot in self.slots if len(slot.in_flight) < self.per_slot]
-        return min(open_slots, key=lambda slot: (len(slot.in_flight), slot.launches), default=None)
+        return min(open_slots, key=lambda slot: (len(slot.in_flight), slot.in_flight[-1].id if slot.in_flight else 0), default=None)
 
     def launch(
         self, slot: RingSlot, step: ScheduledStep, token_ids: torch.Tensor, meta: StepMetadata, now: float,

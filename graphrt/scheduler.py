@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from graphrt.batch import StepMetadata
 from graphrt.errors import RequestError
 from graphrt.kv_cache import SCRATCH_BLOCK, BlockAllocator
 from graphrt.sequence import Sequence
+
+if TYPE_CHECKING:
+    from graphrt.ring import MicroBatch
 
 
 @dataclass
@@ -75,12 +79,8 @@ class Scheduler:
         prefill_chunk_size: int,
         max_model_len: int,
         max_decode_batch: int,
-        lookahead: int = 0,
     ):
         self.allocator = allocator
-        # Micro-batches a decode row may still have in flight when it is scheduled again: 1 with
-        # async scheduling (its input token is then read on the device), 0 without.
-        self.lookahead = lookahead
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
         self.max_model_len = max_model_len
@@ -126,19 +126,22 @@ class Scheduler:
             seq.block_ids = self.allocator.allocate(needed)
             self.running.append(self.waiting.popleft())
 
-    def schedule(self, num_slots: int = 1) -> ScheduledStep | None:
+    def schedule(self, num_slots: int = 1, follows: MicroBatch | None = None) -> ScheduledStep | None:
         """The next micro-batch for one ring slot, or None if nothing can run now.
 
-        A decode row runs again once it has at most `lookahead` micro-batches in flight, and
-        never past max_tokens; the prompt chunks of one sequence may fill several slots, since
-        each stage runs them in order.
+        A decode row runs again once its last token is back, or, with async scheduling, while
+        that token is still being sampled by `follows` (the micro-batch this one runs after in its
+        slot) or by an earlier micro-batch: micro-batches finish in launch order, so the new one
+        waits for nothing it would not wait for anyway. Never past max_tokens.
+        The prompt chunks of one sequence may fill several slots, since each stage runs them in
+        order.
         Decode rows are spread over the ring (about 1/num_slots of them per slot, never more
         than the largest bucket) so every slot carries work.
         """
         self._admit()
         prefilling = [s for s in self.running if s.in_prefill]
         decode_phase = [s for s in self.running if not s.in_prefill]
-        ready = [s for s in decode_phase if s.num_in_flight <= self.lookahead and s.outputs_scheduled < s.max_tokens]
+        ready = [s for s in decode_phase if self._can_decode(s, follows)]
         # Rounded down, so every slot gets rows; the rows left over rotate in as slots come back.
         per_slot = max(1, len(decode_phase) // num_slots)
         if prefilling:
@@ -152,6 +155,15 @@ class Scheduler:
         batch = ready[: min(per_slot, self.max_decode_batch)]
         self._rotate(batch)
         return ScheduledStep(batch, [1] * len(batch), is_prefill=False)
+
+    @staticmethod
+    def _can_decode(seq: Sequence, follows: MicroBatch | None) -> bool:
+        if seq.outputs_scheduled >= seq.max_tokens:
+            return False
+        if seq.num_in_flight == 0:
+            return True
+        token_on_device = seq.num_in_flight == 1 and seq.pending is not None
+        return token_on_device and follows is not None and seq.pending.id <= follows.id
 
     def _rotate(self, batch: list[Sequence]) -> None:
         """The rows left out of this micro-batch go first next time."""

@@ -48,3 +48,27 @@ def test_a_prefill_chunk_with_a_rider():
     assert meta.logits_indices.tolist() == [0, 5]
     assert meta.query_lens == [1, 5]
     assert meta.block_tables.tolist() == [[2, SCRATCH_BLOCK, SCRATCH_BLOCK], [1, 7, 13]]
+
+
+def test_async_scheduling_takes_rows_whose_token_comes_no_later_than_the_slots_last_micro_batch():
+    from types import SimpleNamespace
+
+    from graphrt.scheduler import Scheduler
+
+    earlier, follows, later = (SimpleNamespace(id=i) for i in (3, 5, 8))
+
+    def decoding(pending, in_flight=1, outputs=1, max_tokens=64) -> Sequence:
+        seq = sequence(4, [1] * outputs, blocks=[1, 2])
+        seq.num_computed = 4 + outputs - (0 if pending is not None else 1)
+        seq.pending, seq.num_in_flight, seq.max_tokens = pending, in_flight, max_tokens
+        return seq
+
+    assert Scheduler._can_decode(decoding(None, in_flight=0), follows=None)
+    assert Scheduler._can_decode(decoding(earlier), follows)
+    assert Scheduler._can_decode(decoding(follows), follows)
+    assert not Scheduler._can_decode(decoding(later), follows)  # would wait for a micro-batch that ends later
+    assert not Scheduler._can_decode(decoding(follows), follows=None)  # an empty slot waits for nothing
+    assert not Scheduler._can_decode(decoding(earlier, in_flight=2), follows)
+    # The step in flight samples token 3 of 3: no step may be launched after it.
+    assert not Scheduler._can_decode(decoding(follows, outputs=2, max_tokens=3), follows)
+    assert Scheduler._can_decode(decoding(follows, outputs=2, max_tokens=4), follows)
