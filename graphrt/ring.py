@@ -106,7 +106,11 @@ class Ring:
         """The slot to launch into: an empty one first, else the one whose micro-batch in flight
         was launched first (it is the first to finish)."""
         open_slots = [slot for slot in self.slots if len(slot.in_flight) < self.per_slot]
-        return min(open_slots, key=lambda slot: (len(slot.in_flight), slot.in_flight[-1].id if slot.in_flight else 0), default=None)
+
+        def order(slot: RingSlot) -> tuple[int, int]:
+            return len(slot.in_flight), slot.in_flight[-1].id if slot.in_flight else 0
+
+        return min(open_slots, key=order, default=None)
 
     def launch(
         self, slot: RingSlot, step: ScheduledStep, token_ids: torch.Tensor, meta: StepMetadata, now: float,
