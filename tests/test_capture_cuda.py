@@ -94,6 +94,30 @@ def test_greedy_generate_with_graphs_equals_without(graph_llm, eager_llm):
 
 
 
+@pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"], ["cuda:0", "cuda:1"]], ids=["one-gpu", "two-gpus"])
+def test_async_scheduling_on_cuda_streams_gives_the_host_loops_tokens(tiny_model_factory, devices):
+    """The token feed on the device: stage 0's stream waits for the last stage's event and reads
+    the tokens it wrote, on one GPU (two streams) and across two GPUs. Seeded sampling on a model
+    whose outputs depend on their inputs, so a stale or wrong fed token changes what follows."""
+    if len(set(devices)) > torch.cuda.device_count():
+        pytest.skip(f"needs {len(set(devices))} GPUs")
+    prompts = [[(11 * i) % 90 + 1] * (3 + i) for i in range(12)]
+    outputs = {}
+    for async_scheduling in (True, False):
+        llm = build(tiny_model_factory("llama3-rope"), devices=devices, async_scheduling=async_scheduling)
+        engine = llm.engine
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=20, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
+        read_the_feed = False
+        while engine.has_work():
+            engine.step()
+            read_the_feed |= any(mb.reads_feed for mb in engine.in_flight)
+        assert read_the_feed == async_scheduling
+        assert engine.num_eager_fallbacks == 0
+        outputs[async_scheduling] = [s.output_ids for s in seqs]
+        engine.close()
+    assert outputs[True] == outputs[False]
+
+
 @pytest.fixture
 def pool_growth(monkeypatch) -> dict:
     """(stage, bucket) -> bytes the stage's graph pool grew by while that graph was recorded,
