@@ -200,6 +200,8 @@ class EngineConfig:
             self.depth = self.default_depth()
         if not isinstance(self.depth, int) or self.depth < 0:
             raise ValueError(f"depth must be a non-negative integer (micro-batches beyond one per stage), got {self.depth!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):

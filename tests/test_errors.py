@@ -111,6 +111,24 @@ def test_bad_sampling_params(kwargs, message):
         (["--devices", "cpu,cpu"], "--devices names 2 devices for 1 stages"),
     ],
 )
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(pp=0), "pp must be a positive integer"),
+        (dict(depth=-1), "depth must be a non-negative integer"),
+        (dict(async_scheduling="yes"), "async_scheduling must be True or False"),
+        (dict(block_size=12), "block_size must be a power of two"),
+        (dict(buckets=[0, 4]), "buckets must be positive batch sizes"),
+        (dict(kernels="cutlass"), "kernels must be auto, torch or triton"),
+    ],
+)
+def test_bad_engine_options(kwargs, message):
+    from graphrt.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
 def test_cli_errors_are_one_line_without_traceback(tiny_model_factory, args, message):
     argv = ["generate", "--prompt", "hi", "--model", str(tiny_model_factory()), *args]
     result = CliRunner().invoke(main, argv)
