@@ -103,15 +103,6 @@ def test_bad_sampling_params(kwargs, message):
 
 
 @pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--model", "/nonexistent/model"], "model folder /nonexistent/model does not exist"),
-        (["--pp", "9"], "--pp 9 is larger than the model's 4 layers"),
-        (["--dtype", "int8"], "dtype 'int8' is not supported"),
-        (["--devices", "cpu,cpu"], "--devices names 2 devices for 1 stages"),
-    ],
-)
-@pytest.mark.parametrize(
     "kwargs, message",
     [
         (dict(pp=0), "pp must be a positive integer"),
@@ -129,6 +120,15 @@ def test_bad_engine_options(kwargs, message):
         EngineConfig(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/nonexistent/model"], "model folder /nonexistent/model does not exist"),
+        (["--pp", "9"], "--pp 9 is larger than the model's 4 layers"),
+        (["--dtype", "int8"], "dtype 'int8' is not supported"),
+        (["--devices", "cpu,cpu"], "--devices names 2 devices for 1 stages"),
+    ],
+)
 def test_cli_errors_are_one_line_without_traceback(tiny_model_factory, args, message):
     argv = ["generate", "--prompt", "hi", "--model", str(tiny_model_factory()), *args]
     result = CliRunner().invoke(main, argv)
