@@ -187,7 +187,7 @@ class Cluster:
         last = self.link.world_size - 1
         while True:
             try:
-                kind, micro_batch, _slot, tokens = recv_reply(self.link, last)
+                kind, micro_batch, _slot, tokens, busy_us = recv_reply(self.link, last)
             except StageFailure as exc:
                 if not self.closing.is_set():
                     self._fail_soon(str(exc))
@@ -196,6 +196,8 @@ class Cluster:
                 return
             if kind == HEARTBEAT:
                 continue
+            if busy_us:
+                self.ring.remote_busy_s = [us / 1e6 for us in busy_us[1:]]
             with self._lock:
                 event, token_base = self._pending.pop(micro_batch, (None, 0))
             if event is not None:
@@ -319,6 +321,7 @@ class RemoteRing(Ring):
     cluster: Cluster | None = None
     last_sent: float = field(init=False, default_factory=time.monotonic)
     heartbeat_queued: bool = field(init=False, default=False)
+    remote_busy_s: list[float] = field(init=False, default_factory=list)  # stages 1.., as of the last reply
     _seeded: dict = field(init=False, default_factory=dict)  # request id -> Sequence with a generator on the last rank
 
     def __post_init__(self) -> None:
@@ -327,6 +330,12 @@ class RemoteRing(Ring):
         for slot in self.slots:
             slot.recv.append(torch.empty(self.max_tokens, stage.cfg.hidden_size, dtype=stage.dtype, device=stage.device))
         self.feed = self.host_tokens  # the receive thread writes the tokens there; stage 0 reads them on the host
+
+    @property
+    def stage_busy_s(self) -> list[float]:
+        """Stage 0's busy seconds, measured here, then the other stages' from the last reply."""
+        remote = self.remote_busy_s or [0.0] * (self.cluster.link.world_size - 1)
+        return [self.busy_s[0], *remote]
 
     def _make_streams(self) -> list:
         # A thread even on CUDA: sends, heartbeats and shutdown must leave rank 0 in one order.
@@ -344,6 +353,7 @@ class RemoteRing(Ring):
 
     def _send(self, message: Message, slot: RingSlot, num_tokens: int) -> None:
         message.hidden = slot.recv[1][:num_tokens]
+        message.busy_us = [0] * self.cluster.link.world_size  # each rank writes its own as it passes
         self.cluster.send(message)
         self.last_sent = time.monotonic()
 

@@ -202,6 +202,11 @@ class Ring:
         else:
             self.busy_s[index] += ended - began
 
+    @property
+    def stage_busy_s(self) -> list[float]:
+        """Seconds each stage has spent on micro-batches (all stages are local here)."""
+        return list(self.busy_s)
+
     def collect_busy(self, mb: MicroBatch) -> None:
         """Add a finished micro-batch's CUDA-timed stage work to `busy_s`."""
         for index, began, ended in mb.busy_events:

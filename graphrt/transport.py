@@ -2,13 +2,15 @@
 
 A micro-batch travels from rank k to rank k+1 as
   header    int64 (HEADER_SIZE,): kind, micro-batch id, slot, rows, tokens, bucket, block-table
-            width, sampled rows, released request ids
+            width, sampled rows, released request ids, busy counters
   ints      int64: positions, slot mapping, block tables, seq lens, logits rows, query lens
             (prefill), then for sampling: sampled rows, request ids, top_k, seeds, has-seed,
-            then the request ids whose generators can go
+            then the request ids whose generators can go, then one busy counter per rank (the
+            microseconds each stage so far has worked in all, filled in as the micro-batch passes)
   floats    float64 (2 * sampled rows): temperature, top_p      (only when rows are sampled)
   hidden    (tokens, hidden_size) in the stage dtype, into the receiver's per-slot buffer (k > 0)
-and the last rank answers rank 0 with a reply header (REPLY_SIZE,) followed by the token ids.
+and the last rank answers rank 0 with a reply header (REPLY_SIZE,) followed by the token ids and
+the busy counters, from which rank 0 reports every stage's busy time.
 Nothing is pickled, so every rank reads the same bytes the same way, and gloo (CPU) and NCCL (GPU,
 device tensors) carry it alike. Every wait is bounded by the watchdog, so a dead or silent peer
 becomes an error naming its stage instead of a hang.
@@ -28,7 +30,7 @@ from graphrt.errors import GraphrtError
 from graphrt.sampling import SamplingParams
 
 HEADER_SIZE = 16
-REPLY_SIZE = 4
+REPLY_SIZE = 5
 PREFILL, DECODE, HEARTBEAT, SHUTDOWN = 0, 1, 2, 3
 
 
@@ -67,6 +69,7 @@ class Message:
     bucket: int | None = None
     sampling: Sampling | None = None
     hidden: torch.Tensor | None = None  # (tokens, hidden_size), a view into the slot's buffer
+    busy_us: list[int] | None = None  # per rank: microseconds of stage work so far (see the module docstring)
 
 
 class Link:
@@ -119,7 +122,8 @@ def encode(message: Message) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     num_tokens = meta.positions.shape[0]
     num_sampled = len(sampling.rows) if sampling else 0
     released = sampling.released if sampling else []
-    header[3:9] = torch.tensor([rows, num_tokens, message.bucket or 0, width, num_sampled, len(released)])
+    busy = message.busy_us or []
+    header[3:10] = torch.tensor([rows, num_tokens, message.bucket or 0, width, num_sampled, len(released), len(busy)])
     parts = [meta.positions, meta.slot_mapping, meta.block_tables.reshape(-1), meta.seq_lens, meta.logits_indices]
     parts = [p.cpu() for p in parts]
     if meta.query_lens is not None:
@@ -130,25 +134,26 @@ def encode(message: Message) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
         has_seed = [int(s is not None) for s in sampling.seeds]
         top_k = [p.top_k for p in sampling.params]
         parts.append(torch.tensor(sampling.rows + sampling.request_ids + top_k + seeds + has_seed + released, dtype=torch.int64))
+    parts.append(torch.tensor(busy, dtype=torch.int64))
     if num_sampled:
         floats = torch.tensor([p.temperature for p in sampling.params] + [p.top_p for p in sampling.params], dtype=torch.float64)
     return header, torch.cat(parts), floats
 
 
 def int_payload_size(header: torch.Tensor) -> int:
-    kind, rows, num_tokens, width, num_sampled, num_released = (int(header[i]) for i in (0, 3, 4, 6, 7, 8))
+    kind, rows, num_tokens, width, num_sampled, num_released, num_busy = (int(header[i]) for i in (0, 3, 4, 6, 7, 8, 9))
     size = 2 * num_tokens + rows * width + 2 * rows + (rows if kind == PREFILL else 0)
-    return size + 5 * num_sampled + num_released
+    return size + 5 * num_sampled + num_released + num_busy
 
 
 def decode(header: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor | None) -> Message:
-    kind, micro_batch, slot, rows, num_tokens, bucket, width, num_sampled, num_released = header[:9].tolist()
+    kind, micro_batch, slot, rows, num_tokens, bucket, width, num_sampled, num_released, num_busy = header[:10].tolist()
     if kind in (HEARTBEAT, SHUTDOWN):
         return Message(kind, micro_batch, slot)
     sizes = [num_tokens, num_tokens, rows * width, rows, rows]
     sizes += [rows] if kind == PREFILL else []
-    sizes += [num_sampled] * 5 + [num_released]
-    fields = ints.split(sizes)
+    sizes += [num_sampled] * 5 + [num_released, num_busy]
+    *fields, busy = ints.split(sizes)
     positions, slot_mapping, tables, seq_lens, logits_indices = fields[:5]
     rest = fields[5:]
     query_lens = None
@@ -171,7 +176,7 @@ def decode(header: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor | None
         temperature, top_p = values[:num_sampled], values[num_sampled:]
         params = [SamplingParams(max_tokens=None, temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)]
         sampling = Sampling(sample_rows, request_ids, params, [s if h else None for s, h in zip(seeds, has_seed)], released)
-    return Message(kind, micro_batch, slot, meta, bucket or None, sampling)
+    return Message(kind, micro_batch, slot, meta, bucket or None, sampling, busy_us=busy.tolist())
 
 
 def send_message(link: Link, message: Message, dst: int) -> None:
@@ -199,16 +204,22 @@ def recv_message(link: Link, src: int, buffers: list[torch.Tensor], timeout: dat
     return message
 
 
-def send_reply(link: Link, kind: int, micro_batch: int, slot: int, token_ids: torch.Tensor | None) -> None:
+def send_reply(
+    link: Link, kind: int, micro_batch: int, slot: int, token_ids: torch.Tensor | None, busy_us: list[int] | None = None,
+) -> None:
     count = 0 if token_ids is None else token_ids.shape[0]
-    header = torch.tensor([kind, micro_batch, slot, count], dtype=torch.int64)
-    link.send([header] + ([token_ids.to(torch.int64)] if count else []), 0, reply=True)
+    busy = busy_us or []
+    header = torch.tensor([kind, micro_batch, slot, count, len(busy)], dtype=torch.int64)
+    tensors = [header] + ([token_ids.to(torch.int64)] if count else []) + ([torch.tensor(busy, dtype=torch.int64)] if busy else [])
+    link.send(tensors, 0, reply=True)
 
 
-def recv_reply(link: Link, src: int) -> tuple[int, int, int, torch.Tensor | None]:
-    kind, micro_batch, slot, count = link.recv(torch.empty(REPLY_SIZE, dtype=torch.int64), src, reply=True).tolist()
+def recv_reply(link: Link, src: int) -> tuple[int, int, int, torch.Tensor | None, list[int]]:
+    """kind, micro-batch id, slot, the token ids (None without sampled rows), the busy counters."""
+    kind, micro_batch, slot, count, num_busy = link.recv(torch.empty(REPLY_SIZE, dtype=torch.int64), src, reply=True).tolist()
     tokens = link.recv(torch.empty(count, dtype=torch.int64), src, reply=True) if count else None
-    return kind, micro_batch, slot, tokens
+    busy = link.recv(torch.empty(num_busy, dtype=torch.int64), src, reply=True).tolist() if num_busy else []
+    return kind, micro_batch, slot, tokens, busy
 
 
 def open_group(backend: str, init_method: str, timeout_s: float) -> tuple:

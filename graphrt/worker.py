@@ -118,6 +118,8 @@ class StageWorker:
                 out = self.graphs.run(message.hidden, meta)
             tokens = self._sample(message, out) if self.stage.is_last else None
             self.busy_s += time.perf_counter() - started
+            if message.busy_us:  # rank 0 reports every stage's busy time from these (/metrics)
+                message.busy_us[self.rank] = int(self.busy_s * 1e6)
             self._pass_on(message, out if not self.stage.is_last else tokens)
 
     def _sample(self, message: Message, logits: torch.Tensor) -> torch.Tensor | None:
@@ -140,7 +142,7 @@ class StageWorker:
 
     def _pass_on(self, message: Message, out: torch.Tensor | None) -> None:
         if self.stage.is_last:
-            send_reply(self.link, message.kind, message.micro_batch, message.slot, out)
+            send_reply(self.link, message.kind, message.micro_batch, message.slot, out, message.busy_us)
         else:
             message.hidden = out
             send_message(self.link, message, self.rank + 1)

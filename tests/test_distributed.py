@@ -59,7 +59,12 @@ def test_stage_processes_give_the_single_process_tokens(tiny_model_factory, pp):
     children = llm.engine.cluster.children
     try:
         assert [c.poll() for c in children] == [None] * (pp - 1)
-        assert (outputs(llm, greedy), outputs(llm, seeded)) == expected
+        assert outputs(llm, greedy) == expected[0]
+        busy_before = llm.engine.ring.stage_busy_s
+        assert outputs(llm, seeded) == expected[1]
+        busy_after = llm.engine.ring.stage_busy_s
+        # Every stage's busy time reaches rank 0, the other processes' with each reply, and grows.
+        assert len(busy_after) == pp and all(0 < a < b for a, b in zip(busy_before, busy_after)), (busy_before, busy_after)
         assert llm.engine.weight_bytes == alone.engine.weight_bytes  # the workers reported theirs
     finally:
         llm.engine.close()
@@ -114,6 +119,10 @@ def test_server_over_stage_processes_answers_and_fails_with_503(tiny_model_facto
         answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
         assert answer["usage"]["completion_tokens"] == len(expected.token_ids) == 10
         assert answer["choices"][0]["finish_reason"] == "length"
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        for stage in (0, 1):  # stage 1 runs in the worker process
+            line = next(line for line in metrics.splitlines() if line.startswith(f'graphrt_stage_busy_seconds_total{{stage="{stage}"}}'))
+            assert float(line.split()[-1]) > 0, line
         make_synthetic(llm.engine, stage_ms=10)
         statuses: list[int] = []
         long = {**body, "max_tokens": 200}

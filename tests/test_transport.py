@@ -28,7 +28,7 @@ def micro_batch(kind: int, with_sampling: bool, released: list[int]) -> Message:
         rows_sampled = [0, 2] if with_sampling else []
         params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9), SamplingParams(temperature=0.0)][: len(rows_sampled)]
         sampling = Sampling(rows_sampled, [41, 43][: len(rows_sampled)], params, [1234, None][: len(rows_sampled)], released)
-    return Message(kind, micro_batch=17, slot=2, meta=meta, bucket=4 if kind == DECODE else None, sampling=sampling)
+    return Message(kind, micro_batch=17, slot=2, meta=meta, bucket=4 if kind == DECODE else None, sampling=sampling, busy_us=[0, 5, 123456789])
 
 
 @pytest.mark.parametrize("kind", [PREFILL, DECODE])
@@ -42,6 +42,7 @@ def test_a_micro_batch_round_trips(kind, with_sampling, released):
     for field in ("positions", "slot_mapping", "block_tables", "seq_lens", "logits_indices"):
         assert torch.equal(getattr(got.meta, field), getattr(sent.meta, field)), field
     assert got.meta.seq_lens_host == sent.meta.seq_lens_host and got.meta.query_lens == sent.meta.query_lens
+    assert got.busy_us == sent.busy_us
     if sent.sampling is None:
         assert got.sampling is None
         return

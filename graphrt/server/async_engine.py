@@ -83,7 +83,7 @@ class EngineSnapshot:
     num_running: int  # requests that have produced a token and are not finished
     num_waiting: int  # requests admitted to the engine that have not produced a token yet
     num_eager_fallbacks: int
-    stage_busy_s: tuple[float, ...] = ()  # seconds each stage of this process has worked
+    stage_busy_s: tuple[float, ...] = ()  # seconds each stage has worked (stage processes: as of their last reply)
 
 
 class AsyncEngine:
@@ -263,7 +263,7 @@ class AsyncEngine:
             num_running=num_running,
             num_waiting=len(self._jobs) - num_running,
             num_eager_fallbacks=getattr(engine, "num_eager_fallbacks", 0),
-            stage_busy_s=tuple(engine.ring.busy_s),
+            stage_busy_s=tuple(engine.ring.stage_busy_s),
         )
 
     def _deliver(self, deliveries: list) -> None:

@@ -1,7 +1,8 @@
 """Prometheus metrics for /metrics, in a registry of the server's own (no process-wide state).
 
 Each stage's busy fraction is `rate(graphrt_stage_busy_seconds_total[1m])`: the counter adds the
-seconds the stage spent on micro-batches (with --procs, only the stages in this process).
+seconds the stage spent on micro-batches (with --procs, the other processes' stages as of the last
+micro-batch that came back from them).
 """
 
 from __future__ import annotations
