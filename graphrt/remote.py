@@ -76,6 +76,10 @@ class RemoteEvent:
     def query(self) -> bool:
         return self._done.is_set() or (self.sent is not None and self.sent.query() and self.sent.error is not None)
 
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the tokens are back (or the pipeline failed) within `timeout_s`."""
+        return self._done.wait(timeout_s)
+
     def synchronize(self) -> None:
         while not self._done.wait(0.05):
             if self.sent is not None and self.sent.query() and self.sent.error is not None:
@@ -329,7 +333,6 @@ class RemoteRing(Ring):
         stage = self.pipeline.stages[0]
         for slot in self.slots:
             slot.recv.append(torch.empty(self.max_tokens, stage.cfg.hidden_size, dtype=stage.dtype, device=stage.device))
-        self.feed = self.host_tokens  # the receive thread writes the tokens there; stage 0 reads them on the host
 
     @property
     def stage_busy_s(self) -> list[float]:
@@ -337,11 +340,29 @@ class RemoteRing(Ring):
         remote = self.remote_busy_s or [0.0] * (self.cluster.link.world_size - 1)
         return [self.busy_s[0], *remote]
 
+    def _make_feed(self) -> torch.Tensor:
+        return self.host_tokens  # the receive thread writes the tokens there; stage 0 reads them on the host
+
+    def _wait_on_stage0(self, earlier: MicroBatch) -> None:
+        """Stage 0's thread waits for the earlier micro-batch's reply, and as it also sends the
+        heartbeats, it keeps sending them meanwhile: rank 1 may be idle for as long as the reply
+        takes, and must not take rank 0 for dead."""
+        reply = earlier.done
+        interval = self.cluster.watchdog_s / 4
+
+        def wait() -> None:
+            while not reply.wait(interval):
+                self._beat()
+            if reply.error is not None:
+                raise reply.error
+
+        self.streams[0].submit(wait)
+
     def _make_streams(self) -> list:
         # A thread even on CUDA: sends, heartbeats and shutdown must leave rank 0 in one order.
         return [CpuStream("graphrt-stage0")]
 
-    def launch(self, slot: RingSlot, step, token_ids, meta, now: float, producers=()) -> MicroBatch:
+    def launch(self, slot: RingSlot, step, token_ids, meta, now: float, producers: list[MicroBatch] | None = None) -> MicroBatch:
         mb = super().launch(slot, step, token_ids, meta, now, producers)
         event = self.cluster.expect(mb)  # before the send is queued, so the reply always finds it
         sampling = self._sampling(mb)
@@ -372,12 +393,15 @@ class RemoteRing(Ring):
 
         def beat() -> None:
             self.heartbeat_queued = False
-            if self.cluster.closing.is_set():
-                return
-            self.cluster.send(Message(HEARTBEAT, -1, 0))
-            self.last_sent = time.monotonic()
+            self._beat()
 
         self.streams[0].submit(beat)
+
+    def _beat(self) -> None:
+        """On stage 0's thread, in order with the micro-batches it sends."""
+        if not self.cluster.closing.is_set():
+            self.cluster.send(Message(HEARTBEAT, -1, 0))
+            self.last_sent = time.monotonic()
 
     def close(self) -> None:
         self.cluster.close()

@@ -170,3 +170,33 @@ def test_ranks_that_disagree_are_refused_naming_the_field(tiny_model_factory, wo
     assert [rank.returncode for rank in ranks] == [1, 1], logs
     for log in logs:
         assert f"stage 1 (rank 1) disagrees with the engine about {field}" in log, log
+
+
+def test_stage_zero_keeps_the_heartbeat_going_while_it_waits_for_a_reply():
+    """With async scheduling, stage 0's thread waits for an earlier micro-batch's reply before it
+    runs the next one; rank 1 may hear nothing else meanwhile, so the waiting thread beats."""
+    from types import SimpleNamespace
+
+    from graphrt.remote import RemoteEvent, RemoteRing
+    from graphrt.streams import CpuStream
+
+    beats: list[float] = []
+    stream = CpuStream("test-stage0")
+    ring = SimpleNamespace(cluster=SimpleNamespace(watchdog_s=0.2), streams=[stream], _beat=lambda: beats.append(time.monotonic()))
+    try:
+        reply = RemoteEvent()
+        RemoteRing._wait_on_stage0(ring, SimpleNamespace(done=reply))
+        after = stream.record()
+        time.sleep(0.3)
+        assert not after.query()  # still waiting for the reply
+        reply._set()
+        after.synchronize()
+        assert len(beats) >= 4  # one every watchdog_s / 4
+
+        failed = RemoteEvent()
+        RemoteRing._wait_on_stage0(ring, SimpleNamespace(done=failed))
+        failed._set(StageFailure("stage 2 (rank 2) exited with code 1"))
+        with pytest.raises(StageFailure, match="rank 2"):
+            stream.record().synchronize()  # the failure reaches whoever waits on stage 0 next
+    finally:
+        stream.close()
