@@ -290,10 +290,6 @@ def profile(synthetic_ms, sweep_depth, num_requests, input_len, output_len, host
 
     if synthetic_ms is not None and model_args["model"] is not None:
         raise click.UsageError("give --model DIR or --synthetic MS, not both")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise GraphrtError(f"cannot write the profile to {out} ({exc.strerror}); choose a writable --out folder") from None
     if sweep_depth is not None and model_args["depth"] is not None:
         raise click.UsageError("give --depth D or --sweep-depth D0,D1,..., not both")
     if sweep_depth is not None:
@@ -311,6 +307,10 @@ def profile(synthetic_ms, sweep_depth, num_requests, input_len, output_len, host
         input_range=parse_range(input_len, "--input-len"), output_range=parse_range(output_len, "--output-len"),
         synthetic_ms=synthetic_ms, host_ms=host_ms, command="graphrt " + " ".join(sys.argv[1:]),
     )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GraphrtError(f"cannot write the profile to {out} ({exc.strerror}); choose a writable --out folder") from None
     run_profile(options, echo=click.echo)
 
 

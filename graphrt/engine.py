@@ -105,7 +105,7 @@ class Engine:
             self.cluster.handshake(self)
         self.ring = (self.cluster.make_ring if self.cluster else Ring)(
             self.pipeline, self.graphs, self.sampler, num_slots=config.pp + config.depth,
-            max_tokens=max(config.prefill_chunk_size, self.plan.max_batch), per_slot=1 + int(config.async_scheduling),
+            max_tokens=max(config.prefill_chunk_size, self.plan.max_batch), max_per_slot=1 + int(config.async_scheduling),
             timeline=self.timeline, ranges=self.ranges,
         )
         self.in_flight: deque[MicroBatch] = deque()
@@ -243,11 +243,15 @@ class Engine:
         return updated
 
     def _launch_next(self) -> bool:
-        slot = self.ring.free_slot()
-        if slot is None:
-            return False
-        step = self.scheduler.schedule(self.ring.num_slots, follows=slot.in_flight[-1] if slot.in_flight else None)
-        if step is None:
+        # An empty slot takes only rows whose tokens are back (or prompt chunks); a slot with a
+        # micro-batch in flight also takes the rows that one samples, so with fewer rows than
+        # slots async scheduling still launches ahead. schedule() changes nothing when it finds
+        # no work, so trying the next slot is safe.
+        for slot in self.ring.open_slots():
+            step = self.scheduler.schedule(self.ring.num_slots, follows=slot.in_flight[-1] if slot.in_flight else None)
+            if step is not None:
+                break
+        else:
             return False
         token_ids, meta = step.build(self.config.block_size, pin=self.devices[0].type == "cuda")
         # Rows whose input is a token still on the device read it from the micro-batch sampling it.

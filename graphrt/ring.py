@@ -8,7 +8,7 @@ The last stage samples on device and writes the token ids twice: into the token 
 device, where the next step of those sequences reads them, and into pinned host memory, which the
 host reads once the micro-batch's event has passed.
 
-Async scheduling: a slot holds up to `per_slot` micro-batches. The second one is launched before
+Async scheduling: a slot holds up to `max_per_slot` micro-batches. The second one is launched before
 the first is read back; its stage 0 waits (on the device, not the host) for the first to leave
 the last stage, then takes its input tokens from the feed. The host so decides a whole ring ahead
 and its turnaround (read-back, detokenizing, stop checks, scheduling) overlaps the stages' work.
@@ -36,7 +36,7 @@ from graphrt.streams import make_stream
 
 @dataclass
 class MicroBatch:
-    id: int
+    id: int  # increases in launch order, which is also the order micro-batches finish in
     slot: int
     step: ScheduledStep
     sample_rows: list[int]  # rows of step.seqs that get a token from this micro-batch
@@ -67,7 +67,7 @@ class Ring:
     sampler: Sampler
     num_slots: int
     max_tokens: int  # per micro-batch: max(prefill chunk, largest bucket)
-    per_slot: int = 1  # micro-batches a slot may hold: 2 with async scheduling
+    max_per_slot: int = 1  # micro-batches a slot may hold: 2 with async scheduling
     timeline: Timeline | None = None
     ranges: Ranges = field(default_factory=Ranges)
     slots: list[RingSlot] = field(init=False)
@@ -88,8 +88,12 @@ class Ring:
         # Two halves per slot (see the module docstring), indexed by MicroBatch.token_base.
         size = self.num_slots * 2 * self.max_tokens
         self.host_tokens = torch.zeros(size, dtype=torch.int64, pin_memory=stages[-1].device.type == "cuda")
-        first = stages[0].device
-        self.feed = self.host_tokens if first.type == "cpu" else torch.zeros(size, dtype=torch.int64, device=first)
+        self.feed = self._make_feed()
+
+    def _make_feed(self) -> torch.Tensor:
+        """Where stage 0 reads the tokens of a micro-batch not yet read back: on its device."""
+        first = self.pipeline.stages[0].device
+        return self.host_tokens if first.type == "cpu" else torch.zeros_like(self.host_tokens, device=first)
 
     def _make_streams(self) -> list:
         return [make_stream(stage.device, f"graphrt-stage{stage.index}") for stage in self.pipeline.stages]
@@ -102,19 +106,17 @@ class Ring:
         for slot in self.slots:
             slot.in_flight.clear()
 
-    def free_slot(self) -> RingSlot | None:
-        """The slot to launch into: an empty one first, else the one whose micro-batch in flight
-        was launched first (it is the first to finish)."""
-        open_slots = [slot for slot in self.slots if len(slot.in_flight) < self.per_slot]
-
+    def open_slots(self) -> list[RingSlot]:
+        """The slots that can take a micro-batch, in the order to try them: empty ones first, then
+        the one whose micro-batch in flight was launched first (it is the first to finish)."""
         def order(slot: RingSlot) -> tuple[int, int]:
             return len(slot.in_flight), slot.in_flight[-1].id if slot.in_flight else 0
 
-        return min(open_slots, key=order, default=None)
+        return sorted((slot for slot in self.slots if len(slot.in_flight) < self.max_per_slot), key=order)
 
     def launch(
         self, slot: RingSlot, step: ScheduledStep, token_ids: torch.Tensor, meta: StepMetadata, now: float,
-        producers: list[MicroBatch] = (),
+        producers: list[MicroBatch] | None = None,
     ) -> MicroBatch:
         """Enqueue one micro-batch on every stage; returns at once (CUDA) or after queuing (CPU).
 
@@ -123,14 +125,17 @@ class Ring:
         sample_rows = [i for i, seq in enumerate(step.seqs) if not seq.in_prefill]
         bucket = None if step.is_prefill else self.graphs[0].plan.bucket_for(len(step.seqs))
         token_base = (2 * slot.index + slot.launches % 2) * self.max_tokens
-        mb = MicroBatch(next(self._ids), slot.index, step, sample_rows, now, token_base, bool(producers), bucket=bucket)
+        producers = producers or []
+        mb = MicroBatch(
+            next(self._ids), slot.index, step, sample_rows, now, token_base=token_base, reads_feed=bool(producers), bucket=bucket
+        )
         params = [seq.params for seq in mb.sampled_seqs]
         generators = [seq.generator for seq in mb.sampled_seqs]
         # Stage 0 starts once the slot's earlier micro-batch has left the last stage (its buffers
         # are free) and the tokens it reads are in the feed.
         waits = {id(earlier): earlier for earlier in [*slot.in_flight, *producers]}
         for earlier in waits.values():
-            self.streams[0].wait_event(earlier.done)
+            self._wait_on_stage0(earlier)
         event = None
         for index, stream in enumerate(self.streams):
             if event is not None:
@@ -141,6 +146,9 @@ class Ring:
         slot.in_flight.append(mb)
         slot.launches += 1
         return mb
+
+    def _wait_on_stage0(self, earlier: MicroBatch) -> None:
+        self.streams[0].wait_event(earlier.done)
 
     def read_tokens(self, mb: MicroBatch) -> list[int]:
         """The sampled token ids of a micro-batch whose event has passed."""

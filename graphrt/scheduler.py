@@ -58,17 +58,18 @@ class ScheduledStep:
         flat = torch.tensor(token_ids + positions + slots + seq_lens + last_rows + tables, dtype=torch.int64)
         if pin:
             flat = flat.pin_memory()
-        n, rows = len(token_ids), len(seq_lens)
+        num_tokens, num_rows = len(token_ids), len(seq_lens)
+        rows_from = 3 * num_tokens  # after token ids, positions and slots: seq lens, last rows, tables
         meta = StepMetadata(
-            positions=flat[n : 2 * n],
-            slot_mapping=flat[2 * n : 3 * n],
-            block_tables=flat[3 * n + 2 * rows :].view(rows, width),
-            seq_lens=flat[3 * n : 3 * n + rows],
-            logits_indices=flat[3 * n + rows : 3 * n + 2 * rows],
+            positions=flat[num_tokens : 2 * num_tokens],
+            slot_mapping=flat[2 * num_tokens : rows_from],
+            block_tables=flat[rows_from + 2 * num_rows :].view(num_rows, width),
+            seq_lens=flat[rows_from : rows_from + num_rows],
+            logits_indices=flat[rows_from + num_rows : rows_from + 2 * num_rows],
             seq_lens_host=seq_lens,
             query_lens=list(self.query_lens) if self.is_prefill else None,
         )
-        return flat[:n], meta
+        return flat[:num_tokens], meta
 
 
 class Scheduler:
@@ -143,16 +144,16 @@ class Scheduler:
         decode_phase = [s for s in self.running if not s.in_prefill]
         ready = [s for s in decode_phase if self._can_decode(s, follows)]
         # Rounded down, so every slot gets rows; the rows left over rotate in as slots come back.
-        per_slot = max(1, len(decode_phase) // num_slots)
+        rows_per_slot = max(1, len(decode_phase) // num_slots)
         if prefilling:
             # Decode rows ride along with a prompt chunk: the chunk reads every weight anyway, so
             # they cost little there, and running decodes never wait behind long prompts.
-            riders = ready[: min(per_slot, self.max_decode_batch, self.prefill_chunk_size // 2)]
+            riders = ready[: min(rows_per_slot, self.max_decode_batch, self.prefill_chunk_size // 2)]
             self._rotate(riders)
             return self._prefill_chunk(prefilling, riders)
         if not ready:
             return None
-        batch = ready[: min(per_slot, self.max_decode_batch)]
+        batch = ready[: min(rows_per_slot, self.max_decode_batch)]
         self._rotate(batch)
         return ScheduledStep(batch, [1] * len(batch), is_prefill=False)
 

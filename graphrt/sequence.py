@@ -77,5 +77,6 @@ class Sequence:
             return self.prompt_ids[position]
         if position < self.num_tokens:
             return self.output_ids[position - self.prompt_len]
-        assert self.pending is not None, "a token that is neither known nor in flight"
+        if self.pending is None:
+            raise RuntimeError(f"request {self.request_id}: token {position} is neither read back nor being sampled")
         return -1 - self.feed_index

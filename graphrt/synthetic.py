@@ -46,7 +46,7 @@ def predicted_busy_fraction(pp: int, depth: int, stage_s: float, host_s: float, 
     (pp * T + h), while the stage has L = pp + depth micro-batches of T to run in that time:
     busy = L * T / max(L * T, pp * T + h). With it, the host handles a micro-batch while the slot's
     next one runs, so only its rate counts: one micro-batch per h against one per T on each stage,
-    busy = T / max(T, h), at any depth.
+    busy = T / max(T, h), at any depth. Both assume rows for every slot.
     """
     if async_scheduling:
         return stage_s / max(stage_s, host_s)

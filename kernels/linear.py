@@ -26,6 +26,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
         and dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
 
 

@@ -109,6 +109,24 @@ def test_async_scheduling_stops_where_the_host_loop_stops(tiny_model_factory, pp
     assert with_async == run(False, eos)
 
 
+@pytest.mark.parametrize("pp, depth, num_requests", [(2, 0, 1), (4, 0, 3), (1, 1, 1), (2, 1, 2)])
+def test_async_scheduling_launches_ahead_with_fewer_rows_than_slots(tiny_model_factory, alone, pp, depth, num_requests):
+    """Fewer decode rows than slots (one request at pp 2, the tail of every batch): the next step
+    still goes into the slot whose micro-batch samples its input, not wait for an empty one."""
+    workload, reference = alone
+    llm = LLM(model=tiny_model_factory(VARIED), pp=pp, depth=depth, dtype="float64", kv_cache_tokens=2048, buckets=[1, 2, 4, 8])
+    engine = llm.engine
+    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True) for r in workload[:num_requests]]
+    seqs = [engine.add_request(r["prompt"], p) for r, p in zip(workload, params)]
+    read_the_feed = 0
+    while engine.has_work():
+        engine.step()
+        read_the_feed += sum(mb.reads_feed for mb in engine.in_flight)
+    assert read_the_feed > 0
+    assert [s.output_ids for s in seqs] == reference[:num_requests]
+    engine.close()
+
+
 def test_aborting_mid_flight_returns_every_block(tiny_model_factory):
     llm = LLM(model=tiny_model_factory(), pp=3, depth=1, kv_cache_tokens=2048, buckets=[1, 2, 4])
     engine = llm.engine
