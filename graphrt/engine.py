@@ -245,8 +245,8 @@ class Engine:
     def _launch_next(self) -> bool:
         # An empty slot takes only rows whose tokens are back (or prompt chunks); a slot with a
         # micro-batch in flight also takes the rows that one samples, so with fewer rows than
-        # slots async scheduling still launches ahead. schedule() changes nothing when it finds
-        # no work, so trying the next slot is safe.
+        # slots async scheduling still launches ahead. schedule() rotates no rows when it finds
+        # no work (it may admit waiting requests), so trying the next slot is safe.
         for slot in self.ring.open_slots():
             step = self.scheduler.schedule(self.ring.num_slots, follows=slot.in_flight[-1] if slot.in_flight else None)
             if step is not None:
