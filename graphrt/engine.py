@@ -6,7 +6,6 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from graphrt.ring import MicroBatch, Ring
 from graphrt.sampling import Sampler, SamplingParams
 from graphrt.scheduler import ScheduledStep, Scheduler
 from graphrt.sequence import FinishReason, Sequence
+from graphrt.stats import EngineStats
 from graphrt.tokenizer import Tokenizer
 from graphrt.weights import WeightFiles
 
@@ -39,24 +39,6 @@ logger = logging.getLogger("graphrt")
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU
 GPU_MEMORY_FRACTION = 0.85  # share of free device memory the KV cache may take after the weights
-
-
-@dataclass
-class EngineStats:
-    """Counters since the engine started; the CLI and benchmarks turn them into rates."""
-
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_steps: int = 0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    def weight_gb_per_s(self, weight_bytes: int) -> float:
-        """Achieved weight bandwidth: every decode step reads all weights once."""
-        return weight_bytes * self.decode_steps / self.decode_seconds / 1e9 if self.decode_seconds else 0.0
 
 
 class Engine:
