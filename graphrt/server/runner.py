@@ -132,6 +132,7 @@ def start_engine(options: ServeOptions, echo: Callable[[str], None]):
         engine = load_engine(options)
         echo(f"[graphrt] load and capture {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, "
              f"pp={len(engine.devices)} depth={engine.ring.num_slots - len(engine.devices)}, {engine.backend} decode, "
+             f"{'async' if engine.config.async_scheduling else 'no async'} scheduling, "
              f"buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "
              f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks")
         start = time.perf_counter()
