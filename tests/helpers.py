@@ -18,3 +18,14 @@ def prompt_logits(engine: Engine, prompt_ids: list[int]) -> torch.Tensor:
             row = step.seqs.index(seq)
             engine.abort(seq)
             return logits[row].float().cpu()
+
+
+def run_counting_feed_reads(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list, int]:
+    """Add every request and step the engine until it is done. Returns the sequences and how often
+    a micro-batch in flight read its input tokens from the device feed (async scheduling)."""
+    seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+    feed_reads = 0
+    while engine.has_work():
+        engine.step()
+        feed_reads += sum(mb.reads_feed for mb in engine.in_flight)
+    return seqs, feed_reads

@@ -18,6 +18,7 @@ from graphrt.capture.capture import CaptureError, random_decode_rows
 from graphrt.capture.cuda_info import pool_segment_bytes
 from graphrt.capture.graphs import CudaStageGraph
 from graphrt.model import Stage
+from helpers import run_counting_feed_reads
 
 pytestmark = pytest.mark.cuda
 
@@ -106,12 +107,9 @@ def test_async_scheduling_on_cuda_streams_gives_the_host_loops_tokens(tiny_model
     for async_scheduling in (True, False):
         llm = build(tiny_model_factory("llama3-rope"), devices=devices, async_scheduling=async_scheduling)
         engine = llm.engine
-        seqs = [engine.add_request(p, SamplingParams(max_tokens=20, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
-        read_the_feed = False
-        while engine.has_work():
-            engine.step()
-            read_the_feed |= any(mb.reads_feed for mb in engine.in_flight)
-        assert read_the_feed == async_scheduling
+        params = [SamplingParams(max_tokens=20, temperature=1.0, seed=i) for i in range(len(prompts))]
+        seqs, feed_reads = run_counting_feed_reads(engine, prompts, params)
+        assert (feed_reads > 0) == async_scheduling
         assert engine.num_eager_fallbacks == 0
         outputs[async_scheduling] = [s.output_ids for s in seqs]
         engine.close()

@@ -9,6 +9,7 @@ import pytest
 from graphrt import LLM, SamplingParams
 from graphrt.errors import RequestError
 from graphrt.synthetic import make_synthetic, predicted_busy_fraction
+from helpers import run_counting_feed_reads
 
 NUM_REQUESTS = 40
 
@@ -87,12 +88,9 @@ def test_async_scheduling_stops_where_the_host_loop_stops(tiny_model_factory, pp
         )
         engine = llm.engine
         engine.eos_ids = {eos} if eos is not None else set()
-        seqs = [engine.add_request(p, SamplingParams(max_tokens=24, temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
-        read_the_feed = False
-        while engine.has_work():
-            engine.step()
-            read_the_feed |= any(mb.reads_feed for mb in engine.in_flight)
-        assert read_the_feed == async_scheduling
+        params = [SamplingParams(max_tokens=24, temperature=1.0, seed=i) for i in range(len(prompts))]
+        seqs, feed_reads = run_counting_feed_reads(engine, prompts, params)
+        assert (feed_reads > 0) == async_scheduling
         assert engine.allocator.num_free == engine.allocator.num_blocks - 1
         engine.close()
         return [(s.output_ids, s.finish_reason.value) for s in seqs]
@@ -117,12 +115,8 @@ def test_async_scheduling_launches_ahead_with_fewer_rows_than_slots(tiny_model_f
     llm = LLM(model=tiny_model_factory(VARIED), pp=pp, depth=depth, dtype="float64", kv_cache_tokens=2048, buckets=[1, 2, 4, 8])
     engine = llm.engine
     params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True) for r in workload[:num_requests]]
-    seqs = [engine.add_request(r["prompt"], p) for r, p in zip(workload, params)]
-    read_the_feed = 0
-    while engine.has_work():
-        engine.step()
-        read_the_feed += sum(mb.reads_feed for mb in engine.in_flight)
-    assert read_the_feed > 0
+    seqs, feed_reads = run_counting_feed_reads(engine, [r["prompt"] for r in workload[:num_requests]], params)
+    assert feed_reads > 0
     assert [s.output_ids for s in seqs] == reference[:num_requests]
     engine.close()
 
