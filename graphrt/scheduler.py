@@ -2,9 +2,14 @@
 
 A micro-batch is either a prefill chunk (up to `prefill_chunk_size` tokens: prompt tokens from
 one or more sequences plus one token for each decode row riding along; eager) or a decode batch
-(one token per row, at most the largest bucket; replayed as a graph). KV blocks for a
-request's whole budget (prompt + max_tokens) are allocated on admission, so a running sequence
-never waits for memory and nothing is ever preempted.
+(one token per row, at most the largest bucket; replayed as a graph).
+
+KV blocks are allocated as a sequence grows: on admission for its prompt and first new token,
+then one block whenever its next position starts a new one. When none is free, the youngest
+sequence with nothing in flight gives its blocks back and waits to be recomputed (its prompt and
+every token it has so far are prefilled again, and it goes on where it was), as vLLM does; an
+older sequence is never preempted for a younger one. A request must fit the cache alone
+(`check`), so the oldest always makes progress.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class Scheduler:
         self.max_decode_batch = max_decode_batch  # the largest captured bucket
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def check(self, prompt_len: int, max_tokens: int | None) -> int:
         """Validate a request's lengths; return its resolved max_tokens. Raises RequestError."""
@@ -121,8 +127,9 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            needed = self.allocator.blocks_for(seq.prompt_len + seq.max_tokens)
-            if needed > self.allocator.num_free:
+            needed = self.allocator.blocks_for(seq.prefill_len + 1)
+            # Leave a block for each running sequence's next one, or admitting would force a preemption.
+            if needed + len(self.running) > self.allocator.num_free:
                 break  # first come, first served: later requests wait behind it
             seq.block_ids = self.allocator.allocate(needed)
             self.running.append(self.waiting.popleft())
@@ -148,12 +155,12 @@ class Scheduler:
         if prefilling:
             # Decode rows ride along with a prompt chunk: the chunk reads every weight anyway, so
             # they cost little there, and running decodes never wait behind long prompts.
-            riders = ready[: min(rows_per_slot, self.max_decode_batch, self.prefill_chunk_size // 2)]
+            riders = self._with_blocks(ready[: min(rows_per_slot, self.max_decode_batch, self.prefill_chunk_size // 2)])
             self._rotate(riders)
             return self._prefill_chunk(prefilling, riders)
-        if not ready:
+        batch = self._with_blocks(ready[: min(rows_per_slot, self.max_decode_batch)])
+        if not batch:
             return None
-        batch = ready[: min(rows_per_slot, self.max_decode_batch)]
         self._rotate(batch)
         return ScheduledStep(batch, [1] * len(batch), is_prefill=False)
 
@@ -166,6 +173,40 @@ class Scheduler:
         token_on_device = seq.num_in_flight == 1 and seq.pending is not None
         return token_on_device and follows is not None and seq.pending.id <= follows.id
 
+    def _with_blocks(self, rows: list[Sequence]) -> list[Sequence]:
+        """The rows whose next position has a KV block, allocating one where it starts a new block."""
+        kept: list[Sequence] = []
+        for seq in rows:
+            if seq.in_prefill:
+                continue  # preempted for an earlier row of this batch
+            while len(seq.block_ids) * self.allocator.block_size <= seq.num_computed:
+                if self.allocator.num_free == 0 and not self._preempt_for(seq, protected=kept):
+                    break
+                seq.block_ids += self.allocator.allocate(1)
+            else:
+                kept.append(seq)
+        return kept
+
+    def _preempt_for(self, seq: Sequence, protected: list[Sequence]) -> bool:
+        """Free blocks for `seq` by preempting the youngest sequence with nothing in flight, if it is
+        younger than `seq`; else `seq` waits (and gives its own blocks back if it can)."""
+        candidates = [s for s in self.running if s.num_in_flight == 0 and s is not seq and s not in protected and s.block_ids]
+        victim = max(candidates, key=lambda s: s.request_id, default=None)
+        if victim is None or victim.request_id < seq.request_id:
+            if seq.num_in_flight == 0 and seq.block_ids:
+                self._preempt(seq)
+            return False
+        self._preempt(victim)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give back every block of `seq` and queue it, first, to be recomputed."""
+        self.allocator.free(seq.block_ids)
+        seq.block_ids, seq.num_computed, seq.prefill_len = [], 0, seq.num_tokens
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
     def _rotate(self, batch: list[Sequence]) -> None:
         """The rows left out of this micro-batch go first next time."""
         if batch:
@@ -177,7 +218,7 @@ class Scheduler:
         seqs, lens = list(riders), [1] * len(riders)
         budget = self.prefill_chunk_size - len(riders)
         for seq in prefilling:
-            take = min(seq.prompt_len - seq.num_computed, budget)
+            take = min(seq.prefill_len - seq.num_computed, budget)
             seqs.append(seq)
             lens.append(take)
             budget -= take

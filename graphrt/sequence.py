@@ -32,6 +32,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    prefill_len: int = -1  # tokens to prefill: the prompt, or after a preemption every known token
     text: str = ""
     detok_offsets: tuple[int, int] = (0, 0)  # (prefix, read) offsets of incremental detokenization
     finish_reason: FinishReason | None = None
@@ -44,6 +45,10 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.prefill_len < 0:
+            self.prefill_len = len(self.prompt_ids)
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
@@ -54,7 +59,7 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < self.prompt_len
+        return self.num_computed < self.prefill_len
 
     @property
     def finished(self) -> bool:

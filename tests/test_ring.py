@@ -121,6 +121,36 @@ def test_async_scheduling_launches_ahead_with_fewer_rows_than_slots(tiny_model_f
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def long_outputs(tiny_model_factory):
+    """Requests that together need far more KV cache than a small one holds (each fits alone), and
+    the tokens each gets alone with a large cache."""
+    rng = random.Random(3)
+    requests = [([rng.randrange(1, 97) for _ in range(rng.randint(3, 20))], rng.randint(30, 80)) for _ in range(10)]
+    llm = LLM(model=tiny_model_factory(VARIED), dtype="float64", kv_cache_tokens=4096, async_scheduling=False)
+    reference = [llm.generate(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].token_ids for p, n in requests]
+    llm.engine.close()
+    return requests, reference
+
+
+@pytest.mark.parametrize("pp, depth, async_scheduling", [(1, 0, True), (2, 0, True), (2, 1, False), (3, 1, True)])
+def test_preempted_requests_are_recomputed_and_get_their_tokens(tiny_model_factory, long_outputs, pp, depth, async_scheduling):
+    """KV blocks are taken as sequences grow; when none is left the youngest sequence gives its
+    blocks back and is prefilled again later, and still gets exactly its tokens."""
+    requests, reference = long_outputs
+    llm = LLM(
+        model=tiny_model_factory(VARIED), pp=pp, depth=depth, dtype="float64", kv_cache_tokens=160, prefill_chunk_size=32,
+        buckets=[1, 2, 4, 8], async_scheduling=async_scheduling,
+    )
+    engine = llm.engine
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
+    seqs, _ = run_counting_feed_reads(engine, [p for p, _ in requests], params)
+    assert engine.scheduler.num_preemptions > 0
+    assert [s.output_ids for s in seqs] == reference
+    assert engine.allocator.num_free == engine.allocator.num_blocks - 1
+    engine.close()
+
+
 def test_aborting_mid_flight_returns_every_block(tiny_model_factory):
     llm = LLM(model=tiny_model_factory(), pp=3, depth=1, kv_cache_tokens=2048, buckets=[1, 2, 4])
     engine = llm.engine

@@ -83,6 +83,7 @@ class EngineSnapshot:
     num_running: int  # requests that have produced a token and are not finished
     num_waiting: int  # requests admitted to the engine that have not produced a token yet
     num_eager_fallbacks: int
+    num_preemptions: int = 0  # sequences that gave their KV blocks back to be recomputed later
     stage_busy_s: tuple[float, ...] = ()  # seconds each stage has worked (stage processes: as of their last reply)
 
 
@@ -263,6 +264,7 @@ class AsyncEngine:
             num_running=num_running,
             num_waiting=len(self._jobs) - num_running,
             num_eager_fallbacks=getattr(engine, "num_eager_fallbacks", 0),
+            num_preemptions=engine.scheduler.num_preemptions,
             stage_busy_s=tuple(engine.ring.stage_busy_s),
         )
 

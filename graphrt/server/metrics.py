@@ -37,6 +37,9 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("graphrt_kv_blocks_used", "KV cache blocks held by requests", value=usable_blocks - snap.num_free_blocks)
         yield GaugeMetricFamily("graphrt_kv_blocks_free", "KV cache blocks free (the scratch block not counted)", value=snap.num_free_blocks)
         yield CounterMetricFamily("graphrt_eager_fallbacks", "Decode micro-batches that ran eagerly instead of replaying a graph", value=snap.num_eager_fallbacks)
+        yield CounterMetricFamily(
+            "graphrt_preemptions", "Sequences that gave their KV blocks back when the cache was full, to be recomputed", value=snap.num_preemptions
+        )
         busy = CounterMetricFamily(
             "graphrt_stage_busy_seconds", "Seconds each pipeline stage spent on micro-batches; its rate is the busy fraction",
             labels=["stage"],
