@@ -156,9 +156,13 @@ class Scheduler:
             # Decode rows ride along with a prompt chunk: the chunk reads every weight anyway, so
             # they cost little there, and running decodes never wait behind long prompts.
             riders = self._with_blocks(ready[: min(rows_per_slot, self.max_decode_batch, self.prefill_chunk_size // 2)])
-            self._rotate(riders)
-            return self._prefill_chunk(prefilling, riders)
-        batch = self._with_blocks(ready[: min(rows_per_slot, self.max_decode_batch)])
+            prefilling = [s for s in prefilling if s.block_ids]  # not preempted to make room for a rider
+            if prefilling:
+                self._rotate(riders)
+                return self._prefill_chunk(prefilling, riders)
+            batch = riders
+        else:
+            batch = self._with_blocks(ready[: min(rows_per_slot, self.max_decode_batch)])
         if not batch:
             return None
         self._rotate(batch)

@@ -72,3 +72,24 @@ def test_async_scheduling_takes_rows_whose_token_comes_no_later_than_the_slots_l
     # The step in flight samples token 3 of 3: no step may be launched after it.
     assert not Scheduler._can_decode(decoding(follows, outputs=2, max_tokens=3), follows)
     assert Scheduler._can_decode(decoding(follows, outputs=2, max_tokens=4), follows)
+
+
+def test_a_full_cache_preempts_the_youngest_idle_sequence_even_mid_prompt():
+    from graphrt.kv_cache import BlockAllocator
+    from graphrt.scheduler import Scheduler
+
+    allocator = BlockAllocator(num_blocks=4, block_size=BLOCK)  # 3 usable blocks of 4 tokens
+    scheduler = Scheduler(allocator, max_num_seqs=8, prefill_chunk_size=16, max_model_len=64, max_decode_batch=8)
+    old = sequence(3, [7, 8], blocks=allocator.allocate(1))
+    old.num_computed = 4  # its next position, 4, starts a second block
+    young = sequence(8, [], blocks=allocator.allocate(2))
+    young.request_id, young.num_computed = 1, 4  # half-way through its prompt, nothing in flight
+    scheduler.running += [old, young]
+    assert allocator.num_free == 0
+
+    step = scheduler.schedule()
+    # The prompt chunk would have carried `old` along; instead `young` gave its blocks back, and
+    # with no prompt left to prefill `old` decodes alone.
+    assert step is not None and step.seqs == [old] and not step.is_prefill
+    assert len(old.block_ids) == 2 and young.block_ids == [] and young.num_computed == 0
+    assert list(scheduler.waiting) == [young] and young.prefill_len == 8 and scheduler.num_preemptions == 1
