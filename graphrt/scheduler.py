@@ -8,8 +8,8 @@ KV blocks are allocated as a sequence grows: on admission for its prompt and fir
 then one block whenever its next position starts a new one. When none is free, the youngest
 sequence with nothing in flight gives its blocks back and waits to be recomputed (its prompt and
 every token it has so far are prefilled again, and it goes on where it was), as vLLM does; an
-older sequence is never preempted for a younger one. A request must fit the cache alone
-(`check`), so the oldest always makes progress.
+older sequence is never preempted for a younger one (it waits for the younger ones to stop at a
+block boundary). A request must fit the cache alone (`check`), so the oldest always makes progress.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class ScheduledStep:
                 slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
             seq_lens.append(start + query_len)
             last_rows.append(len(token_ids) - 1)
-        # Only the blocks the context reaches so far (a sequence holds blocks for its whole budget):
-        # attention reads no further, and a long max_tokens would otherwise make every table wide.
+        # Only the blocks the context reaches so far (a sequence may hold one more, or a preempted
+        # one's recompute may be under way): attention reads no further.
         live = [-(-seq_len // block_size) for seq_len in seq_lens]
         width = max(live)
         tables = []
@@ -104,8 +104,8 @@ class Scheduler:
                 f"the prompt is {prompt_len} tokens but the context holds {self.max_model_len} "
                 "(prompt plus at least one new token); shorten the prompt"
             )
-        if max_tokens is None:
-            max_tokens = self.max_model_len - prompt_len
+        if max_tokens is None:  # as much as the context and the cache allow
+            max_tokens = max(1, min(self.max_model_len, self.allocator.capacity_tokens) - prompt_len)
         if prompt_len + max_tokens > self.max_model_len:
             raise RequestError(
                 f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context "
@@ -192,23 +192,26 @@ class Scheduler:
         return kept
 
     def _preempt_for(self, seq: Sequence, protected: list[Sequence]) -> bool:
-        """Free blocks for `seq` by preempting the youngest sequence with nothing in flight, if it is
-        younger than `seq`; else `seq` waits (and gives its own blocks back if it can)."""
-        candidates = [s for s in self.running if s.num_in_flight == 0 and s is not seq and s not in protected and s.block_ids]
-        victim = max(candidates, key=lambda s: s.request_id, default=None)
-        if victim is None or victim.request_id < seq.request_id:
-            if seq.num_in_flight == 0 and seq.block_ids:
-                self._preempt(seq)
-            return False
-        self._preempt(victim)
-        return True
+        """Free blocks for `seq` by preempting the youngest sequence younger than it with nothing in
+        flight. If the younger ones are all busy, `seq` waits: they stop at their next block
+        boundary too and become preemptable. If none is younger, `seq` itself is the one to give
+        its blocks back, to the older ones (once nothing of it is in flight)."""
+        younger = [s for s in self.running if s.request_id > seq.request_id and s.block_ids]
+        idle = [s for s in younger if s.num_in_flight == 0 and s not in protected]
+        if idle:
+            self._preempt(max(idle, key=lambda s: s.request_id))
+            return True
+        if not younger and seq.num_in_flight == 0 and seq.block_ids:
+            self._preempt(seq)
+        return False
 
     def _preempt(self, seq: Sequence) -> None:
-        """Give back every block of `seq` and queue it, first, to be recomputed."""
+        """Give back every block of `seq` and queue it to be recomputed, in arrival order."""
         self.allocator.free(seq.block_ids)
         seq.block_ids, seq.num_computed, seq.prefill_len = [], 0, seq.num_tokens
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        later = next((i for i, waiting in enumerate(self.waiting) if waiting.request_id > seq.request_id), len(self.waiting))
+        self.waiting.insert(later, seq)
         self.num_preemptions += 1
 
     def _rotate(self, batch: list[Sequence]) -> None:

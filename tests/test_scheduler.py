@@ -93,3 +93,45 @@ def test_a_full_cache_preempts_the_youngest_idle_sequence_even_mid_prompt():
     assert step is not None and step.seqs == [old] and not step.is_prefill
     assert len(old.block_ids) == 2 and young.block_ids == [] and young.num_computed == 0
     assert list(scheduler.waiting) == [young] and young.prefill_len == 8 and scheduler.num_preemptions == 1
+
+
+def test_an_older_sequence_waits_for_a_busy_younger_one_rather_than_give_its_blocks_up():
+    from graphrt.kv_cache import BlockAllocator
+    from graphrt.scheduler import Scheduler
+
+    allocator = BlockAllocator(num_blocks=4, block_size=BLOCK)  # 3 usable blocks of 4 tokens
+    scheduler = Scheduler(allocator, max_num_seqs=8, prefill_chunk_size=16, max_model_len=64, max_decode_batch=8)
+    old = sequence(3, [7, 8], blocks=allocator.allocate(1))
+    old.num_computed = 4  # needs a second block
+    young = sequence(3, [9], blocks=allocator.allocate(2))
+    young.request_id, young.num_computed, young.num_in_flight = 1, 4, 1  # in another slot's micro-batch
+    scheduler.running += [old, young]
+
+    assert scheduler.schedule(num_slots=2) is None  # old waits; young has nothing to run yet
+    assert scheduler.num_preemptions == 0 and len(old.block_ids) == 1 and old in scheduler.running
+
+    young.num_in_flight = 0  # read back: now it can give its blocks up, and it is the younger one
+    step = scheduler.schedule(num_slots=2)
+    assert step is not None and step.seqs == [old] and len(old.block_ids) == 2
+    assert list(scheduler.waiting) == [young] and scheduler.num_preemptions == 1
+
+
+def test_preempted_sequences_wait_in_arrival_order_and_an_open_max_tokens_fits_the_cache():
+    from graphrt.kv_cache import BlockAllocator
+    from graphrt.scheduler import Scheduler
+
+    allocator = BlockAllocator(num_blocks=11, block_size=BLOCK)  # 40 tokens of cache
+    scheduler = Scheduler(allocator, max_num_seqs=8, prefill_chunk_size=16, max_model_len=64, max_decode_batch=8)
+    # No max_tokens: as many as the cache (not the 64-token context) holds.
+    assert scheduler.check(prompt_len=10, max_tokens=None) == 30
+    seqs = [sequence(2, [], blocks=allocator.allocate(1)) for _ in range(3)]
+    for request_id, seq in enumerate(seqs):
+        seq.request_id = request_id
+        scheduler.running.append(seq)
+    newcomer = sequence(2, [], blocks=[])
+    newcomer.request_id = 9
+    scheduler.add(newcomer)
+    scheduler._preempt(seqs[1])
+    scheduler._preempt(seqs[2])
+    scheduler._preempt(seqs[0])
+    assert [s.request_id for s in scheduler.waiting] == [0, 1, 2, 9]
