@@ -6,18 +6,30 @@ import torch
 
 
 def graph_node_counts(graph: torch.cuda.CUDAGraph) -> tuple[dict[str, int] | None, str | None]:
-    """Kernel / memcpy / memset / other node counts of a captured graph, or (None, why not)."""
+    """Kernel / memcpy / memset / other node counts of a captured graph, or (None, why not).
+
+    The counts are for the manifest only, so nothing here may fail a capture: any error becomes
+    the reason recorded instead of the counts."""
     if not hasattr(graph, "raw_cuda_graph"):
         return None, f"torch {torch.__version__} has no CUDAGraph.raw_cuda_graph()"
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:
         return None, "cuda-python is not installed"
-    handle = cudart.cudaGraph_t(init_value=graph.raw_cuda_graph())
+    try:
+        return _count_nodes(cudart, graph.raw_cuda_graph()), None
+    except Exception as exc:  # noqa: BLE001 - reported in the manifest instead
+        return None, f"could not count graph nodes: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _count_nodes(cudart, raw_graph: int) -> dict[str, int]:
+    handle = cudart.cudaGraph_t(init_value=raw_graph)
     err, _, num_nodes = cudart.cudaGraphGetNodes(handle, 0)
     if err != cudart.cudaError_t.cudaSuccess:
-        return None, f"cudaGraphGetNodes failed: {err.name}"
+        raise RuntimeError(f"cudaGraphGetNodes failed: {err.name}")
     err, nodes, _ = cudart.cudaGraphGetNodes(handle, num_nodes)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaGraphGetNodes failed: {err.name}")
     counts = {"kernel": 0, "memcpy": 0, "memset": 0, "other": 0}
     kinds = {
         cudart.cudaGraphNodeType.cudaGraphNodeTypeKernel: "kernel",
@@ -26,8 +38,8 @@ def graph_node_counts(graph: torch.cuda.CUDAGraph) -> tuple[dict[str, int] | Non
     }
     for node in nodes:
         err, kind = cudart.cudaGraphNodeGetType(node)
-        counts[kinds.get(kind, "other")] += 1
-    return counts, None
+        counts[kinds.get(kind, "other") if err == cudart.cudaError_t.cudaSuccess else "other"] += 1
+    return counts
 
 
 def pool_segment_bytes(pool) -> int:

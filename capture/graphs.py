@@ -8,6 +8,7 @@ reset the padding rows, replay, hand back the rows out.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -91,26 +92,70 @@ class CudaStageGraph:
         stage: Stage, cache: StageKVCache, inputs: StaticInputs, pool, side_stream: torch.cuda.Stream, num_warmups: int = 2
     ) -> CudaStageGraph:
         """Warm up and capture on `side_stream`, one per stage: every new stream would get its own
-        cuBLAS workspace, and graphs sharing a pool should be captured on the same stream."""
+        cuBLAS workspace, and graphs sharing a pool should be captured on the same stream.
+
+        The graph is kept (`keep_graph=True`) so its nodes can be counted, and instantiated here
+        rather than on the first replay, which would otherwise pay for it while serving."""
         with torch.cuda.device(stage.device):  # capture follows the current device, not the tensors'
             caller = torch.cuda.current_stream()
             side_stream.wait_stream(caller)
             with torch.cuda.stream(side_stream):
                 for _ in range(num_warmups):  # lazy initialisation (cuBLAS handles, autotuning) happens here
                     stage(inputs.x, inputs.meta, cache)
-            caller.wait_stream(side_stream)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=pool, stream=side_stream):
+                with host_syncs_raise():  # a sync inside capture is a bare CUDA error; here it names its op
+                    stage(inputs.x, inputs.meta, cache)
+            side_stream.synchronize()
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.stream(side_stream):
+                graph.capture_begin(pool=pool)
+                try:
                     output = stage(inputs.x, inputs.meta, cache)
-            finally:
-                # A failed capture can leave its capture stream current; later work must not run there.
-                torch.cuda.set_stream(caller)
+                except BaseException:
+                    abandon_capture(graph, stage.device, pool)
+                    raise
+                graph.capture_end()
+            graph.instantiate()
+            caller.wait_stream(side_stream)
         return CudaStageGraph(graph, inputs, output)
 
     def replay(self, max_seq_len: int | None = None) -> torch.Tensor:
         self.graph.replay()
         return self.output
+
+
+@contextmanager
+def host_syncs_raise():
+    """Any op that makes the host wait for the device raises, naming itself (a warm-up's check)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def abandon_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) -> None:
+    """Undo what a capture that raised left behind, so later captures in this process still work.
+
+    Ending the capture ends it on the stream, but when CUDA reports the capture invalidated, torch
+    raises before it takes the allocator out of capture mode for the pool and before the graph
+    counts as captured (so its destructor never gives back its reference to the pool). The next
+    `empty_cache()` would then assert. Both are done here; the exception already raised is the one
+    the caller sees, so the second one from ending the capture is dropped.
+    """
+    try:
+        graph.capture_end()
+    except RuntimeError:
+        pass
+    else:
+        graph.reset()  # a clean end: the graph holds the pool reference, and resetting returns it
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:  # torch got as far as ending it: the allocator is already out of capture mode
+        return
+    torch._C._cuda_releasePool(index, pool)
 
 
 class StageGraphs:

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from graphrt.capture.cuda_info import driver_version
+from graphrt.profiling.nvtx import find_backend
 
 GIB = 1 << 30
 
@@ -132,6 +133,8 @@ def run_doctor(echo: Callable[[str], None] = print) -> int:
     echo(f"  python {platform.python_version()} on {platform.system()} {platform.machine()}")
     echo(f"  torch {torch.__version__} (CUDA build: {cuda_build}), triton {package_version('triton')}, "
          f"cuda-python {package_version('cuda-python')}, nvtx {package_version('nvtx')}")
+    nvtx = find_backend()
+    echo(f"  NVTX ranges: {nvtx.why}" + ("" if nvtx.name == "none" else f"; {'on' if nvtx.enabled else 'off until a profiler attaches'}"))
     driver = driver_version()
     echo(f"  CUDA driver: {'supports CUDA ' + driver if driver else 'none found'}")
     nsys = shutil.which("nsys")

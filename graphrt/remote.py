@@ -27,7 +27,7 @@ from graphrt.kernels import kernel_set
 from graphrt.model import Stage
 from graphrt.pipeline import Pipeline, partition_layers
 from graphrt.ring import MicroBatch, Ring, RingSlot
-from graphrt.streams import CpuStream
+from graphrt.streams import CpuStream, own_cuda_stream
 from graphrt.transport import (
     DECODE, HEARTBEAT, PREFILL, SHUTDOWN, Link, Message, Sampling, StageFailure, cpu_threads_per_stage, open_group, recv_reply,
     send_message, stage_name,
@@ -188,6 +188,12 @@ class Cluster:
             raise
 
     def _receive(self) -> None:
+        # Replies arrive on a stream of their own: on the default stream, stage 0's next
+        # micro-batch would queue behind a reply still on its way.
+        with own_cuda_stream(self.link.device):
+            self._receive_replies()
+
+    def _receive_replies(self) -> None:
         last = self.link.world_size - 1
         while True:
             try:
@@ -360,7 +366,7 @@ class RemoteRing(Ring):
 
     def _make_streams(self) -> list:
         # A thread even on CUDA: sends, heartbeats and shutdown must leave rank 0 in one order.
-        return [CpuStream("graphrt-stage0")]
+        return [CpuStream("graphrt-stage0", self.pipeline.stages[0].device)]
 
     def launch(self, slot: RingSlot, step, token_ids, meta, now: float, producers: list[MicroBatch] | None = None) -> MicroBatch:
         mb = super().launch(slot, step, token_ids, meta, now, producers)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -34,15 +35,24 @@ class CpuEvent:
 
 class CpuStream:
     """A worker thread running work in submission order. An error in one piece of work is kept and
-    passed to every later event, so whoever waits learns of it instead of hanging."""
+    passed to every later event, so whoever waits learns of it instead of hanging.
 
-    def __init__(self, name: str):
+    Given a CUDA device (a stage in front of a remote link, which must send in order from one
+    thread), the thread runs its work on that device and on a CUDA stream of its own, so nothing it
+    computes queues behind another thread's work on the device's default stream."""
+
+    def __init__(self, name: str, device: torch.device | None = None):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
+        self._device = device
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
+        with own_cuda_stream(self._device):
+            self._run()
+
+    def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
@@ -91,11 +101,14 @@ class CudaEvent:
 
 
 class CudaStream:
-    """Work is enqueued on the stage's stream as it is submitted; the host does not wait."""
+    """Work is enqueued on the stage's stream as it is submitted; the host does not wait.
+
+    A new stream starts after the work already queued on its device's current stream (the KV
+    cache zeroed after capture, weights copied in): torch's streams do not wait for it by themselves."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._stream = torch.cuda.Stream(device)
+        self._stream = new_cuda_stream(device)
 
     def submit(self, work: Callable[[], None]) -> None:
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
@@ -109,6 +122,25 @@ class CudaStream:
 
     def close(self, timeout_s: float = 30.0) -> None:
         self._stream.synchronize()
+
+
+@contextmanager
+def own_cuda_stream(device: torch.device | None):
+    """For the calling thread: make `device` current and run on a new stream of it, which first
+    waits for the work already queued there. Nothing to do for a CPU (or no) device."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_device(device)  # the device is per thread: a new thread starts on cuda:0
+    with torch.cuda.stream(new_cuda_stream(device)):
+        yield
+
+
+def new_cuda_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream of `device` whose first work waits for everything already queued on the device."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
 
 
 def make_stream(device: torch.device, name: str) -> CpuStream | CudaStream:

@@ -1,24 +1,75 @@
 """NVTX ranges in the `graphrt` domain, so an Nsight Systems trace reads like the design.
 
 Attributes (message and colour) are built once per distinct name and reused, so a range costs a
-push and a pop. Without a profiler attached (or with NVTX_DISABLE=1) the nvtx package hands out a
-no-op domain, and then every range is one shared null context: nothing is pushed at all.
+push and a pop. Without a profiler attached (or with NVTX_DISABLE=1) every range is one shared
+null context: nothing is pushed at all.
+
+Where the ranges go, first that works:
+1. the `nvtx` package: the `graphrt` domain, with colours; it knows whether a profiler is attached.
+2. `torch.cuda.nvtx` (GPU images often have NVIDIA's C library inside torch but not the package):
+   plain ranges, no domain or colour; on when Nsight Systems injects itself (NVTX_INJECTION64_PATH).
+3. nothing: ranges are no-ops, and the engine runs the same.
+`graphrt doctor` prints which one is active.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
-import nvtx
-from nvtx._lib.lib import DummyDomain
+import torch
 
 COLORS = {"stage": "green", "tick": "blue", "prefill": "orange", "sample": "purple", "transfer": "yellow", "capture": "red"}
 
 
+class TorchNvtxDomain:
+    """`torch.cuda.nvtx` behind the nvtx package's domain interface: the message is the attribute."""
+
+    def get_event_attributes(self, message: str, color: str) -> str:
+        return message
+
+    def push_range(self, attributes: str) -> None:
+        torch.cuda.nvtx.range_push(attributes)
+
+    def pop_range(self) -> None:
+        torch.cuda.nvtx.range_pop()
+
+
+@dataclass(frozen=True)
+class NvtxBackend:
+    name: str  # "nvtx" | "torch.cuda.nvtx" | "none"
+    domain: object | None  # where ranges are pushed; None when no backend exists
+    enabled: bool  # whether pushing reaches a profiler now
+    why: str  # for `graphrt doctor`
+
+
+def find_backend() -> NvtxBackend:
+    """The first NVTX implementation this process can use, and whether a profiler is listening."""
+    disabled = bool(os.environ.get("NVTX_DISABLE"))
+    try:
+        import nvtx
+        from nvtx._lib.lib import DummyDomain
+    except ImportError:
+        nvtx = None
+    if nvtx is not None:
+        domain = nvtx.get_domain("graphrt")
+        enabled = nvtx.enabled() and not isinstance(domain, DummyDomain)
+        return NvtxBackend("nvtx", domain, enabled, "the nvtx package, domain graphrt, with colours")
+    if hasattr(torch._C, "_nvtx"):  # only CUDA builds of torch carry NVIDIA's NVTX library
+        listening = "NVTX_INJECTION64_PATH" in os.environ and not disabled
+        return NvtxBackend("torch.cuda.nvtx", TorchNvtxDomain(), listening, "torch.cuda.nvtx (no nvtx package): ranges without domain or colour")
+    return NvtxBackend("none", None, False, "none: neither the nvtx package nor a CUDA build of torch, so ranges are no-ops")
+
+
 class Ranges:
     def __init__(self, domain=None):
-        self.domain = domain if domain is not None else nvtx.get_domain("graphrt")
-        self.enabled = domain is not None or (nvtx.enabled() and not isinstance(self.domain, DummyDomain))
+        if domain is not None:  # an injected domain (tests, benchmarks) is always used
+            self.backend = NvtxBackend("injected", domain, True, "a domain given by the caller")
+        else:
+            self.backend = find_backend()
+        self.domain = self.backend.domain
+        self.enabled = self.backend.enabled
         self._attributes: dict[str, object] = {}
         self._off = nullcontext()
 

@@ -184,3 +184,27 @@ def test_decode_batches_never_exceed_the_largest_bucket(tiny_model_factory):
     together = llm.generate(prompts, params)
     assert max(n for prefill, n in sizes if not prefill) == 2
     assert [o.token_ids for o in together] == [llm.generate(p, params)[0].token_ids for p in prompts]
+
+
+class UncountableGraph:
+    """A captured graph whose raw handle cannot be had (as with torch's default keep_graph=False)."""
+
+    def raw_cuda_graph(self) -> int:
+        raise RuntimeError("Cannot access raw graph: keep_graph must be True")
+
+
+class NullGraph:
+    def raw_cuda_graph(self) -> int:
+        return 0  # no graph: cudaGraphGetNodes refuses it (here, also for want of a driver)
+
+
+@pytest.mark.parametrize("graph", [UncountableGraph(), NullGraph()], ids=["raw-graph-refused", "null-graph"])
+def test_counting_graph_nodes_never_fails_a_capture(graph):
+    pytest.importorskip("cuda.bindings.runtime")
+    from graphrt.capture.cuda_info import graph_node_counts
+
+    counts, why = graph_node_counts(graph)
+    assert counts is None
+    assert why.startswith("could not count graph nodes: ")
+    if isinstance(graph, UncountableGraph):
+        assert "keep_graph must be True" in why

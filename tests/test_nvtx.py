@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -132,3 +133,69 @@ def test_without_a_profiler_ranges_are_skipped_but_an_injected_domain_is_used():
     with Ranges(domain=domain).tick():
         pass
     assert domain.events == [("push", "scheduler tick", "MainThread"), ("pop", None, "MainThread")]
+
+
+# A fresh interpreter in which some packages cannot be imported, as on a GPU image that lacks them.
+WITHOUT_PACKAGES = """
+import sys
+
+BLOCKED = set(sys.argv[1].split(","))
+
+
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+
+
+sys.meta_path.insert(0, Missing())
+sys.argv = sys.argv[2:]
+exec(sys.argv[0])
+"""
+
+
+def run_without(packages: list[str], code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_PACKAGES, ",".join(packages), code, *args], capture_output=True, text=True, timeout=180
+    )
+
+
+WITHOUT_NVTX_RUN = """
+import torch
+from graphrt import LLM, SamplingParams
+from graphrt.doctor import run_doctor
+from graphrt.profiling.nvtx import Ranges
+ranges = Ranges()
+# Without the nvtx package: torch's own NVTX on a CUDA build, else nothing; off without a profiler.
+assert ranges.backend.name == ("torch.cuda.nvtx" if torch.version.cuda else "none"), ranges.backend
+assert not ranges.enabled and ranges.stage(0, 1, 2) is ranges.tick()
+llm = LLM(model=sys.argv[1], pp=2, kv_cache_tokens=1024, buckets=[1, 2])
+out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+print("tokens", len(out[0].token_ids))
+run_doctor()
+"""
+
+
+def test_without_the_nvtx_package_ranges_fall_back_and_doctor_says_so(tiny_model_factory):
+    done = run_without(["nvtx"], WITHOUT_NVTX_RUN, str(tiny_model_factory()))
+    assert done.returncode == 0, done.stderr
+    assert "tokens 4" in done.stdout
+    nvtx_line = next(line for line in done.stdout.splitlines() if "NVTX ranges:" in line)
+    assert nvtx_line.split(": ", 1)[1].startswith(("torch.cuda.nvtx (no nvtx package)", "none: neither the nvtx package"))
+
+
+GENERATE_RUN = """
+from graphrt.cli import main
+main(sys.argv[1:], standalone_mode=True)
+"""
+
+
+def test_generate_runs_without_nvtx_and_the_server_stack(tiny_model_factory, tmp_path):
+    """The CLI and engine must not need what GPU images lack: nvtx, fastapi, uvicorn, openai."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": [5, 6, 7]}\n')
+    args = ["generate", "--model", str(tiny_model_factory()), "--prompts-file", str(prompts), "--max-tokens", "5", "--pp", "2"]
+    done = run_without(["nvtx", "fastapi", "uvicorn", "openai", "starlette"], GENERATE_RUN, *args)
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith("{"))
+    assert json.loads(line) == {"prompt": [5, 6, 7], "text": "", "num_tokens": 5, "finish_reason": "length"}

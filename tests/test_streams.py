@@ -1,0 +1,100 @@
+"""Stream ordering on CUDA, checked through the stream abstraction without a GPU.
+
+torch's CUDA streams are replaced by a recorder (nothing real can run here): what matters is the
+order of requests made to CUDA. A stage stream made after work was queued on its device (the KV
+cache zeroed after capture) must wait for that work before its own; a thread that drives a device
+(stage 0 in front of a remote link, the reply receiver) must make that device current and run on a
+stream of its own, not on the default stream another thread computes on.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from graphrt.streams import CpuStream, CudaStream, own_cuda_stream
+
+
+class FakeStream:
+    def __init__(self, cuda: FakeCuda, name: str):
+        self.cuda, self.name = cuda, name
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.cuda.log.append(("wait", self.name, other.name))
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class FakeCuda:
+    """Records what graphrt asks of torch.cuda, per thread: current device and stream."""
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.default = FakeStream(self, "default")
+        self._local = threading.local()
+        self._count = 0
+
+    def Stream(self, device=None) -> FakeStream:  # noqa: N802 - stands in for torch.cuda.Stream
+        self._count += 1
+        stream = FakeStream(self, f"stream{self._count}")
+        self.log.append(("new", stream.name, str(device)))
+        return stream
+
+    def current_stream(self, device=None) -> FakeStream:
+        return getattr(self._local, "stream", self.default)
+
+    def set_device(self, device) -> None:
+        self.log.append(("set_device", str(device), threading.current_thread().name))
+
+    @contextmanager
+    def stream(self, stream: FakeStream):
+        previous = self.current_stream()
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = previous
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch) -> FakeCuda:
+    cuda = FakeCuda()
+    for name in ("Stream", "current_stream", "set_device", "stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    return cuda
+
+
+def test_a_stage_stream_starts_after_work_already_queued_on_its_device(fake_cuda):
+    stream = CudaStream(torch.device("cuda:0"))
+    # Its first entry is a wait for the device's current (default) stream, before any work of its own.
+    assert fake_cuda.log == [("new", "stream1", "cuda:0"), ("wait", "stream1", "default")]
+    assert stream._stream.name == "stream1"
+
+
+def test_a_thread_driving_a_device_sets_it_and_runs_on_its_own_stream(fake_cuda):
+    seen = []
+    worker = CpuStream("graphrt-stage0", torch.device("cuda:1"))
+    worker.submit(lambda: seen.append((threading.current_thread().name, fake_cuda.current_stream())))
+    worker.record().synchronize()
+    worker.close()
+    assert fake_cuda.log == [
+        ("set_device", "cuda:1", "graphrt-stage0"),  # the device is per thread: set in the thread itself
+        ("new", "stream1", "cuda:1"),
+        ("wait", "stream1", "default"),  # after what the main thread queued there
+    ]
+    # The work ran in that thread, on the new stream, not on the default one the main thread uses.
+    assert [(thread, stream.name) for thread, stream in seen] == [("graphrt-stage0", "stream1")]
+
+
+def test_cpu_threads_touch_no_cuda_state(fake_cuda):
+    worker = CpuStream("graphrt-stage0", torch.device("cpu"))
+    worker.submit(lambda: None)
+    worker.record().synchronize()
+    worker.close()
+    with own_cuda_stream(None):
+        pass
+    assert fake_cuda.log == []
