@@ -15,6 +15,7 @@ from graphrt.batch import StepMetadata
 from graphrt.capture.buckets import BucketPlan
 from graphrt.capture.cuda_info import graph_node_counts, pool_segment_bytes
 from graphrt.capture.graphs import CudaStageGraph, EagerStageGraph, StageGraphs, StaticInputs
+from graphrt.capture.rehearsal import RehearsalError, rehearse_stage
 from graphrt.errors import GraphrtError
 from graphrt.kv_cache import StageKVCache
 from graphrt.model import Stage
@@ -161,16 +162,18 @@ def record_cuda_graph(stage, cache, inputs, pool, side_stream, allow_eager: bool
     bucket = inputs.x.shape[0]
     pool_before = pool_segment_bytes(pool)
     try:
+        rehearse_stage(stage, cache, inputs)  # names the op; a failed capture would only say CUDA refused
         with frozen_gc():
             graph = CudaStageGraph.record(stage, cache, inputs, pool, side_stream)
         torch.cuda.synchronize(stage.device)
     except Exception as exc:  # the op that broke capture is in the message
         where = f"stage {stage.index}, bucket {bucket}"
+        if isinstance(exc, RehearsalError):  # it names the pair, the op, its line and the fix
+            cause = str(exc)
+        else:
+            cause = f"capturing {where} failed: {exc}. A host sync or a dynamic shape inside the stage's forward breaks capture"
         if not allow_eager:
-            raise CaptureError(
-                f"capturing {where} failed: {exc}. A host sync or a dynamic shape inside the "
-                "stage's forward breaks capture; fix it, or pass --allow-eager to run this pair eagerly"
-            ) from None
+            raise CaptureError(f"{cause}; fix it, or pass --allow-eager to run this pair eagerly") from None
         note = f"capture failed, running eagerly: {str(exc).splitlines()[0]}"
         logger.warning("%s: %s", where, note)
         return None, GraphRecord(stage.index, bucket, "eager", 0, None, None, None, note)
