@@ -1,22 +1,31 @@
-"""Each decode hot-path Triton kernel against its torch reference, on Llama-3-8B-sized shapes.
+"""Each decode hot-path Triton kernel against its torch reference: same results, and how fast.
 
-    python benchmarks/kernels_gpu.py [--dtype bfloat16|float16] [--batch-sizes 1,8,32,64]
-                                     [--contexts 1024,4096] [--eager]
+    python benchmarks/kernels_gpu.py [--dtype bfloat16|float16|float32] [--batch-sizes 1,8,32,64]
+                                     [--contexts 1024,4096] [--repeats 25] [--eager] [--device cuda|cpu]
 
-Needs a CUDA GPU. Shapes: hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate 14336,
-one token per sequence (decode), KV blocks of 16 tokens scattered at random. Each kernel is timed
-with CUDA events around a CUDA graph of CALLS_PER_GRAPH back-to-back calls (how graphrt runs
-decode; `--eager` launches from Python instead), after warm-up, median of REPEATS. Achieved GB/s
-counts the bytes a kernel must move at least (inputs read once, outputs written once) and is
-printed against the measured device copy bandwidth (read + write of a 1 GiB tensor). Prints a
-markdown table for benchmarks/results.md.
+Shapes are Llama-3-8B's: hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate 14336, one
+token per sequence (decode), KV blocks of 16 tokens scattered at random. For each case both kernels
+first run once on their own copy of the same random inputs, and the relative error of Triton's
+results against the reference's (||triton - torch|| / ||torch|| in float64, over every output and
+every tensor written in place) must stay under the dtype's tolerance. Then each is timed with CUDA
+events around a CUDA graph of CALLS_PER_GRAPH back-to-back calls (how graphrt runs decode; `--eager`
+launches from Python instead), after warm-up, median of --repeats. Achieved GB/s counts the bytes a
+kernel must move at least (inputs read once, outputs written once) and is printed against the
+measured device copy bandwidth (read + write of a 1 GiB tensor). Prints a markdown table for
+benchmarks/results.md and exits 1 if any kernel is wrong.
+
+`--device cpu` runs the kernels through Triton's interpreter (TRITON_INTERPRET=1) with host timers:
+a check of this script, not a measurement (use float32 there; the interpreter gets bfloat16 wrong).
+Without CUDA and without it, the script says so and exits 3.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -30,8 +39,8 @@ HEAD_DIM = 128
 INTERMEDIATE_SIZE = 14336
 BLOCK_SIZE = 16
 CALLS_PER_GRAPH = 20
-REPEATS = 25
-DEVICE = "cuda"
+NO_CUDA_EXIT = 3  # scripts/gpu_check.sh reads this as "no CUDA device", not as a failure
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # relative, as tests/test_kernels.py
 
 
 @dataclass
@@ -39,12 +48,44 @@ class Case:
     kernel: str
     shape: str
     bytes_moved: int
-    torch_fn: Callable[[], object]
-    triton_fn: Callable[[], object]
+    inputs: tuple  # tensors (written in place by some kernels) and plain numbers
+    reference: Callable  # the torch reference, called as reference(*inputs)
+    triton: Callable  # the Triton kernel, same call
+    # What to compare after a call, from (its result, its inputs); by default the result.
+    compared: Callable = lambda result, inputs: result
 
 
-def time_us(fn: Callable[[], object], eager: bool) -> tuple[float, bool]:
-    """(median microseconds per call of `fn` measured with CUDA events, whether it ran in a graph)."""
+def as_list(value) -> list[torch.Tensor]:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def relative_error(case: Case) -> float:
+    """||triton - torch|| / ||torch|| over everything `case.compared` picks, each kernel on its own
+    copy of the inputs (some write in place); NaN anywhere counts as infinitely wrong."""
+    copy = lambda: tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in case.inputs)  # noqa: E731
+    reference_inputs, triton_inputs = copy(), copy()
+    expected = as_list(case.compared(case.reference(*reference_inputs), reference_inputs))
+    got = as_list(case.compared(case.triton(*triton_inputs), triton_inputs))
+    worst = 0.0
+    for g, e in zip(got, expected, strict=True):
+        g, e = g.double(), e.double()
+        if torch.isnan(g).any():
+            return float("inf")
+        worst = max(worst, ((g - e).norm() / e.norm().clamp_min(1e-30)).item())
+    return worst
+
+
+def time_us(fn: Callable[[], object], eager: bool, repeats: int, device: torch.device) -> tuple[float, bool]:
+    """(median microseconds per call of `fn`, whether it ran in a CUDA graph)."""
+    if device.type != "cuda":
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(CALLS_PER_GRAPH):
+                fn()
+            times.append((time.perf_counter() - start) * 1e6 / CALLS_PER_GRAPH)
+        return statistics.median(times), False
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the capture stream: compile, allocate, pick algorithms
@@ -66,7 +107,7 @@ def time_us(fn: Callable[[], object], eager: bool) -> tuple[float, bool]:
             graphed = False
     run()
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         run()
@@ -80,69 +121,61 @@ def time_cell(us: float, graphed: bool, eager: bool) -> str:
     return f"{us:.1f}" if graphed or eager else f"{us:.1f} (eager: capture failed)"
 
 
-def copy_bandwidth_gb_s() -> float:
-    """Device-to-device copy of 1 GiB: bytes read plus bytes written per second."""
-    source = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+def copy_bandwidth_gb_s(device: torch.device) -> float:
+    """Device-to-device copy of 1 GiB (64 MiB on a CPU): bytes read plus bytes written per second."""
+    source = torch.empty(1 << (30 if device.type == "cuda" else 26), dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    for _ in range(3):
-        target.copy_(source)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        target.copy_(source)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return 2 * source.numel() / statistics.median(times) / 1e9
+    us, _ = time_us(lambda: target.copy_(source), eager=True, repeats=10, device=device)
+    return 2 * source.numel() / us / 1e3
 
 
-def pointwise_cases(batch: int, dtype: torch.dtype) -> list[Case]:
+def pointwise_cases(batch: int, dtype: torch.dtype, device: torch.device) -> list[Case]:
     from graphrt.kernels import activation, activation_triton, rmsnorm, rmsnorm_triton, rotary, rotary_triton
 
     size = torch.finfo(dtype).bits // 8
-    x, residual = (torch.randn(batch, HIDDEN_SIZE, device=DEVICE, dtype=dtype) for _ in range(2))
-    weight = torch.randn(HIDDEN_SIZE, device=DEVICE, dtype=dtype)
-    qkv = torch.randn(batch, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device=DEVICE, dtype=dtype)
+    x, residual = (torch.randn(batch, HIDDEN_SIZE, device=device, dtype=dtype) for _ in range(2))
+    weight = torch.randn(HIDDEN_SIZE, device=device, dtype=dtype)
+    qkv = torch.randn(batch, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, device=device, dtype=dtype)
     q = qkv[:, : NUM_HEADS * HEAD_DIM].view(batch, NUM_HEADS, HEAD_DIM)
     k = qkv[:, NUM_HEADS * HEAD_DIM : (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(batch, NUM_KV_HEADS, HEAD_DIM)
-    angles = torch.rand(batch, HEAD_DIM, device=DEVICE) * 6.28  # real rotations: repeated calls keep q, k bounded
+    angles = torch.rand(batch, HEAD_DIM, device=device) * 6.28  # real rotations: repeated calls keep q, k bounded
     cos, sin = angles.cos(), angles.sin()
-    gate_up = torch.randn(batch, 2 * INTERMEDIATE_SIZE, device=DEVICE, dtype=dtype)
+    gate_up = torch.randn(batch, 2 * INTERMEDIATE_SIZE, device=device, dtype=dtype)
     rotated = batch * (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM
     return [
         Case(
             "rms_norm + residual", f"{batch} x {HIDDEN_SIZE}", (4 * batch + 1) * HIDDEN_SIZE * size,
-            lambda: rmsnorm.rms_norm(x, weight, 1e-5, residual),
-            lambda: rmsnorm_triton.rms_norm(x, weight, 1e-5, residual),
+            (x, weight, residual),
+            lambda x, w, r: rmsnorm.rms_norm(x, w, 1e-5, r),
+            lambda x, w, r: rmsnorm_triton.rms_norm(x, w, 1e-5, r),
         ),
         Case(
+            # Timed on strided views of one fused qkv tensor, as in the model; the error check's copies are contiguous.
             "apply_rotary (q, k)", f"{batch} x ({NUM_HEADS}+{NUM_KV_HEADS}) x {HEAD_DIM}",
             2 * rotated * size + 2 * batch * HEAD_DIM * 4,
-            lambda: rotary.apply_rotary(q, k, cos, sin),
-            lambda: rotary_triton.apply_rotary(q, k, cos, sin),
+            (q, k, cos, sin),
+            rotary.apply_rotary,  # returns rotated copies
+            rotary_triton.apply_rotary,  # rotates in place and returns q, k
         ),
         Case(
             "silu_and_mul", f"{batch} x 2*{INTERMEDIATE_SIZE}", 3 * batch * INTERMEDIATE_SIZE * size,
-            lambda: activation.silu_and_mul(gate_up),
-            lambda: activation_triton.silu_and_mul(gate_up),
+            (gate_up,), activation.silu_and_mul, activation_triton.silu_and_mul,
         ),
     ]
 
 
-def attention_cases(batch: int, context: int, dtype: torch.dtype) -> list[Case]:
+def attention_cases(batch: int, context: int, dtype: torch.dtype, device: torch.device) -> list[Case]:
     from graphrt.kernels import paged_attention, paged_attention_triton
 
     size = torch.finfo(dtype).bits // 8
     blocks_per_seq = context // BLOCK_SIZE
     num_blocks = 1 + batch * blocks_per_seq  # block 0 is scratch
     cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = (torch.randn(cache_shape, device=DEVICE, dtype=dtype) for _ in range(2))
-    tables = (torch.randperm(num_blocks - 1, device=DEVICE) + 1).view(batch, blocks_per_seq)
-    seq_lens = torch.full((batch,), context, device=DEVICE, dtype=torch.int64)
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=dtype)
-    k, v = (torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=dtype) for _ in range(2))
+    k_cache, v_cache = (torch.randn(cache_shape, device=device, dtype=dtype) for _ in range(2))
+    tables = (torch.randperm(num_blocks - 1, device=device) + 1).view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, device=device, dtype=torch.int64)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    k, v = (torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(2))
     slots = tables[:, -1] * BLOCK_SIZE + BLOCK_SIZE - 1  # each sequence's last position
     scale = HEAD_DIM**-0.5
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * size
@@ -150,14 +183,17 @@ def attention_cases(batch: int, context: int, dtype: torch.dtype) -> list[Case]:
         Case(
             "write_kv", f"{batch} x {NUM_KV_HEADS} x {HEAD_DIM}",
             4 * batch * NUM_KV_HEADS * HEAD_DIM * size + 8 * batch,
-            lambda: paged_attention.write_kv(k, v, k_cache, v_cache, slots),
-            lambda: paged_attention_triton.write_kv(k, v, k_cache, v_cache, slots),
+            (k, v, k_cache, v_cache, slots),
+            paged_attention.write_kv,
+            paged_attention_triton.write_kv,
+            compared=lambda result, inputs: [inputs[2], inputs[3]],  # the caches, written in place
         ),
         Case(
             "paged_decode_attention", f"{batch} seqs x {context} ctx, {NUM_HEADS}/{NUM_KV_HEADS} heads",
             kv_bytes + 2 * q.numel() * size,
-            lambda: paged_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, context),
-            lambda: paged_attention_triton.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale),
+            (q, k_cache, v_cache, tables, seq_lens, scale, context),
+            paged_attention.paged_decode_attention,
+            paged_attention_triton.paged_decode_attention,  # ignores the host length: it reads seq_lens
         ),
     ]
 
@@ -166,38 +202,58 @@ def parse_sizes(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--batch-sizes", type=parse_sizes, default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=parse_sizes, default=[1024, 4096])
+    parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--eager", action="store_true", help="launch from Python instead of replaying a CUDA graph")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels_gpu.py needs a CUDA GPU and this torch sees none; run it on a GPU host")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: check this script through Triton's interpreter")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("kernels_gpu.py measures on a GPU (scripts/gpu_check.sh), or checks itself with --device cpu")
+        print(f"no CUDA device: torch {torch.__version__} sees none (torch.cuda.is_available() is False)")
+        return NO_CUDA_EXIT
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel modules are first imported, just below
     import triton
 
+    device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    copy_gb_s = copy_bandwidth_gb_s()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {args.dtype}; "
-          f"device copy {copy_gb_s:.0f} GB/s; {'eager launches' if args.eager else 'CUDA graph replay'}\n")
-    print("| kernel | shape | torch us | triton us | speed-up | triton GB/s | of copy GB/s |")
-    print("|---|---|---|---|---|---|---|")
-    groups = [partial(pointwise_cases, batch, dtype) for batch in args.batch_sizes]
+    eager = args.eager or device.type != "cuda"
+    copy_gb_s = copy_bandwidth_gb_s(device)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu, Triton interpreter: not a measurement"
+    print(f"{where}, torch {torch.__version__}, triton {triton.__version__}, {args.dtype}; "
+          f"device copy {copy_gb_s:.0f} GB/s; {'eager launches' if eager else 'CUDA graph replay'}\n")
+    print(f"| kernel | shape | rel. error (< {TOLERANCE[dtype]:g}) | torch us | triton us | speed-up | triton GB/s | of copy GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    groups = [partial(pointwise_cases, batch, dtype, device) for batch in args.batch_sizes]
     groups += [
-        partial(attention_cases, batch, context, dtype) for batch in args.batch_sizes for context in args.contexts
+        partial(attention_cases, batch, context, dtype, device) for batch in args.batch_sizes for context in args.contexts
     ]
+    wrong = []
     for make_cases in groups:  # one shape's tensors at a time
         for case in make_cases():
+            error = relative_error(case)
+            ok = error < TOLERANCE[dtype]
+            if not ok:
+                wrong.append(f"{case.kernel} ({case.shape}): {error:.2e}")
             (torch_us, torch_graphed), (triton_us, triton_graphed) = (
-                time_us(case.torch_fn, args.eager), time_us(case.triton_fn, args.eager)
+                time_us(lambda: case.reference(*case.inputs), eager, args.repeats, device),
+                time_us(lambda: case.triton(*case.inputs), eager, args.repeats, device),
             )
             gb_s = case.bytes_moved / triton_us / 1e3
-            print(f"| {case.kernel} | {case.shape} | {time_cell(torch_us, torch_graphed, args.eager)} "
-                  f"| {time_cell(triton_us, triton_graphed, args.eager)} | {torch_us / triton_us:.2f}x "
-                  f"| {gb_s:.0f} | {gb_s / copy_gb_s:.0%} |", flush=True)
-        torch.cuda.empty_cache()
+            print(f"| {case.kernel} | {case.shape} | {error:.1e}{'' if ok else ' WRONG'} "
+                  f"| {time_cell(torch_us, torch_graphed, eager)} | {time_cell(triton_us, triton_graphed, eager)} "
+                  f"| {torch_us / triton_us:.2f}x | {gb_s:.0f} | {gb_s / copy_gb_s:.0%} |", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if wrong:
+        print(f"FAILED: Triton differs from the torch reference beyond {TOLERANCE[dtype]:g}: " + "; ".join(wrong))
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

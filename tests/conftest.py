@@ -13,7 +13,7 @@ from graphrt.synthetic import TINY_VARIANTS, make_tiny_model  # noqa: F401  (TIN
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = pytest.mark.skip(reason=f"no CUDA device: torch {torch.__version__} sees none (torch.cuda.is_available() is False)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import time
 
-import httpx
-import openai
 import pytest
 
-from graphrt.llm import LLM
-from graphrt.server import ServerSettings, ServerThread
-from graphrt.tokenizer import Tokenizer
+for package in ("fastapi", "uvicorn", "openai", "httpx"):  # the server stack: not on every GPU image
+    pytest.importorskip(package)
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from graphrt.llm import LLM  # noqa: E402
+from graphrt.server import ServerSettings, ServerThread  # noqa: E402
+from graphrt.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

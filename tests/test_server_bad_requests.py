@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
-from graphrt.llm import LLM
-from graphrt.server import ServerSettings, ServerThread
+for package in ("fastapi", "uvicorn", "httpx"):  # the server stack: not on every GPU image
+    pytest.importorskip(package)
+
+import httpx  # noqa: E402
+
+from graphrt.llm import LLM  # noqa: E402
+from graphrt.server import ServerSettings, ServerThread  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -8,12 +8,16 @@ import asyncio
 import random
 import time
 
-import httpx
-import openai
 import pytest
 
-from graphrt.llm import LLM
-from graphrt.server import ServerSettings, ServerThread
+for package in ("fastapi", "uvicorn", "openai", "httpx"):  # the server stack: not on every GPU image
+    pytest.importorskip(package)
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from graphrt.llm import LLM  # noqa: E402
+from graphrt.server import ServerSettings, ServerThread  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
