@@ -208,3 +208,12 @@ def test_counting_graph_nodes_never_fails_a_capture(graph):
     assert why.startswith("could not count graph nodes: ")
     if isinstance(graph, UncountableGraph):
         assert "keep_graph must be True" in why
+
+
+def test_a_context_length_that_is_not_whole_blocks_starts(tiny_model_factory):
+    """Capture's verification rows stay inside the rotary table when max_model_len (52) is not a
+    multiple of the block size (16): the block table reaches position 63, the model only 51."""
+    llm = LLM(model=tiny_model_factory(), pp=2, max_model_len=52, kv_cache_tokens=10240, max_num_seqs=4, max_batch=4)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    llm.engine.close()
