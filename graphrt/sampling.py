@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # top_k and seeds travel between stages as int64
+# Below this, a temperature is read as 0 (greedy), the limit it approaches: float32 holds it only as
+# a subnormal (on GPUs possibly flushed to 0), and logits / temperature overflows to inf or NaN.
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
 
 
 @dataclass
@@ -24,18 +30,20 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be a non-negative integer (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be an integer in [0, {INT64_MAX}] (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -75,15 +83,20 @@ class Sampler:
             return greedy_ids
         device = logits.device
         rows = lambda values, dtype=torch.float32: host_to_device(values, dtype, device)  # noqa: E731
+        vocab_size = logits.shape[-1]
         temperature = rows([p.temperature if not p.greedy else 1.0 for p in params])
-        probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+        # Shifted so each row's largest logit is 0: dividing by a small temperature then goes
+        # towards -inf (probability 0), never to +inf, which would make the softmax NaN.
+        shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)  # (batch, vocab)
+        probs = torch.softmax(shifted / temperature[:, None], dim=-1)
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
         top_p = rows([p.top_p for p in params])
-        top_k = rows([p.top_k or logits.shape[-1] for p in params], torch.int64)
-        # Keep the smallest prefix whose mass reaches top_p (always the first token), and at most top_k.
+        top_k = rows([min(p.top_k, vocab_size) or vocab_size for p in params], torch.int64)
+        # Keep the smallest prefix whose mass reaches top_p, and at most top_k; always the first
+        # token (a top_p that float32 rounds to 0 would otherwise drop it too).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        rank = torch.arange(logits.shape[-1], device=device)
-        dropped = (mass_before >= top_p[:, None]) | (rank[None, :] >= top_k[:, None])
+        rank = torch.arange(vocab_size, device=device)
+        dropped = ((mass_before >= top_p[:, None]) | (rank[None, :] >= top_k[:, None])) & (rank[None, :] > 0)
         sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
         race = torch.empty_like(sorted_probs).exponential_(1.0, generator=self.generator)
         for row, generator in enumerate(generators):

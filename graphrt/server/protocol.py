@@ -1,24 +1,26 @@
 """Request bodies of the OpenAI API that graphrt serves, validated into `SamplingParams`.
 
 Validation is strict, as OpenAI's own API is: no string-for-number coercion, no NaN, unknown
-fields refused by name. `parse_request` turns every problem into an `APIError` (400) that names
-the parameter, so a bad request never reaches the engine.
+fields refused by name, numbers bounded to what the engine holds (top_k and seeds travel between
+stages as int64). `parse_request` turns every problem into an `APIError` (400) that names the
+parameter, so a bad request never reaches the engine, where it could fail the requests batched
+with it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from graphrt.sampling import SamplingParams
+from graphrt.sampling import INT64_MAX, INT64_MIN, SamplingParams
 from graphrt.server.errors import APIError
 
 MAX_CHOICES = 128  # `n`: each choice is a sequence of its own in the engine
 MAX_STOP_STRINGS = 16
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # OpenAI parameters graphrt does not implement, with the values that mean "off" (clients often
 # send those explicitly). Any other value is refused with a 400 naming the parameter.
@@ -55,7 +57,7 @@ class SamplingFields(StrictModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)  # 0 or -1: no limit
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)  # 0 or -1: no limit; the sampler clamps it to the vocabulary
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX - MAX_CHOICES)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -132,6 +134,14 @@ class ChatMessage(StrictModel):
     content: str | list[TextPart]
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, content):
+        if not content:  # as OpenAI: an empty message is a client bug, not a turn to template
+            got = "an empty string" if isinstance(content, str) else "an empty list"
+            raise ValueError(f"must be a non-empty string or a non-empty list of text parts, got {got}")
+        return content
+
     def template_dict(self) -> dict:
         """The message as chat templates expect it: plain text content, developer read as system."""
         content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -158,12 +168,10 @@ def parse_request(body: bytes, model_cls: type[SamplingFields]) -> SamplingField
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise APIError(400, f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise APIError(400, f"the request body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    raw = decode_json(text)
     if not isinstance(raw, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(raw).__name__}")
+    check_unicode(raw)
     for name, off_values in UNSUPPORTED_PARAMS.items():
         if name in raw:
             value = raw.pop(name)
@@ -175,6 +183,48 @@ def parse_request(body: bytes, model_cls: type[SamplingFields]) -> SamplingField
         raise validation_error(exc) from None
     request.check()
     return request
+
+
+def decode_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests arrays or objects too deeply to parse; no parameter needs more than a few levels") from None
+    except ValueError:  # Python's limit on int-string conversion (CVE-2020-10735)
+        raise APIError(
+            400, f"the request body holds an integer with more than {sys.get_int_max_str_digits()} digits; "
+            f"no parameter takes one beyond {INT64_MAX}"
+        ) from None
+
+
+def check_unicode(raw: dict) -> None:
+    """Refuse a lone UTF-16 surrogate (JSON allows the escape "\\ud800"): no tokenizer can encode it,
+    nor can an error message that quotes it. Walks without recursion, as the body may nest deeply."""
+    pending: list[tuple[str, Any]] = [("", raw)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _is_unicode(key):
+                    raise APIError(400, f"a key {'in ' + path if path else 'of the request'} holds a lone UTF-16 surrogate ({ascii(key)}); "
+                                   "send valid Unicode, with surrogates only in pairs", param=path or None)
+                pending.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{index}]", item) for index, item in enumerate(value))
+        elif isinstance(value, str) and not _is_unicode(value):
+            position = next(i for i, char in enumerate(value) if "\ud800" <= char <= "\udfff")
+            raise APIError(400, f"{path}: holds a lone UTF-16 surrogate ({ascii(value[position])} at character {position}); "
+                           "send valid Unicode, with surrogates only in pairs", param=path)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # pydantic puts the union member it tried into the error location; those are not parameter names
