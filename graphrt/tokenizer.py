@@ -7,10 +7,17 @@ from pathlib import Path
 from graphrt.errors import ModelLoadError
 
 
+# A normalizer may merge characters before the vocabulary sees them (NFC composes up to three
+# Hangul jamo, or a letter and its accents, into one character), so with one a token may stand
+# for more input characters than its vocabulary entry has.
+NORMALIZER_SLACK = 4
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer):
         self._tok = hf_tokenizer
         self.eos_token_id = hf_tokenizer.eos_token_id
+        self.max_chars_per_token = _max_chars_per_token(hf_tokenizer)
 
     @staticmethod
     def from_dir(model_dir: Path) -> Tokenizer | None:
@@ -23,6 +30,14 @@ class Tokenizer:
             return Tokenizer(AutoTokenizer.from_pretrained(model_dir))
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load the tokenizer in {model_dir} ({exc})") from None
+
+    def min_num_tokens(self, num_chars: int) -> int:
+        """A lower bound on the tokens of any text of `num_chars` characters, found without tokenizing.
+
+        Lets a server refuse a prompt that cannot fit the context before paying for tokenizing it.
+        The bound never exceeds the true count, so no prompt that fits is refused by it.
+        """
+        return -(-num_chars // self.max_chars_per_token)
 
     def encode(self, text: str) -> list[int]:
         return self._tok(text).input_ids
@@ -51,5 +66,22 @@ class Tokenizer:
         return self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode_templated(self.apply_chat_template(messages))
+
+    def encode_templated(self, text: str) -> list[int]:
+        """Token ids of text a chat template wrote."""
         # The template already writes the special tokens; don't let the tokenizer add a BOS again.
-        return self._tok(self.apply_chat_template(messages), add_special_tokens=False).input_ids
+        return self._tok(text, add_special_tokens=False).input_ids
+
+
+def _max_chars_per_token(hf_tokenizer) -> int:
+    """The most input characters one token can cover: its longest vocabulary entry, special tokens
+    included. A byte-level vocabulary spells each byte as one character and an input character is
+    at least one byte; a SentencePiece one spells a space as one "\u2581" and a byte fallback as
+    "<0x..>" (6 characters for 1 byte): either way an entry is at least as long as the text it
+    covers. Times NORMALIZER_SLACK where a normalizer (or a slow tokenizer, which we cannot
+    inspect) may merge characters first."""
+    longest = max(map(len, hf_tokenizer.get_vocab()), default=1)
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)  # only fast tokenizers have one
+    merges = backend is None or backend.normalizer is not None
+    return longest * NORMALIZER_SLACK if merges else longest

@@ -5,6 +5,11 @@ handlers put jobs and aborts on a thread-safe command queue; between two engine 
 takes every waiting command (so an abort lands within one step), runs the next step, and hands
 each job's new tokens to its asyncio queue with one `loop.call_soon_threadsafe` per step. When
 the engine has no work the thread sleeps on the command queue.
+
+A job reaches the engine thread as checked token ids: tokenizing, chat templating and the length
+checks cost time in proportion to the prompt, so `prepare` does them on a worker thread first.
+On the engine thread they would stall every running stream for as long as a prompt that is
+about to be refused takes to tokenize.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class GenerationJob:
     params: list[SamplingParams]
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
+    prompt_ids: list[int] | None = None  # set by AsyncEngine.prepare, before the job is submitted
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived_at: float = field(default_factory=time.perf_counter)
     # engine thread only
@@ -97,6 +103,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.accepting = False
         self._admission = threading.Lock()  # no job can be queued behind the stop command
+        self._prompts = PromptPreparer(engine)
         self.snapshot = self._take_snapshot()
 
     # -- the event loop's side ------------------------------------------------------------------
@@ -111,8 +118,15 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self.accepting and self._thread is not None and self._thread.is_alive()
 
+    async def prepare(self, job: GenerationJob) -> None:
+        """Set the job's checked prompt token ids, working in the event loop's default executor
+        (never on the engine thread, nor blocking the event loop). Raises RequestError: a 400."""
+        job.prompt_ids = await asyncio.to_thread(self._prompts.prompt_ids, job)
+
     def submit(self, job: GenerationJob) -> bool:
-        """Queue a job; False once stopping or if the engine thread is gone (the job was not queued)."""
+        """Queue a prepared job; False once stopping or if the engine thread is gone (the job was not queued)."""
+        if job.prompt_ids is None:
+            raise ValueError("prepare the job before submitting it: the engine thread takes only token ids")
         with self._admission:
             if self.healthy:
                 self._commands.put(("add", job))
@@ -175,9 +189,8 @@ class AsyncEngine:
 
     def _add(self, job: GenerationJob, deliveries: list) -> None:
         try:
-            prompt = self._prompt_of(job)
             for params in job.params:
-                job.seqs.append(self.engine.add_request(prompt, params))
+                job.seqs.append(self.engine.add_request(job.prompt_ids, params))
         except Exception as exc:
             for seq in job.seqs:
                 self.engine.abort(seq)
@@ -191,22 +204,6 @@ class AsyncEngine:
         for index, seq in enumerate(job.seqs):
             self._owners[seq.request_id] = (job, index)
         deliveries.append((job, Admitted(len(job.seqs[0].prompt_ids))))
-
-    def _prompt_of(self, job: GenerationJob) -> str | list[int]:
-        """Token ids, tokenized once for all choices (the tokenizer lives on this thread too)."""
-        tokenizer = self.engine.tokenizer
-        if job.messages is not None:
-            if tokenizer is None:
-                raise RequestError(f"{self.engine.model_dir.name} has no tokenizer, so it has no chat template; use /v1/completions with token ids")
-            try:
-                return tokenizer.encode_chat(job.messages)
-            except GraphrtError as exc:
-                raise RequestError(str(exc)) from None
-            except Exception as exc:  # the model's Jinja template refused the conversation
-                raise RequestError(f"the chat template refused these messages: {exc}") from None
-        if isinstance(job.prompt, str) and tokenizer is not None:
-            return tokenizer.encode(job.prompt)
-        return job.prompt
 
     def _abort(self, job: GenerationJob) -> None:
         if job not in self._jobs:
@@ -275,6 +272,57 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(_put_all, deliveries)
         except RuntimeError:
             pass  # the event loop is closed: nobody is waiting any more
+
+
+class PromptPreparer:
+    """A job's prompt as token ids that fit the context, or a RequestError saying why not.
+
+    Runs on worker threads, so it reads only what never changes while serving: the tokenizer
+    (its encoding settings are never modified, so concurrent calls only read it), the context
+    length and the scheduler's length check, which depends on configuration alone.
+    """
+
+    def __init__(self, engine):
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.check_lengths = engine.scheduler.check
+        self.model_name = engine.model_dir.name
+
+    def prompt_ids(self, job: GenerationJob) -> list[int]:
+        if job.messages is not None:
+            prompt_ids = self._encode(self._render_chat(job.messages), templated=True)
+        elif isinstance(job.prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"{self.model_name} has no tokenizer; pass prompts as lists of token ids")
+            prompt_ids = self._encode(job.prompt, templated=False)
+        else:
+            prompt_ids = list(job.prompt)
+        for params in job.params:
+            self.check_lengths(len(prompt_ids), params.max_tokens)
+        return prompt_ids
+
+    def _render_chat(self, messages: list[dict]) -> str:
+        if self.tokenizer is None:
+            raise RequestError(f"{self.model_name} has no tokenizer, so it has no chat template; use /v1/completions with token ids")
+        try:
+            # Rendering is a string join, cheap next to tokenizing; bounding the rendered text
+            # rather than the messages stays right for a template that leaves a message out.
+            return self.tokenizer.apply_chat_template(messages)
+        except GraphrtError as exc:
+            raise RequestError(str(exc)) from None
+        except Exception as exc:  # the model's Jinja template refused the conversation
+            raise RequestError(f"the chat template refused these messages: {exc}") from None
+
+    def _encode(self, text: str, templated: bool) -> list[int]:
+        # Refuse first what its length in characters alone proves too long: tokenizing a
+        # megabyte takes about half a second of CPU that such a request has no claim to.
+        at_least = self.tokenizer.min_num_tokens(len(text))
+        if at_least >= self.max_model_len:
+            raise RequestError(
+                f"the prompt is {len(text)} characters, so at least {at_least} tokens, but the context holds "
+                f"{self.max_model_len} tokens (prompt plus at least one new token); shorten the prompt"
+            )
+        return self.tokenizer.encode_templated(text) if templated else self.tokenizer.encode(text)
 
 
 def _put_all(deliveries: list[tuple[GenerationJob, object]]) -> None:

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from graphrt.errors import RequestError
 from graphrt.server.async_engine import Admitted, AsyncEngine, Disconnected, Failed, GenerationJob, Rejected
 from graphrt.server.errors import APIError
 from graphrt.server.metrics import ServerMetrics
 from graphrt.server.responses import ChoiceState, ResponseFormat, usage
+
+logger = logging.getLogger("graphrt.server")
 
 
 def sse(payload: dict | str) -> str:
@@ -50,10 +54,19 @@ class Generation:
         return all(choice.finished for choice in self.choices)
 
     async def admit(self, request: Request) -> bool:
-        """Hand the job to the engine and wait until it is queued there.
+        """Tokenize and check the prompt, hand the job to the engine and wait until it is queued there.
 
-        Raises APIError if the engine refuses it; returns False if the client went away first.
+        Raises APIError if the prompt or the engine refuses it; returns False if the client went away first.
         """
+        try:
+            await self.async_engine.prepare(self.job)
+        except RequestError as exc:
+            self.outcome = None
+            raise APIError(400, str(exc)) from None
+        except Exception:
+            logger.exception("preparing a request failed")
+            self.outcome = None
+            raise APIError(500, "internal error while preparing the request; see the server log") from None
         if not self.async_engine.submit(self.job):
             self.outcome = None
             raise APIError(503, "the server is shutting down; retry on another server")
