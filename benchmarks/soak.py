@@ -8,9 +8,9 @@ streams going for `--minutes`; each stream, with probability `--hang-up`, closes
 after a few tokens, as a client that gives up would. Every `--sample-s` seconds it reads the
 server's resident memory (from /proc, so the figure is the process's own) and its KV blocks in use
 (`/metrics`). Prints RSS at start (after the first minute's warm-up), at one minute and at the end,
-the slope over the run after warm-up, the share of that warm-up value the end differs by, and the
+the slope over the run after warm-up, the share of that warm-up value the end differs by, the
 KV blocks in use once the load stops (0 means every stream, finished or abandoned, gave its
-blocks back).
+blocks back), and RSS after five idle seconds.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ async def soak(url: str, pid: int, clients: int, seconds: float, hang_up: float,
         await asyncio.gather(sampler(http, start), *[client(i) for i in range(clients)])
         await asyncio.sleep(1.0)  # aborts of the last hung-up streams land within a step
         idle_blocks = await kv_blocks_used(http)
-    return {**counts, "samples": samples, "idle_kv_blocks": idle_blocks, "end_rss": rss_mib(pid)}
+        await asyncio.sleep(4.0)
+    return {**counts, "samples": samples, "idle_kv_blocks": idle_blocks, "idle_rss": rss_mib(pid)}
 
 
 def slope_mib_per_min(samples: list[tuple[float, float, int]]) -> float:
@@ -124,7 +125,8 @@ def main() -> None:
           f"({result['hung_up']} hung up), {result['tokens']} tokens streamed")
     print(f"RSS: {at_start:.1f} MiB before load, {warmed_up:.1f} MiB at 1 min, {end:.1f} MiB at the end "
           f"({(end - warmed_up) / warmed_up * 100:+.1f}% after warm-up)")
-    print(f"RSS slope after warm-up: {slope_mib_per_min(warm):+.2f} MiB/min (whole run {slope_mib_per_min(samples):+.2f})")
+    print(f"RSS slope after warm-up: {slope_mib_per_min(warm):+.2f} MiB/min (whole run {slope_mib_per_min(samples):+.2f}); "
+          f"{result['idle_rss']:.1f} MiB after 5 s idle")
     print(f"KV blocks in use once the load stopped: {result['idle_kv_blocks']}; server exit code {code}")
     print(f"load average (1/5/15 min) at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
