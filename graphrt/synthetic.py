@@ -83,6 +83,19 @@ TINY_VARIANTS = {
 }
 
 
+# Spread of the random weights (transformers draws every matrix with std 0.02). At 0.02, attention
+# scores are about 0.1, so every head attends almost uniformly: removing RoPE moved the logits by
+# under 3e-3 and never a greedy token, and greedy output repeated one token. Larger q/k make
+# attention peaked (scores with a std of about 6); larger v/o and MLP weights make what attention
+# reads outweigh the current token's embedding in the residual stream, so output depends on context;
+# the embedding / LM head set a logit span of about 6. Only weights: biases stay small.
+TINY_INIT_STD = {
+    "embed_tokens": 0.15, "lm_head": 0.15, "q_proj": 0.3, "k_proj": 0.3, "v_proj": 0.16, "o_proj": 0.16, "mlp": 0.12,
+}
+# Qwen3 normalises each head of q and k, so there the norm weights set the scale of the scores.
+TINY_QK_NORM_GAIN = 3.0
+
+
 def make_tiny_model(path: Path, variant: str, seed: int = 0, num_layers: int | None = None) -> Path:
     """Write a randomly initialised transformers model of `variant` to `path` (safetensors, no tokenizer)."""
     import transformers
@@ -105,5 +118,10 @@ def make_tiny_model(path: Path, variant: str, seed: int = 0, num_layers: int | N
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.mul_(TINY_QK_NORM_GAIN)
+            for part, std in TINY_INIT_STD.items():
+                if part in name and name.endswith("weight"):
+                    param.mul_(std / config.initializer_range)
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -59,3 +61,78 @@ def test_a_seed_gives_the_same_tokens_whatever_shares_the_batch(tiny_model_facto
     assert crowd[1].token_ids == alone
     other_seed = SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
     assert llm.generate([[3, 4, 5]], other_seed)[0].token_ids != alone
+
+
+def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """What the sampler documents, written out independently: soften or sharpen with the
+    temperature first, then keep at most the top_k most likely tokens and the smallest prefix
+    whose tempered mass reaches top_p (always the first token), and renormalise.
+
+    top_p counts mass over the whole tempered distribution, so top_k and top_p cut independently
+    and the shorter prefix wins. (vLLM and transformers count top_p after renormalising the top_k
+    tokens, which can keep fewer.)"""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)  # (vocab,)
+    kept = torch.zeros_like(probs)
+    mass_before = 0.0
+    for rank, token in enumerate(probs.argsort(descending=True).tolist()):
+        if rank > 0 and ((top_k and rank >= top_k) or mass_before >= top_p):
+            break
+        kept[token] = probs[token]
+        mass_before += probs[token].item()
+    return kept / kept.sum()
+
+
+def assert_draws_follow(tokens: torch.Tensor, expected: torch.Tensor) -> None:
+    """Empirical frequencies within a total-variation bound that random draws exceed with
+    probability under 1e-9, and no token outside the expected support."""
+    num_draws = tokens.numel()
+    frequencies = torch.bincount(tokens, minlength=expected.numel()).double() / num_draws
+    assert set(tokens.unique().tolist()) <= set(expected.nonzero().flatten().tolist())
+    # E[TV] <= sum sqrt(p (1 - p) / N) / 2, and TV moves by at most 1/N per draw, so by McDiarmid
+    # it exceeds its mean by t with probability at most exp(-2 N t^2).
+    mean_bound = (expected * (1 - expected) / num_draws).sqrt().sum().item() / 2
+    bound = mean_bound + math.sqrt(math.log(1e9) / (2 * num_draws))
+    distance = (frequencies - expected).abs().sum().item() / 2
+    assert distance < bound, f"total variation {distance:.4f} >= {bound:.4f}: {frequencies} vs {expected}"
+
+
+LADDER = torch.tensor([[2.0, 1.6, 1.2, 0.8, 0.4, 0.0, -0.4, -0.8]])  # (1, vocab)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [
+        (0.5, 0, 0.7),  # sharpened: keeps 2 tokens (untempered mass would keep 3)
+        (2.0, 0, 0.7),  # flattened: keeps 5 tokens (untempered mass would keep 3)
+        (2.0, 3, 1.0),
+        (0.5, 2, 1.0),
+        (1.5, 4, 0.5),  # top_p is the shorter cut: 3 tokens
+        (0.7, 3, 0.8),  # top_k is the shorter cut: 3 tokens
+    ],
+)
+def test_temperature_applies_before_top_k_and_top_p(temperature, top_k, top_p):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens = draw(Sampler(torch.device("cpu"), seed=5), LADDER, params, 20_000)
+    assert_draws_follow(tokens, reference_distribution(LADDER[0], temperature, top_k, top_p))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_seed_gives_the_same_tokens_whether_or_not_the_sequence_was_preempted(tiny_model_factory, async_scheduling):
+    """A preempted sequence is prefilled again and goes on drawing from its own generator, which
+    drew nothing while its tokens were recomputed."""
+    prompts = [[(7 * i + j) % 97 for j in range(3 + 2 * i)] for i in range(8)]
+    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=100 + i, ignore_eos=True) for i in range(8)]
+    roomy = LLM(model=tiny_model_factory(), dtype="float64", kv_cache_tokens=2048, async_scheduling=async_scheduling)
+    unpreempted = [roomy.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    assert roomy.engine.scheduler.num_preemptions == 0
+    cramped = LLM(
+        model=tiny_model_factory(), pp=2, depth=1, dtype="float64", kv_cache_tokens=160, prefill_chunk_size=32,
+        buckets=[1, 2, 4, 8], async_scheduling=async_scheduling,
+    )
+    engine = cramped.engine
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_work():
+        engine.step()
+    assert engine.scheduler.num_preemptions > 0
+    assert [s.output_ids for s in seqs] == unpreempted
+    assert len({tuple(tokens) for tokens in unpreempted}) == len(prompts)

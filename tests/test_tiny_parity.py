@@ -37,19 +37,24 @@ def test_prefill_chunk_size_does_not_change_logits(tiny_model_factory, chunk):
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("variant", ["llama-mha-untied", "qwen2-qkv-bias"])
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
 def test_greedy_decode_matches_transformers_generate(tiny_model_factory, variant):
-    """Decode reads K/V back through the block tables; 40 tokens cross several 16-token blocks."""
+    """Decode reads K/V back through the block tables; 40 tokens cross several 16-token blocks.
+    The tiny models attend sharply, so a decode position or K/V head off by one changes these
+    tokens (tests/test_informative_models.py)."""
     model_dir = tiny_model_factory(variant)
     prompts = [[5, 9, 13], list(range(20, 45)), [1]]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    # ignore_eos keeps going past EOS, which may still be picked; min_new_tokens would forbid it.
+    hf.generation_config.eos_token_id = None
     llm = LLM(model=model_dir, pp=2, dtype="float64", kv_cache_tokens=512)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     for prompt, output in zip(prompts, outputs):
         with torch.no_grad():
             ref = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=0
+                torch.tensor([prompt]), max_new_tokens=40, do_sample=False, pad_token_id=0
             )
+        assert ref.shape[1] == len(prompt) + 40
         assert output.token_ids == ref[0, len(prompt) :].tolist()
         assert output.finish_reason == "length"
 
@@ -61,4 +66,8 @@ def test_half_precision_runs_close_to_float32(tiny_model_factory, dtype):
     full = prompt_logits(LLM(model=model_dir, dtype="float32", kv_cache_tokens=128).engine, prompt)
     half = prompt_logits(LLM(model=model_dir, dtype=dtype, kv_cache_tokens=128).engine, prompt)
     assert half.dtype == torch.float32 and torch.isfinite(half).all()
-    torch.testing.assert_close(half, full, atol=0.1, rtol=0.05)
+    # Measured on the CPU with these logits (span 7.2): largest error 0.195 in bfloat16, 0.0181 in
+    # float16, so about 3x of it. Sharp attention amplifies rounding: 8 bits of bfloat16 mantissa
+    # are a 0.4% step, and attention scores have a spread of about 6.
+    atol = {"bfloat16": 0.6, "float16": 0.06}[dtype]
+    torch.testing.assert_close(half, full, atol=atol, rtol=0)
