@@ -98,10 +98,13 @@ def test_async_scheduling_stops_where_the_host_loop_stops(tiny_model_factory, pp
         engine.close()
         return [(s.output_ids, s.finish_reason.value) for s in seqs]
 
-    # An EOS that the model samples after the first token in as many outputs as possible.
+    # An EOS that the model samples after the first token in as many outputs as possible, and
+    # never as the first token of any (those would stop at once, before async scheduling matters).
+    outputs = run(False, eos=None)
+    firsts = {tokens[0] for tokens, _ in outputs}
     counts = {}
-    for tokens, _ in run(False, eos=None):
-        for token in set(tokens[1:]) - {tokens[0]}:
+    for tokens, _ in outputs:
+        for token in set(tokens[1:]) - firsts:
             counts[token] = counts.get(token, 0) + 1
     eos = max(counts, key=counts.get)
     with_async = run(True, eos)
