@@ -265,14 +265,32 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
 @click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Context length [default: the model's].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True, help="0 picks a free port.")
-@click.option("--api-key", envvar="GRAPHRT_API_KEY", default=None, help="Require this bearer token (also GRAPHRT_API_KEY).")
-def serve(cache, max_num_seqs, max_model_len, host, port, api_key, **model_args) -> None:
+@click.option("--api-key", default=None, help="Require this bearer token [default: GRAPHRT_API_KEY, if set]. Other users can read it in the process list: prefer --api-key-file.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Require the bearer token this file holds (a trailing newline is ignored).")
+@click.option("--max-body-bytes", type=click.IntRange(min=1024), default=1 << 20, show_default=True, help="Larger request bodies get a 413 (at once when Content-Length says so).")
+@click.option("--max-connections", type=click.IntRange(min=1), default=None, help="Open connections at most; a request on one more gets a 503 and is closed [default: 512].")
+@click.option("--timeout-header", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds a client has to send a whole request head, from connecting or from the previous response [default: 10].")
+@click.option("--timeout-body", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds a client has to send a request body, from the end of its head [default: 30].")
+@click.option("--timeout-keep-alive", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds an idle keep-alive connection stays open [default: 5].")
+def serve(
+    cache, max_num_seqs, max_model_len, host, port, api_key, api_key_file, max_body_bytes,
+    max_connections, timeout_header, timeout_body, timeout_keep_alive, **model_args,
+) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM."""
     from graphrt.server import ServeOptions
     from graphrt.server import serve as run_server
+    from graphrt.server.runner import ConnectionLimits, api_key_from
 
+    limits = dict(max_connections=max_connections, header_timeout_s=timeout_header, body_timeout_s=timeout_body, keep_alive_s=timeout_keep_alive)
     llm_kwargs = dict(engine_kwargs(**model_args), cache=cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-    options = ServeOptions(host=host, port=port, api_key=api_key or None, llm_kwargs=llm_kwargs)
+    options = ServeOptions(
+        host=host,
+        port=port,
+        api_key=api_key_from(api_key, api_key_file, os.environ.get("GRAPHRT_API_KEY")),
+        max_body_bytes=max_body_bytes,
+        limits=ConnectionLimits(**{name: value for name, value in limits.items() if value is not None}),
+        llm_kwargs=llm_kwargs,
+    )
     run_server(options, echo=click.echo)
 
 

@@ -1,5 +1,5 @@
 """`graphrt serve` as a user runs it: the start-up banner, GRAPHRT_API_KEY, and SIGTERM / SIGINT
-with a stream in flight: the stream ends with an error event, the process exits 0, promptly."""
+with streams in flight: each stream ends with an error event and [DONE], the process exits 0, promptly."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ pytestmark = pytest.mark.slow
 API_KEY = "shutdown-test-key"
 
 
-def start_server() -> tuple[subprocess.Popen, str, list[str]]:
+def start_server(max_batch: int = 4) -> tuple[subprocess.Popen, str, list[str]]:
     env = {**os.environ, "GRAPHRT_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "graphrt", "serve", "--port", "0", "--max-model-len", "512", "--max-batch", "4"]
+    command = [sys.executable, "-m", "graphrt", "serve", "--port", "0", "--max-model-len", "512", "--max-batch", str(max_batch)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
     deadline = time.monotonic() + 120
@@ -74,6 +74,43 @@ def test_signal_cancels_streams_and_exits_0(sig):
         assert "[graphrt] stopped" in proc.stdout.read()
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_with_16_open_streams_ends_each_and_exits_0(sig):
+    # The stage thread is mid-step when the signal lands; a thread left inside a torch op at
+    # interpreter exit aborted the process (exit 134, "terminate called without an active exception").
+    proc, url, _ = start_server(max_batch=16)
+    num_streams = 16
+    try:
+        events = [[] for _ in range(num_streams)]
+        first_token = [threading.Event() for _ in range(num_streams)]
+
+        def stream(index: int) -> None:
+            body = {"prompt": "Tell me a story.", "max_tokens": 480, "ignore_eos": True, "stream": True}
+            headers = {"Authorization": f"Bearer {API_KEY}"}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line:
+                        events[index].append(line)
+                        first_token[index].set()
+
+        readers = [threading.Thread(target=stream, args=(index,)) for index in range(num_streams)]
+        for reader in readers:
+            reader.start()
+        for index, started in enumerate(first_token):
+            assert started.wait(120), f"stream {index} produced no token"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == 0, proc.stdout.read()
+        for reader in readers:
+            reader.join(30)
+            assert not reader.is_alive()
+        for stream_events in events:
+            assert "shutting down" in stream_events[-2] and stream_events[-1] == "data: [DONE]", stream_events[-3:]
     finally:
         if proc.poll() is None:
             proc.kill()

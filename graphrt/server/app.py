@@ -66,8 +66,9 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     def check_api_key(request: Request) -> None:
         if settings.api_key is None:
             return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, f"Bearer {settings.api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # The scheme is case-insensitive (RFC 9110 section 11.1); the key is compared in constant time.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), settings.api_key.encode()):
             raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     def check_model(model: str | None) -> None:
