@@ -92,11 +92,14 @@ class Sampler:
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
         top_p = rows([p.top_p for p in params])
         top_k = rows([min(p.top_k, vocab_size) or vocab_size for p in params], torch.int64)
-        # Keep the smallest prefix whose mass reaches top_p, and at most top_k; always the first
-        # token (a top_p that float32 rounds to 0 would otherwise drop it too).
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # As vLLM and transformers do: keep the top_k most likely tokens, then, of those, the
+        # smallest prefix whose share of their mass reaches top_p; always the first token (a
+        # top_p that float32 rounds to 0 would otherwise drop it too).
         rank = torch.arange(vocab_size, device=device)
-        dropped = ((mass_before >= top_p[:, None]) | (rank[None, :] >= top_k[:, None])) & (rank[None, :] > 0)
+        beyond_k = rank[None, :] >= top_k[:, None]
+        top_k_probs = sorted_probs.masked_fill(beyond_k, 0.0)
+        mass_before = (top_k_probs.cumsum(dim=-1) - top_k_probs) / top_k_probs.sum(dim=-1, keepdim=True)
+        dropped = (beyond_k | (mass_before >= top_p[:, None])) & (rank[None, :] > 0)
         sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
         race = torch.empty_like(sorted_probs).exponential_(1.0, generator=self.generator)
         for row, generator in enumerate(generators):

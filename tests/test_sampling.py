@@ -64,21 +64,21 @@ def test_a_seed_gives_the_same_tokens_whatever_shares_the_batch(tiny_model_facto
 
 
 def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """What the sampler documents, written out independently: soften or sharpen with the
-    temperature first, then keep at most the top_k most likely tokens and the smallest prefix
-    whose tempered mass reaches top_p (always the first token), and renormalise.
-
-    top_p counts mass over the whole tempered distribution, so top_k and top_p cut independently
-    and the shorter prefix wins. (vLLM and transformers count top_p after renormalising the top_k
-    tokens, which can keep fewer.)"""
+    """What the sampler documents (vLLM's order), written out independently: soften or sharpen
+    with the temperature first, keep the top_k most likely tokens and renormalise, then keep the
+    smallest prefix of those whose mass reaches top_p (always the first token), and renormalise."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)  # (vocab,)
+    order = probs.argsort(descending=True).tolist()
+    if top_k:
+        order = order[:top_k]
+    top_k_mass = sum(probs[token].item() for token in order)
     kept = torch.zeros_like(probs)
     mass_before = 0.0
-    for rank, token in enumerate(probs.argsort(descending=True).tolist()):
-        if rank > 0 and ((top_k and rank >= top_k) or mass_before >= top_p):
+    for rank, token in enumerate(order):
+        if rank > 0 and mass_before >= top_p:
             break
         kept[token] = probs[token]
-        mass_before += probs[token].item()
+        mass_before += probs[token].item() / top_k_mass
     return kept / kept.sum()
 
 
@@ -106,8 +106,9 @@ LADDER = torch.tensor([[2.0, 1.6, 1.2, 0.8, 0.4, 0.0, -0.4, -0.8]])  # (1, vocab
         (2.0, 0, 0.7),  # flattened: keeps 5 tokens (untempered mass would keep 3)
         (2.0, 3, 1.0),
         (0.5, 2, 1.0),
-        (1.5, 4, 0.5),  # top_p is the shorter cut: 3 tokens
-        (0.7, 3, 0.8),  # top_k is the shorter cut: 3 tokens
+        (1.5, 4, 0.5),  # top_p cuts the 4 top_k tokens to 2
+        (0.7, 3, 0.8),  # top_p over the 3 top_k tokens keeps 2 (over all 8 it would keep 3)
+        (2.0, 3, 0.9),  # top_p keeps all 3 top_k tokens
     ],
 )
 def test_temperature_applies_before_top_k_and_top_p(temperature, top_k, top_p):
