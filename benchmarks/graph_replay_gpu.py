@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.scheduler import ScheduledStep
+from graphrt.ring import build_inputs
+from graphrt.step import ScheduledStep
 from graphrt.sequence import Sequence
 from graphrt.synthetic import make_tiny_model
 
@@ -141,7 +142,7 @@ def write_random_model(folder: Path, config: dict = LLAMA_3_2_1B, device: str = 
 
 def decode_rows(engine, rows: int, context: int, seed: int):
     """`rows` sequences, each `context` tokens long in its own KV blocks, decoding their next token;
-    built by the scheduler's own step builder, then moved to the first stage's device."""
+    built by the ring's own step builder, then moved to the first stage's device."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_row = -(-context // BLOCK_SIZE)
     # Distinct blocks for every row, none of them the scratch block 0.
@@ -153,7 +154,7 @@ def decode_rows(engine, rows: int, context: int, seed: int):
         seq.block_ids = blocks[row * blocks_per_row : (row + 1) * blocks_per_row].tolist()
         seq.num_computed = context - 1  # the last prompt token is this step's query
         seqs.append(seq)
-    token_ids, meta = ScheduledStep(seqs, [1] * rows, is_prefill=False).build(BLOCK_SIZE)
+    token_ids, meta = build_inputs(ScheduledStep(seqs, [1] * rows, is_prefill=False), BLOCK_SIZE)
     device = engine.devices[0]
     return token_ids.to(device), meta.to(device)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
@@ -22,15 +21,17 @@ from graphrt.capture.manifest import (
 )
 from graphrt.config import EngineConfig, ModelConfig
 from graphrt.errors import ModelLoadError, RequestError, StageError
-from graphrt.kv_cache import BlockAllocator, bytes_per_block
+from graphrt.block_allocator import BlockAllocator
+from graphrt.kv_cache import bytes_per_block
 from graphrt.pipeline import Pipeline, default_devices
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline
 from graphrt.remote import Cluster, load_first_stage
-from graphrt.ring import MicroBatch, Ring
+from graphrt.ring import Ring, build_inputs
 from graphrt.sampling import Sampler, SamplingParams
-from graphrt.scheduler import ScheduledStep, Scheduler
+from graphrt.scheduler import Scheduler
 from graphrt.sequence import FinishReason, Sequence
+from graphrt.step import MicroBatch, ScheduledStep
 from graphrt.stats import EngineStats
 from graphrt.tokenizer import Tokenizer
 from graphrt.weights import WeightFiles
@@ -78,8 +79,12 @@ class Engine:
         forced_eager = self._check_graph_cache() if self.cache_dir is not None else set()
         self.ranges = Ranges()
         self._capture_graphs(forced_eager, show_progress)
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(
-            self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch
+            self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch,
+            eos_ids=frozenset(self.eos_ids),
         )
         self.sampler = Sampler(self.devices[-1], config.seed)
         self.timeline = Timeline(self.devices) if config.timeline else None
@@ -87,17 +92,14 @@ class Engine:
             self.cluster.handshake(self)
         self.ring = (self.cluster.make_ring if self.cluster else Ring)(
             self.pipeline, self.graphs, self.sampler, num_slots=config.pp + config.depth,
-            max_tokens=max(config.prefill_chunk_size, self.plan.max_batch), max_per_slot=1 + int(config.async_scheduling),
-            timeline=self.timeline, ranges=self.ranges,
+            max_tokens=max(config.prefill_chunk_size, self.plan.max_batch), block_size=config.block_size,
+            max_per_slot=1 + int(config.async_scheduling), timeline=self.timeline, ranges=self.ranges,
+            pin=self.devices[0].type == "cuda",
         )
-        self.in_flight: deque[MicroBatch] = deque()
         self._decode_busy_until = 0.0
         self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
         self.stats = EngineStats()
         self._ids = itertools.count()
-        self.eos_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
 
     def _capture_graphs(self, forced_eager: set[tuple[int, int]], show_progress: bool) -> None:
         self.graphs, self.graph_records = [], []
@@ -198,119 +200,79 @@ class Engine:
     def abort(self, seq: Sequence) -> None:
         """Stop a request now; its KV blocks return as soon as no micro-batch in flight uses them."""
         if not seq.finished:
-            seq.finish_reason = FinishReason.ABORT
-            self._release(seq)
+            self.scheduler.finish(seq, FinishReason.ABORT)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.in_flight)
+        return self.scheduler.has_work() or self.ring.busy
 
     # -- stepping -------------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """One scheduler tick: collect finished micro-batches, launch the next one into a free slot.
+        """One scheduler tick: schedule -> launch -> poll -> update. Returns the sequences that got
+        a new token (finished ones included).
 
-        The host blocks only when every slot is busy or nothing else can launch, and then only on
-        the oldest micro-batch, launched a whole ring earlier. Returns the sequences that got a
-        new token (finished ones included).
+        The finished micro-batch is taken first, so a freed slot is refilled before the host does
+        anything else. The host blocks only when nothing else can launch, and then only on the
+        oldest micro-batch, launched a whole ring earlier.
         """
         tick_start = self.timeline.now() if self.timeline else 0.0
         with self.ranges.tick():
-            # One read-back per tick, so a freed slot is refilled before the host does anything else.
-            updated = self._harvest(block=False)
+            updated = self._update(self._poll(block=False))
             launched = self._launch_next()
-            if not launched and not updated and self.in_flight:
-                updated = self._harvest(block=True)
+            if not launched and not updated and self.ring.busy:
+                updated = self._update(self._poll(block=True))
         if self.timeline:
             self.timeline.record_tick(tick_start, self.timeline.now())
         return updated
 
     def _launch_next(self) -> bool:
-        # An empty slot takes only rows whose tokens are back (or prompt chunks); a slot with a
-        # micro-batch in flight also takes the rows that one samples, so with fewer rows than
-        # slots async scheduling still launches ahead. schedule() rotates no rows when it finds
-        # no work (it may admit waiting requests), so trying the next slot is safe.
+        """Schedule a step for the first open slot that has work, and launch it there.
+
+        An empty slot takes only rows whose tokens are back (or prompt chunks); a slot with a
+        micro-batch in flight also takes the rows that one samples, so with fewer rows than slots
+        async scheduling still launches ahead. schedule() changes nothing when it finds no work
+        (it may admit waiting requests), so trying the next slot is safe.
+        """
         for slot in self.ring.open_slots():
-            step = self.scheduler.schedule(self.ring.num_slots, follows=slot.in_flight[-1] if slot.in_flight else None)
+            step = self.scheduler.schedule(self.ring.num_slots, follows=slot.in_flight[-1].id if slot.in_flight else None)
             if step is not None:
                 break
         else:
             return False
-        token_ids, meta = step.build(self.config.block_size, pin=self.devices[0].type == "cuda")
-        # Rows whose input is a token still on the device read it from the micro-batch sampling it.
-        producers = {id(seq.pending): seq.pending for seq in step.seqs if seq.awaits_token}
-        for seq, query_len in zip(step.seqs, step.query_lens):
-            seq.num_computed += query_len
-            seq.num_in_flight += 1
         if not step.is_prefill and self.eager_pairs and self.backend == "cuda":
             self._count_eager_fallbacks(len(step.seqs))
         try:
-            mb = self.ring.launch(slot, step, token_ids, meta, time.perf_counter(), list(producers.values()))
+            self.ring.launch(slot, step)
         except Exception as exc:  # enqueuing itself failed (on CUDA, e.g. out of memory)
             self._recover(exc, extra=step.seqs)
-        for row, seq in enumerate(mb.sampled_seqs):
-            seq.pending, seq.feed_index = mb, mb.token_base + row
-        self.in_flight.append(mb)
         return True
 
-    def _harvest(self, block: bool) -> list[Sequence]:
-        """Read back the oldest micro-batch if it is done, or wait for it when `block`.
+    def _poll(self, block: bool) -> MicroBatch | None:
+        try:
+            return self.ring.poll(block)
+        except Exception as exc:  # a stage raised while running the oldest micro-batch
+            self._recover(exc)
 
-        Micro-batches pass every stage in launch order, so the oldest is always the first done.
-        """
-        updated: list[Sequence] = []
-        if self.in_flight and (block or self.in_flight[0].done.query()):
-            mb = self.in_flight[0]
-            waited_from = self.timeline.now() if self.timeline else 0.0
-            try:
-                mb.done.synchronize()
-            except Exception as exc:  # a stage raised while running this micro-batch
-                self._recover(exc)
-            self.in_flight.popleft()
-            self.ring.collect_busy(mb)
-            if self.timeline:
-                self.timeline.record_wait(waited_from, self.timeline.now())
-            new_ids = self.ring.read_tokens(mb)
-            self.ring.retire(mb)
-            now = time.perf_counter()
-            for seq in mb.step.seqs:
-                seq.num_in_flight -= 1
-            for seq, token_id in zip(mb.sampled_seqs, new_ids):
-                if seq.pending is mb:
-                    seq.pending = None
-                # Aborted while in flight, or finished a step earlier (async scheduling had already
-                # launched the next one): the token is dropped.
-                if not seq.finished:
-                    self._append(seq, token_id, now)
-                    updated.append(seq)
-            self._account(mb, now, len(updated))
-            for seq in mb.step.seqs:
-                if seq.finished and seq.num_in_flight == 0 and seq.block_ids:
-                    self.allocator.free(seq.block_ids)
-                    seq.block_ids = []
-        if self.timeline:
-            self.timeline.resolve()
+    def _update(self, mb: MicroBatch | None) -> list[Sequence]:
+        """Hand a finished micro-batch's tokens to the scheduler, then extend the texts."""
+        if mb is None:
+            return []
+        now = time.perf_counter()
+        updated = self.scheduler.update_from_output(mb.step, mb.token_ids, now)
+        if self.tokenizer is not None:
+            for seq in updated:
+                self._extend_text(seq)
+        self._account(mb, now, len(updated))
         return updated
 
     def _recover(self, exc: Exception, extra: list[Sequence] = ()) -> None:
-        """A stage failed, so every micro-batch in flight is lost: fail the requests they carried,
-        give their KV blocks back, start the ring afresh, and raise. Requests not in flight and
+        """A stage failed, so every micro-batch in flight is lost: fail the requests they carried
+        (their KV blocks go back), start the ring afresh, and raise. Requests not in flight and
         later ones are served as usual."""
-        lost = {id(seq): seq for mb in self.in_flight for seq in mb.step.seqs}
+        lost = {id(seq): seq for mb in self.ring.in_flight for seq in mb.step.seqs}
         lost.update((id(seq), seq) for seq in extra)
-        self.in_flight.clear()
-        if self.cluster is not None:
-            # Stage processes can't be drained from here: late writes of lost micro-batches could
-            # land in freed blocks, so the whole pipeline stops instead (workers exit, name the cause).
-            self.cluster.fail(f"{type(exc).__name__} in stage 0: {exc}")
-            for slot in self.ring.slots:
-                slot.in_flight.clear()
-        else:
-            self.ring.reset()  # waits for the stage workers to drain, so no late write lands in a freed block
-        for seq in lost.values():
-            seq.num_in_flight, seq.pending = 0, None
-            if not seq.finished:
-                seq.finish_reason = FinishReason.ERROR
-            self._release(seq)
+        self.ring.reset(f"{type(exc).__name__} in stage 0: {exc}")
+        self.scheduler.fail(list(lost.values()))
         pipeline_down = self.cluster is not None and self.cluster.failure is not None
         raise StageError(
             f"a pipeline stage failed ({type(exc).__name__}: {exc}); the {len(lost)} requests in flight "
@@ -318,7 +280,7 @@ class Engine:
             + ("; the stage processes are gone, restart graphrt" if pipeline_down else " and the engine goes on with the rest")
         ) from exc
 
-    def _account(self, mb, now: float, new_tokens: int) -> None:
+    def _account(self, mb: MicroBatch, now: float, new_tokens: int) -> None:
         if mb.step.is_prefill:
             self.stats.prefill_tokens += sum(mb.step.query_lens)
             return
@@ -330,15 +292,15 @@ class Engine:
 
     def run(self, step: ScheduledStep) -> torch.Tensor:
         """Push one scheduled step through every stage on this thread; return each sequence's
-        last-token logits. A synchronous path for checks and tests, never mixed with the ring."""
-        if self.in_flight:
+        last-token logits (nothing is sampled). A synchronous path for checks and tests, never
+        mixed with the ring."""
+        if self.ring.busy:
             raise RuntimeError("Engine.run while micro-batches are in flight would race the stage workers")
-        token_ids, meta = step.build(self.config.block_size)
+        token_ids, meta = build_inputs(step, self.config.block_size)
         if not step.is_prefill and self.eager_pairs and self.backend == "cuda":
             self._count_eager_fallbacks(len(step.seqs))
         logits = self.pipeline.forward(token_ids, meta, self.graphs)  # (batch, vocab)
-        for seq, query_len in zip(step.seqs, step.query_lens):
-            seq.num_computed += query_len
+        self.scheduler.update_from_output(step, None, time.perf_counter())
         return logits
 
     def _count_eager_fallbacks(self, rows: int) -> None:
@@ -348,21 +310,6 @@ class Engine:
             if self.num_eager_fallbacks == 0:
                 logger.warning("decode bucket %d runs eagerly on stages %s (capture failed for them)", bucket, eager_stages)
             self.num_eager_fallbacks += 1
-
-    def _append(self, seq: Sequence, token_id: int, now: float) -> None:
-        seq.output_ids.append(token_id)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
-        params = seq.params
-        if token_id in self.eos_ids and not params.ignore_eos:
-            seq.finish_reason = FinishReason.STOP
-        if seq.finish_reason is None and len(seq.output_ids) >= seq.max_tokens:
-            seq.finish_reason = FinishReason.LENGTH
-        if self.tokenizer is not None:
-            self._extend_text(seq)
-        if seq.finished:
-            self._release(seq)
 
     def _extend_text(self, seq: Sequence) -> None:
         """Append the new token's text (decoding a few tokens, not the whole output: this runs for
@@ -376,14 +323,7 @@ class Engine:
             cut = seq.text.find(stop, max(0, old_len - len(stop) + 1))
             if cut != -1:
                 seq.text = seq.text[:cut]
-                seq.finish_reason = FinishReason.STOP
-
-    def _release(self, seq: Sequence) -> None:
-        """Take a finished sequence out of scheduling; free its blocks unless a micro-batch still uses them."""
-        self.scheduler.remove(seq)
-        if seq.num_in_flight == 0 and seq.block_ids:
-            self.allocator.free(seq.block_ids)
-            seq.block_ids = []
+                self.scheduler.finish(seq, FinishReason.STOP)
 
     def close(self) -> None:
         self.ring.close()

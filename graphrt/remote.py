@@ -26,7 +26,8 @@ from graphrt.handshake import StagePlan, engine_handshake
 from graphrt.kernels import kernel_set
 from graphrt.model import Stage
 from graphrt.pipeline import Pipeline, partition_layers
-from graphrt.ring import MicroBatch, Ring, RingSlot
+from graphrt.ring import Ring, RingSlot
+from graphrt.step import MicroBatch
 from graphrt.streams import CpuStream, own_cuda_stream
 from graphrt.transport import (
     DECODE, HEARTBEAT, PREFILL, SHUTDOWN, Link, Message, Sampling, StageFailure, cpu_threads_per_stage, open_group, recv_reply,
@@ -368,15 +369,20 @@ class RemoteRing(Ring):
         # A thread even on CUDA: sends, heartbeats and shutdown must leave rank 0 in one order.
         return [CpuStream("graphrt-stage0", self.pipeline.stages[0].device)]
 
-    def launch(self, slot: RingSlot, step, token_ids, meta, now: float, producers: list[MicroBatch] | None = None) -> MicroBatch:
-        mb = super().launch(slot, step, token_ids, meta, now, producers)
+    def _enqueue(self, slot: RingSlot, mb: MicroBatch, token_ids, meta, producers: list[MicroBatch]) -> None:
+        super()._enqueue(slot, mb, token_ids, meta, producers)
         event = self.cluster.expect(mb)  # before the send is queued, so the reply always finds it
         sampling = self._sampling(mb)
-        kind = PREFILL if step.is_prefill else DECODE
+        kind = PREFILL if mb.step.is_prefill else DECODE
         self.streams[0].submit(lambda: self._send(Message(kind, mb.id, slot.index, meta, mb.bucket, sampling), slot, token_ids.shape[0]))
         event.sent = self.streams[0].record()
         mb.done = event
-        return mb
+
+    def reset(self, cause: str) -> None:
+        """Stage processes can't be drained from here: late writes of lost micro-batches could land
+        in freed blocks, so the whole pipeline stops instead (workers exit, naming the cause)."""
+        self.cluster.fail(cause)
+        self._forget_in_flight()
 
     def _send(self, message: Message, slot: RingSlot, num_tokens: int) -> None:
         message.hidden = slot.recv[1][:num_tokens]

@@ -14,42 +14,72 @@ the last stage, then takes its input tokens from the feed. The host so decides a
 and its turnaround (read-back, detokenizing, stop checks, scheduling) overlaps the stages' work.
 Feed and host token buffers alternate between two halves per slot, so a micro-batch never
 overwrites tokens that a launched one has still to read.
+
+The engine sees `launch(slot, step)` and `poll(block)`: the ring builds the step's tensors, knows
+what is in flight (each slot's micro-batches, oldest first) and where each sequence's token still
+on the device lands in the feed, and hands back the oldest finished micro-batch with its tokens.
 """
 
 from __future__ import annotations
 
-import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from graphrt.batch import StepMetadata
+from graphrt.block_allocator import SCRATCH_BLOCK
 from graphrt.capture.graphs import StageGraphs
 from graphrt.pipeline import Pipeline
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline, mark
 from graphrt.sampling import Sampler, host_to_device
-from graphrt.scheduler import ScheduledStep
-from graphrt.sequence import Sequence
+from graphrt.step import MicroBatch, ScheduledStep, feed_index, feed_ref, is_feed_ref
 from graphrt.streams import make_stream
 
 
-@dataclass
-class MicroBatch:
-    id: int  # increases in launch order, which is also the order micro-batches finish in
-    slot: int
-    step: ScheduledStep
-    sample_rows: list[int]  # rows of step.seqs that get a token from this micro-batch
-    launched_at: float
-    token_base: int  # where its sampled tokens go in the ring's feed and host token buffer
-    reads_feed: bool  # some input tokens come from the feed (see Sequence.token_at)
-    done: object = None  # the last stage's event
-    bucket: int | None = None
-    busy_events: list = field(default_factory=list)  # CUDA: (stage, start, end) events of its work
+def build_inputs(
+    step: ScheduledStep, block_size: int, feed_indices: dict[int, int] | None = None, pin: bool = False
+) -> tuple[torch.Tensor, StepMetadata]:
+    """Token ids and metadata of a step on the host; the pipeline moves them to each stage. A token
+    not read back yet is given as a feed reference, from `feed_indices` (request id -> feed index).
 
-    @property
-    def sampled_seqs(self) -> list[Sequence]:
-        return [self.step.seqs[i] for i in self.sample_rows]
+    `pin` puts them in page-locked memory, so the copies to a GPU are truly asynchronous (from
+    pageable memory the driver may wait for the stream, and the host would block).
+    """
+    token_ids, positions, slots, seq_lens, last_rows = [], [], [], [], []
+    for seq, start, query_len in zip(step.seqs, step.starts, step.query_lens):
+        for pos in range(start, start + query_len):
+            token = seq.token_at(pos)
+            token_ids.append(token if token is not None else feed_ref(feed_indices[seq.request_id]))
+            positions.append(pos)
+            slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
+        seq_lens.append(start + query_len)
+        last_rows.append(len(token_ids) - 1)
+    # Only the blocks the context reaches so far (a sequence may hold one more, or a preempted
+    # one's recompute may be under way): attention reads no further.
+    live = [-(-seq_len // block_size) for seq_len in seq_lens]
+    width = max(live)
+    tables = []
+    for seq, blocks in zip(step.seqs, live):
+        tables += seq.block_ids[:blocks]
+        tables += [SCRATCH_BLOCK] * (width - blocks)
+    # One tensor construction per micro-batch, then views: this runs on the host every tick.
+    flat = torch.tensor(token_ids + positions + slots + seq_lens + last_rows + tables, dtype=torch.int64)
+    if pin:
+        flat = flat.pin_memory()
+    num_tokens, num_rows = len(token_ids), len(seq_lens)
+    rows_from = 3 * num_tokens  # after token ids, positions and slots: seq lens, last rows, tables
+    meta = StepMetadata(
+        positions=flat[num_tokens : 2 * num_tokens],
+        slot_mapping=flat[2 * num_tokens : rows_from],
+        block_tables=flat[rows_from + 2 * num_rows :].view(num_rows, width),
+        seq_lens=flat[rows_from : rows_from + num_rows],
+        logits_indices=flat[rows_from + num_rows : rows_from + 2 * num_rows],
+        seq_lens_host=seq_lens,
+        query_lens=list(step.query_lens) if step.is_prefill else None,
+    )
+    return flat[:num_tokens], meta
 
 
 @dataclass
@@ -67,11 +97,15 @@ class Ring:
     sampler: Sampler
     num_slots: int
     max_tokens: int  # per micro-batch: max(prefill chunk, largest bucket)
+    block_size: int
     max_per_slot: int = 1  # micro-batches a slot may hold: 2 with async scheduling
     timeline: Timeline | None = None
     ranges: Ranges = field(default_factory=Ranges)
+    pin: bool = False  # build inputs in page-locked memory (a CUDA stage 0)
     slots: list[RingSlot] = field(init=False)
-    _ids: itertools.count = field(init=False, default_factory=itertools.count)
+    # Tokens still on the device, by request id: the micro-batch sampling it, and its index in the feed.
+    _producers: dict[int, MicroBatch] = field(init=False, default_factory=dict)
+    _feed_indices: dict[int, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         stages = self.pipeline.stages
@@ -98,13 +132,29 @@ class Ring:
     def _make_streams(self) -> list:
         return [make_stream(stage.device, f"graphrt-stage{stage.index}") for stage in self.pipeline.stages]
 
-    def reset(self) -> None:
-        """After a stage failure: fresh streams (a CPU worker keeps its error) and every slot free."""
+    def reset(self, cause: str) -> None:
+        """After a stage failure (`cause`): every micro-batch in flight is dropped and every slot is
+        free. Waits for the stage workers to drain first, so no late write lands in a freed block;
+        the streams are fresh (a CPU worker keeps its error)."""
         for stream in self.streams:
             stream.close()
         self.streams = self._make_streams()
+        self._forget_in_flight()
+
+    def _forget_in_flight(self) -> None:
         for slot in self.slots:
             slot.in_flight.clear()
+        self._producers.clear()
+        self._feed_indices.clear()
+
+    @property
+    def in_flight(self) -> list[MicroBatch]:
+        """Every micro-batch launched and not handed back, in launch order."""
+        return sorted((mb for slot in self.slots for mb in slot.in_flight), key=lambda mb: mb.id)
+
+    @property
+    def busy(self) -> bool:
+        return any(slot.in_flight for slot in self.slots)
 
     def open_slots(self) -> list[RingSlot]:
         """The slots that can take a micro-batch, in the order to try them: empty ones first, then
@@ -114,21 +164,29 @@ class Ring:
 
         return sorted((slot for slot in self.slots if len(slot.in_flight) < self.max_per_slot), key=order)
 
-    def launch(
-        self, slot: RingSlot, step: ScheduledStep, token_ids: torch.Tensor, meta: StepMetadata, now: float,
-        producers: list[MicroBatch] | None = None,
-    ) -> MicroBatch:
-        """Enqueue one micro-batch on every stage; returns at once (CUDA) or after queuing (CPU).
-
-        `producers` are the micro-batches in flight whose tokens this one reads from the feed.
-        """
-        sample_rows = [i for i, seq in enumerate(step.seqs) if not seq.in_prefill]
+    def launch(self, slot: RingSlot, step: ScheduledStep) -> MicroBatch:
+        """Build the step's tensors and enqueue it on every stage; returns at once (CUDA) or after
+        queuing (CPU)."""
+        token_ids, meta = build_inputs(step, self.block_size, self._feed_indices, self.pin)
+        # The micro-batches in flight whose tokens this one reads from the feed.
+        producers = {}
+        for seq, start in zip(step.seqs, step.starts):
+            if start >= seq.num_tokens:
+                producer = self._producers[seq.request_id]
+                producers[id(producer)] = producer
         bucket = None if step.is_prefill else self.graphs[0].plan.bucket_for(len(step.seqs))
         token_base = (2 * slot.index + slot.launches % 2) * self.max_tokens
-        producers = producers or []
         mb = MicroBatch(
-            next(self._ids), slot.index, step, sample_rows, now, token_base=token_base, reads_feed=bool(producers), bucket=bucket
+            step, slot.index, time.perf_counter(), token_base=token_base, reads_feed=bool(producers), bucket=bucket
         )
+        self._enqueue(slot, mb, token_ids, meta, list(producers.values()))
+        for row, seq in enumerate(mb.sampled_seqs):
+            self._producers[seq.request_id], self._feed_indices[seq.request_id] = mb, token_base + row
+        return mb
+
+    def _enqueue(
+        self, slot: RingSlot, mb: MicroBatch, token_ids: torch.Tensor, meta: StepMetadata, producers: list[MicroBatch]
+    ) -> None:
         params = [seq.params for seq in mb.sampled_seqs]
         generators = [seq.generator for seq in mb.sampled_seqs]
         # Stage 0 starts once the slot's earlier micro-batch has left the last stage (its buffers
@@ -145,18 +203,34 @@ class Ring:
         mb.done = event
         slot.in_flight.append(mb)
         slot.launches += 1
-        return mb
 
     def _wait_on_stage0(self, earlier: MicroBatch) -> None:
         self.streams[0].wait_event(earlier.done)
 
-    def read_tokens(self, mb: MicroBatch) -> list[int]:
-        """The sampled token ids of a micro-batch whose event has passed."""
-        return self.host_tokens[mb.token_base : mb.token_base + len(mb.sample_rows)].tolist()
+    def poll(self, block: bool) -> MicroBatch | None:
+        """The oldest micro-batch with its token ids read back, once it is done (waiting for it when
+        `block`), or None. Raises what a stage raised while running it (it stays in flight).
 
-    def retire(self, mb: MicroBatch) -> None:
-        """The host has read `mb` back: its slot may take another micro-batch."""
-        self.slots[mb.slot].in_flight.remove(mb)
+        Micro-batches pass every stage in launch order, so the oldest is always the first done.
+        """
+        busy = [slot.in_flight[0] for slot in self.slots if slot.in_flight]
+        oldest = min(busy, key=lambda mb: mb.id) if busy else None
+        if oldest is not None and (block or oldest.done.query()):
+            waited_from = self.timeline.now() if self.timeline else 0.0
+            oldest.done.synchronize()
+            self.collect_busy(oldest)
+            if self.timeline:
+                self.timeline.record_wait(waited_from, self.timeline.now())
+            oldest.token_ids = self.host_tokens[oldest.token_base : oldest.token_base + len(oldest.sample_rows)].tolist()
+            self.slots[oldest.slot].in_flight.remove(oldest)  # the slot may take another micro-batch
+            for seq in oldest.sampled_seqs:
+                if self._producers.get(seq.request_id) is oldest:
+                    del self._producers[seq.request_id], self._feed_indices[seq.request_id]
+        else:
+            oldest = None
+        if self.timeline:
+            self.timeline.resolve()
+        return oldest
 
     def _run_stage(self, index, slot, mb, token_ids, meta, params, generators) -> None:
         stage, cache = self.pipeline.stages[index], self.pipeline.caches[index]
@@ -194,11 +268,11 @@ class Ring:
             )
 
     def _input_ids(self, token_ids: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        """Stage 0's token ids, with each -1 - i replaced by the token at feed[i]."""
+        """Stage 0's token ids, with each feed reference replaced by the token in the feed."""
         if not mb.reads_feed:
             return token_ids
         ids = token_ids.to(self.feed.device, non_blocking=True)
-        return torch.where(ids < 0, self.feed[(-1 - ids).clamp(min=0)], ids)
+        return torch.where(is_feed_ref(ids), self.feed[feed_index(ids).clamp(min=0)], ids)
 
     # Always-on per-stage busy time, for /metrics: a clock read in the CPU worker, or a pair of
     # CUDA events read back with the micro-batch (never a host clock around asynchronous work).

@@ -1,4 +1,10 @@
-"""Which sequences run in the next micro-batch, and the metadata it needs.
+"""The one owner of request state: which sequences run in the next micro-batch, and what their
+tokens do when they come back.
+
+`schedule` admits requests, allocates KV blocks, advances the computed and in-flight counts and
+emits a plain `ScheduledStep`; `update_from_output` takes the step back with its token ids, appends
+them, ends sequences at EOS or max_tokens and frees their blocks (`finish` ends them for any other
+reason). Blocks are freed in `_free_blocks` only.
 
 A micro-batch is either a prefill chunk (up to `prefill_chunk_size` tokens: prompt tokens from
 one or more sequences plus one token for each decode row riding along; eager) or a decode batch
@@ -14,67 +20,13 @@ block boundary). A request must fit the cache alone (`check`), so the oldest alw
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import torch
-
-from graphrt.batch import StepMetadata
+from graphrt.block_allocator import BlockAllocator
 from graphrt.errors import RequestError
-from graphrt.kv_cache import SCRATCH_BLOCK, BlockAllocator
-from graphrt.sequence import Sequence
-
-if TYPE_CHECKING:
-    from graphrt.ring import MicroBatch
-
-
-@dataclass
-class ScheduledStep:
-    seqs: list[Sequence]
-    query_lens: list[int]  # tokens each sequence feeds in this step
-    is_prefill: bool
-
-    def build(self, block_size: int, pin: bool = False) -> tuple[torch.Tensor, StepMetadata]:
-        """Token ids and metadata on the host; the pipeline moves them to each stage. A token not
-        read back yet is given as -1 - its index in the ring's token feed.
-
-        `pin` puts them in page-locked memory, so the copies to a GPU are truly asynchronous (from
-        pageable memory the driver may wait for the stream, and the host would block).
-        """
-        token_ids, positions, slots, seq_lens, last_rows = [], [], [], [], []
-        for seq, query_len in zip(self.seqs, self.query_lens):
-            start = seq.num_computed
-            for pos in range(start, start + query_len):
-                token_ids.append(seq.token_at(pos))
-                positions.append(pos)
-                slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
-            seq_lens.append(start + query_len)
-            last_rows.append(len(token_ids) - 1)
-        # Only the blocks the context reaches so far (a sequence may hold one more, or a preempted
-        # one's recompute may be under way): attention reads no further.
-        live = [-(-seq_len // block_size) for seq_len in seq_lens]
-        width = max(live)
-        tables = []
-        for seq, blocks in zip(self.seqs, live):
-            tables += seq.block_ids[:blocks]
-            tables += [SCRATCH_BLOCK] * (width - blocks)
-        # One tensor construction per micro-batch, then views: this runs on the host every tick.
-        flat = torch.tensor(token_ids + positions + slots + seq_lens + last_rows + tables, dtype=torch.int64)
-        if pin:
-            flat = flat.pin_memory()
-        num_tokens, num_rows = len(token_ids), len(seq_lens)
-        rows_from = 3 * num_tokens  # after token ids, positions and slots: seq lens, last rows, tables
-        meta = StepMetadata(
-            positions=flat[num_tokens : 2 * num_tokens],
-            slot_mapping=flat[2 * num_tokens : rows_from],
-            block_tables=flat[rows_from + 2 * num_rows :].view(num_rows, width),
-            seq_lens=flat[rows_from : rows_from + num_rows],
-            logits_indices=flat[rows_from + num_rows : rows_from + 2 * num_rows],
-            seq_lens_host=seq_lens,
-            query_lens=list(self.query_lens) if self.is_prefill else None,
-        )
-        return flat[:num_tokens], meta
+from graphrt.sequence import FinishReason, Sequence
+from graphrt.step import ScheduledStep
 
 
 class Scheduler:
@@ -85,8 +37,10 @@ class Scheduler:
         prefill_chunk_size: int,
         max_model_len: int,
         max_decode_batch: int,
+        eos_ids: frozenset[int] = frozenset(),
     ):
         self.allocator = allocator
+        self.eos_ids = eos_ids
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
         self.max_model_len = max_model_len
@@ -94,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._step_ids = itertools.count()
 
     def check(self, prompt_len: int, max_tokens: int | None) -> int:
         """Validate a request's lengths; return its resolved max_tokens. Raises RequestError."""
@@ -134,12 +89,13 @@ class Scheduler:
             seq.block_ids = self.allocator.allocate(needed)
             self.running.append(self.waiting.popleft())
 
-    def schedule(self, num_slots: int = 1, follows: MicroBatch | None = None) -> ScheduledStep | None:
-        """The next micro-batch for one ring slot, or None if nothing can run now.
+    def schedule(self, num_slots: int = 1, follows: int | None = None) -> ScheduledStep | None:
+        """The next micro-batch for one ring slot, or None if nothing can run now. The step's rows
+        count as in flight from here until `update_from_output` gets it back.
 
         A decode row runs again once its last token is back, or, with async scheduling, while
-        that token is still being sampled by `follows` (the micro-batch this one runs after in its
-        slot) or by an earlier micro-batch: micro-batches finish in launch order, so the new one
+        that token is still being sampled by `follows` (the id of the step this one runs after in its
+        slot) or by an earlier one: micro-batches finish in launch order, so the new one
         waits for nothing it would not wait for anyway. Never past max_tokens.
         The prompt chunks of one sequence may fill several slots, since each stage runs them in
         order.
@@ -159,23 +115,34 @@ class Scheduler:
             prefilling = [s for s in prefilling if s.block_ids]  # not preempted to make room for a rider
             if prefilling:
                 self._rotate(riders)
-                return self._prefill_chunk(prefilling, riders)
+                return self._launched(self._prefill_chunk(prefilling, riders))
             batch = riders
         else:
             batch = self._with_blocks(ready[: min(rows_per_slot, self.max_decode_batch)])
         if not batch:
             return None
         self._rotate(batch)
-        return ScheduledStep(batch, [1] * len(batch), is_prefill=False)
+        return self._launched(ScheduledStep(batch, [1] * len(batch), is_prefill=False, id=next(self._step_ids)))
 
     @staticmethod
-    def _can_decode(seq: Sequence, follows: MicroBatch | None) -> bool:
+    def _launched(step: ScheduledStep) -> ScheduledStep:
+        """Advance the counts of every row of a step about to launch."""
+        for seq, query_len in zip(step.seqs, step.query_lens):
+            seq.num_computed += query_len
+            seq.num_in_flight += 1
+        for seq in step.sampled_seqs:
+            seq.num_output_placeholders += 1
+            seq.sampling_step = step.id
+        return step
+
+    @staticmethod
+    def _can_decode(seq: Sequence, follows: int | None) -> bool:
         if seq.outputs_scheduled >= seq.max_tokens:
             return False
         if seq.num_in_flight == 0:
             return True
-        token_on_device = seq.num_in_flight == 1 and seq.pending is not None
-        return token_on_device and follows is not None and seq.pending.id <= follows.id
+        token_on_device = seq.num_in_flight == 1 and seq.num_output_placeholders > 0
+        return token_on_device and follows is not None and seq.sampling_step <= follows
 
     def _with_blocks(self, rows: list[Sequence]) -> list[Sequence]:
         """The rows whose next position has a KV block, allocating one where it starts a new block."""
@@ -207,8 +174,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Give back every block of `seq` and queue it to be recomputed, in arrival order."""
-        self.allocator.free(seq.block_ids)
-        seq.block_ids, seq.num_computed, seq.prefill_len = [], 0, seq.num_tokens
+        self._free_blocks(seq)
+        seq.num_computed, seq.prefill_len = 0, seq.num_tokens
         self.running.remove(seq)
         later = next((i for i, waiting in enumerate(self.waiting) if waiting.request_id > seq.request_id), len(self.waiting))
         self.waiting.insert(later, seq)
@@ -231,11 +198,61 @@ class Scheduler:
             budget -= take
             if budget == 0:
                 break
-        return ScheduledStep(seqs, lens, is_prefill=True)
+        return ScheduledStep(seqs, lens, is_prefill=True, id=next(self._step_ids))
 
-    def remove(self, seq: Sequence) -> None:
-        """Stop scheduling a finished or aborted sequence (its blocks are the engine's to free)."""
+    # -- results ----------------------------------------------------------------------------------
+
+    def update_from_output(self, step: ScheduledStep, token_ids: list[int] | None, now: float) -> list[Sequence]:
+        """A step is back from the ring with one token per sampled row (None: it ran for its logits
+        only, see Engine.run). Append the tokens, end sequences at EOS or max_tokens, free the blocks
+        of every ended sequence nothing in flight still uses. Returns the sequences that got a token."""
+        for seq in step.seqs:
+            seq.num_in_flight -= 1
+        updated: list[Sequence] = []
+        for row, seq in enumerate(step.sampled_seqs):
+            seq.num_output_placeholders -= 1
+            # Aborted while in flight, or finished a step earlier (async scheduling had already
+            # launched the next one): the token is dropped.
+            if token_ids is not None and not seq.finished:
+                self._append(seq, token_ids[row], now)
+                updated.append(seq)
+        for seq in step.seqs:
+            if seq.finished:
+                self._free_when_idle(seq)
+        return updated
+
+    def _append(self, seq: Sequence, token_id: int, now: float) -> None:
+        seq.output_ids.append(token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        if token_id in self.eos_ids and not seq.params.ignore_eos:
+            self.finish(seq, FinishReason.STOP)
+        elif len(seq.output_ids) >= seq.max_tokens:
+            self.finish(seq, FinishReason.LENGTH)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence (a stop string, an abort...): stop scheduling it, and free its blocks
+        now or, if a micro-batch in flight still uses them, when that one is back."""
+        seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._free_when_idle(seq)
+
+    def fail(self, lost: list[Sequence]) -> None:
+        """The micro-batches carrying these sequences were lost with a failed stage: nothing of
+        them is in flight any more; end them with an error (ended ones keep their reason)."""
+        for seq in lost:
+            seq.num_in_flight = seq.num_output_placeholders = 0
+            self.finish(seq, seq.finish_reason or FinishReason.ERROR)
+
+    def _free_when_idle(self, seq: Sequence) -> None:
+        if seq.num_in_flight == 0 and seq.block_ids:
+            self._free_blocks(seq)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        """The one place KV blocks go back to the allocator."""
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []

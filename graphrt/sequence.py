@@ -7,12 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
-from graphrt.sampling import SamplingParams
-
 if TYPE_CHECKING:
-    from graphrt.ring import MicroBatch
+    import torch
+
+    from graphrt.sampling import SamplingParams
 
 
 class FinishReason(str, enum.Enum):
@@ -37,10 +35,10 @@ class Sequence:
     detok_offsets: tuple[int, int] = (0, 0)  # (prefix, read) offsets of incremental detokenization
     finish_reason: FinishReason | None = None
     num_in_flight: int = 0  # micro-batches in the ring that carry this sequence
-    # The newest token while it is still on the device: the micro-batch sampling it, and where in
-    # the ring's token feed it lands (async scheduling launches the next step before it is read back).
-    pending: MicroBatch | None = None
-    feed_index: int = 0
+    # Tokens being sampled and not read back yet (async scheduling launches the next step before
+    # then), and the id of the newest step sampling one; both are the scheduler's to change.
+    num_output_placeholders: int = 0
+    sampling_step: int = -1
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -75,13 +73,13 @@ class Sequence:
         """The next step's input is the newest token, which has not been read back yet."""
         return self.num_computed >= self.num_tokens
 
-    def token_at(self, position: int) -> int:
-        """The token at `position`; for the newest one while it is still on the device, -1 - its
-        index in the ring's token feed, from which stage 0 reads it (see Ring.launch)."""
+    def token_at(self, position: int) -> int | None:
+        """The token at `position`, or None for the newest one while it is still on the device
+        (the ring knows where in its token feed it lands)."""
         if position < self.prompt_len:
             return self.prompt_ids[position]
         if position < self.num_tokens:
             return self.output_ids[position - self.prompt_len]
-        if self.pending is None:
+        if self.num_output_placeholders == 0:
             raise RuntimeError(f"request {self.request_id}: token {position} is neither read back nor being sampled")
-        return -1 - self.feed_index
+        return None

@@ -27,5 +27,5 @@ def run_counting_feed_reads(engine: Engine, prompts: list[list[int]], params: li
     feed_reads = 0
     while engine.has_work():
         engine.step()
-        feed_reads += sum(mb.reads_feed for mb in engine.in_flight)
+        feed_reads += sum(mb.reads_feed for mb in engine.ring.in_flight)
     return seqs, feed_reads

@@ -159,12 +159,12 @@ class TickClock:
 
     def before_step(self, tick: int) -> None:
         self.now = tick
-        for mb in self.engine.in_flight:
+        for mb in self.engine.ring.in_flight:
             if self.due[mb.id] <= tick:
                 mb.done.synchronize()
 
     def after_step(self, tick: int) -> None:
-        for mb in self.engine.in_flight:
+        for mb in self.engine.ring.in_flight:
             if mb.id not in self.due:
                 self.due[mb.id] = tick + self.rng.randint(1, self.max_ticks)
                 mb.done.query = lambda mb=mb: self.due[mb.id] <= self.now
@@ -200,8 +200,8 @@ def run_fuzz(engine, workload: list[Request], seed: int) -> FuzzRun:
         known = set(clock.due)
         engine.step()
         clock.after_step(tick)
-        feed_reads += sum(mb.reads_feed for mb in engine.in_flight if mb.id not in known)
-        max_in_flight = max(max_in_flight, len(engine.in_flight))
+        feed_reads += sum(mb.reads_feed for mb in engine.ring.in_flight if mb.id not in known)
+        max_in_flight = max(max_in_flight, len(engine.ring.in_flight))
         assert_blocks_accounted(engine, live, f"seed {seed}, tick {tick}, after the step", aborted_at)
         ever_admitted.update(seq.request_id for seq in engine.scheduler.running)
         by_stage: dict[str, list[int]] = {}

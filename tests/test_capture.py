@@ -16,7 +16,8 @@ from graphrt.capture.buckets import BucketPlan, default_buckets, parse_buckets
 from graphrt.capture.manifest import IDENTITY_FIELDS, MANIFEST_NAME, write_manifest
 from graphrt.cli import main
 from graphrt.kv_cache import SCRATCH_BLOCK
-from graphrt.scheduler import ScheduledStep
+from graphrt.ring import build_inputs
+from graphrt.step import ScheduledStep
 
 FIELDS = set(IDENTITY_FIELDS) | {"schema_version", "created", "graphrt", "model_dir", "kv_cache_blocks", "kv_cache_bytes", "null_reasons", "graphs"}
 GRAPH_FIELDS = {"stage", "bucket", "mode", "capture_ms", "pool_bytes", "nodes", "max_abs_error", "note"}
@@ -156,7 +157,7 @@ def test_padding_rows_are_harmless(tiny_model_factory):
         cache.k[:, untouched] = 123.0
         cache.v[:, untouched] = 123.0
     step = ScheduledStep(decode, [1] * 5, is_prefill=False)
-    token_ids, meta = step.build(engine.config.block_size)
+    token_ids, meta = build_inputs(step, engine.config.block_size)
     before = [(c.k.clone(), c.v.clone()) for c in engine.pipeline.caches]
     eager = engine.pipeline.forward(token_ids, meta)  # no graphs: a plain forward of 5 rows
     written = [(c.k.clone(), c.v.clone()) for c in engine.pipeline.caches]

@@ -230,13 +230,14 @@ class HeldRing:
         ring._run_stage = run
 
     def _wrap_host(self, engine) -> None:
-        harvest, account = engine._harvest, engine._account
+        poll, account = engine._poll, engine._account
 
-        def held_harvest(block):
-            oldest = engine.in_flight[0] if engine.in_flight else None
+        def held_poll(block):
+            in_flight = engine.ring.in_flight
+            oldest = in_flight[0] if in_flight else None
             if block and oldest is not None and not oldest.step.is_prefill and not self.last_stage_free.is_set():
                 self.host_waits_on_held.set()  # nothing could launch, and the oldest can't finish yet
-            return harvest(block)
+            return poll(block)
 
         def held_account(mb, now, new_tokens):
             if self.hold_host and not mb.step.is_prefill:
@@ -244,7 +245,7 @@ class HeldRing:
                 self.host_free.wait(WAIT_S)
             account(mb, now, new_tokens)
 
-        engine._harvest, engine._account = held_harvest, held_account
+        engine._poll, engine._account = held_poll, held_account
 
     def fill(self, llm: LLM) -> threading.Thread:
         """Start 16 requests on a thread with the last stage's decode work held; return once the

@@ -1,11 +1,12 @@
-"""ScheduledStep.build: the host-side tensors one micro-batch carries."""
+"""The scheduler's decisions, and the host-side tensors one scheduled step carries (build_inputs)."""
 
 from __future__ import annotations
 
 from graphrt.kv_cache import SCRATCH_BLOCK
+from graphrt.ring import build_inputs
 from graphrt.sampling import SamplingParams
-from graphrt.scheduler import ScheduledStep
 from graphrt.sequence import Sequence
+from graphrt.step import ScheduledStep
 
 BLOCK = 4
 
@@ -22,9 +23,8 @@ def test_a_decode_step_carries_live_blocks_only_and_feed_placeholders():
     known.num_computed = 6
     # 2 prompt tokens + 2 outputs, the second still on the device at feed index 21.
     awaiting = sequence(2, [8], blocks=[4, 6, 10])
-    awaiting.num_computed = 3
-    awaiting.pending, awaiting.feed_index = object(), 21
-    token_ids, meta = ScheduledStep([known, awaiting], [1, 1], is_prefill=False).build(BLOCK)
+    awaiting.request_id, awaiting.num_computed, awaiting.num_output_placeholders = 1, 3, 1
+    token_ids, meta = build_inputs(ScheduledStep([known, awaiting], [1, 1], is_prefill=False), BLOCK, feed_indices={1: 21})
 
     assert token_ids.tolist() == [7, -1 - 21]
     assert meta.positions.tolist() == [6, 3]
@@ -41,7 +41,7 @@ def test_a_prefill_chunk_with_a_rider():
     rider.num_computed = 3
     prompt = sequence(9, [], blocks=[1, 7, 13])
     prompt.num_computed = 4
-    token_ids, meta = ScheduledStep([rider, prompt], [1, 5], is_prefill=True).build(BLOCK)
+    token_ids, meta = build_inputs(ScheduledStep([rider, prompt], [1, 5], is_prefill=True), BLOCK)
 
     assert token_ids.tolist() == [42, 104, 105, 106, 107, 108]
     assert meta.positions.tolist() == [3, 4, 5, 6, 7, 8]
@@ -51,16 +51,17 @@ def test_a_prefill_chunk_with_a_rider():
 
 
 def test_async_scheduling_takes_rows_whose_token_comes_no_later_than_the_slots_last_micro_batch():
-    from types import SimpleNamespace
-
     from graphrt.scheduler import Scheduler
 
-    earlier, follows, later = (SimpleNamespace(id=i) for i in (3, 5, 8))
+    earlier, follows, later = 3, 5, 8  # step ids, in launch order
 
     def decoding(pending, in_flight=1, outputs=1, max_tokens=64) -> Sequence:
+        """`pending`: the id of the step sampling its newest token, None if that token is back."""
         seq = sequence(4, [1] * outputs, blocks=[1, 2])
         seq.num_computed = 4 + outputs - (0 if pending is not None else 1)
-        seq.pending, seq.num_in_flight, seq.max_tokens = pending, in_flight, max_tokens
+        seq.num_in_flight, seq.max_tokens = in_flight, max_tokens
+        if pending is not None:
+            seq.num_output_placeholders, seq.sampling_step = 1, pending
         return seq
 
     assert Scheduler._can_decode(decoding(None, in_flight=0), follows=None)

@@ -1,0 +1,82 @@
+"""What passes from the scheduler to the ring and back: plain data, and the token feed's references.
+
+A leaf module: the scheduler emits a `ScheduledStep`, the ring runs it as a `MicroBatch` and hands
+it back with its token ids, and neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from graphrt.sequence import Sequence
+
+
+def feed_ref(feed_index: int):
+    """How a step names an input token that is still on the device: -1 - its index in the ring's
+    token feed (token ids are never negative). Works on ints and on tensors of them."""
+    return -1 - feed_index
+
+
+def feed_index(ref):
+    """The feed index a `feed_ref` names (ints or tensors)."""
+    return -1 - ref
+
+
+def is_feed_ref(token):
+    return token < 0
+
+
+@dataclass
+class ScheduledStep:
+    """One micro-batch's worth of work, as the scheduler decided it."""
+
+    seqs: list[Sequence]
+    query_lens: list[int]  # tokens each sequence feeds in this step
+    is_prefill: bool
+    # Each sequence's first position in this step (its computed count when it was scheduled).
+    starts: list[int] = field(default_factory=list)
+    id: int = -1  # increases in the order steps are scheduled, which is the order they launch and finish in
+    sample_rows: list[int] = field(default_factory=list)  # rows that get a token from this step
+
+    def __post_init__(self) -> None:
+        if not self.starts:
+            self.starts = [seq.num_computed for seq in self.seqs]
+        if not self.sample_rows:
+            # A row samples once this step reaches the end of what it has to prefill.
+            self.sample_rows = [
+                row for row, (seq, start, query_len) in enumerate(zip(self.seqs, self.starts, self.query_lens))
+                if start + query_len >= seq.prefill_len
+            ]
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        return [self.seqs[i] for i in self.sample_rows]
+
+
+@dataclass
+class MicroBatch:
+    """A scheduled step in the ring; `token_ids` is set when the ring hands it back (`Ring.poll`)."""
+
+    step: ScheduledStep
+    slot: int
+    launched_at: float
+    token_base: int  # where its sampled tokens go in the ring's feed and host token buffer
+    reads_feed: bool  # some input tokens come from the feed (see feed_ref)
+    done: object = None  # the last stage's event
+    bucket: int | None = None
+    busy_events: list = field(default_factory=list)  # CUDA: (stage, start, end) events of its work
+    token_ids: list[int] | None = None  # one per sampled row, once read back
+
+    @property
+    def id(self) -> int:
+        return self.step.id
+
+    @property
+    def sample_rows(self) -> list[int]:
+        return self.step.sample_rows
+
+    @property
+    def sampled_seqs(self) -> list[Sequence]:
+        return self.step.sampled_seqs
