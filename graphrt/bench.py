@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from graphrt.llm import LLM
+from graphrt.output_processor import OutputProcessor
 from graphrt.sampling import SamplingParams
 
 
@@ -80,15 +81,16 @@ def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
         engine.add_request(r.prompt, SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True))
         for r in workload
     ]
+    processor = OutputProcessor(engine)  # detokenizing is part of serving
     while engine.has_work():
-        engine.step()
+        processor.process(engine.step())
     seconds = time.perf_counter() - start
     ttft = [s.first_token_time - s.arrival_time for s in seqs]
     tpot = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs if len(s.output_ids) > 1]
     steps = engine.stats.decode_steps - before[0]
     decode_seconds = engine.stats.decode_seconds - before[1]
     return BenchResult(
-        name=f"graphrt pp={len(engine.devices)} depth={engine.ring.num_slots - len(engine.devices)}",
+        name=f"graphrt pp={engine.stage_plan.pp} depth={engine.depth}",
         seconds=seconds,
         output_tokens=sum(len(s.output_ids) for s in seqs),
         num_requests=len(seqs),

@@ -120,9 +120,7 @@ def generate(prompt, prompts_file, chat, cache, max_tokens, temperature, top_p, 
         f"[graphrt] {num_tokens} tokens in {seconds:.2f} s ({num_tokens / seconds:.1f} tok/s); "
         f"decode {stats.decode_tokens_per_s():.1f} tok/s, {stats.weight_gb_per_s(engine.weight_bytes):.1f} GB/s of weights; "
         f"prompt {stats.prefill_tokens} tokens; start-up {load_seconds:.1f} s; "
-        f"pp={len(engine.devices)} depth={engine.ring.num_slots - len(engine.devices)} on "
-        f"{','.join(map(str, engine.devices))}, {str(engine.dtype).removeprefix('torch.')}, {engine.backend} decode"
-        + ("" if engine.config.async_scheduling else ", no async scheduling"),
+        f"{engine.describe()}",
         err=True,
     )
 

@@ -21,9 +21,10 @@ from graphrt.capture.manifest import (
 )
 from graphrt.config import EngineConfig, ModelConfig
 from graphrt.errors import ModelLoadError, RequestError, StageError
+from graphrt.handshake import StagePlan
 from graphrt.block_allocator import BlockAllocator
 from graphrt.kv_cache import bytes_per_block
-from graphrt.pipeline import Pipeline, default_devices
+from graphrt.pipeline import Pipeline, default_devices, partition_layers
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline
 from graphrt.remote import Cluster, load_first_stage
@@ -34,6 +35,7 @@ from graphrt.sequence import FinishReason, Sequence
 from graphrt.step import MicroBatch, ScheduledStep
 from graphrt.stats import EngineStats
 from graphrt.tokenizer import Tokenizer
+from graphrt.transport import StageFailure
 from graphrt.weights import WeightFiles
 
 logger = logging.getLogger("graphrt")
@@ -88,11 +90,12 @@ class Engine:
         )
         self.sampler = Sampler(self.devices[-1], config.seed)
         self.timeline = Timeline(self.devices) if config.timeline else None
+        self.stage_plan = self._stage_plan(num_blocks)
         if self.cluster:
-            self.cluster.handshake(self)
+            self.cluster.handshake(self.stage_plan)
         self.ring = (self.cluster.make_ring if self.cluster else Ring)(
-            self.pipeline, self.graphs, self.sampler, num_slots=config.pp + config.depth,
-            max_tokens=max(config.prefill_chunk_size, self.plan.max_batch), block_size=config.block_size,
+            self.pipeline, self.graphs, self.sampler, num_slots=self.stage_plan.num_slots,
+            max_tokens=self.stage_plan.max_tokens, block_size=config.block_size,
             max_per_slot=1 + int(config.async_scheduling), timeline=self.timeline, ranges=self.ranges,
             pin=self.devices[0].type == "cuda",
         )
@@ -100,6 +103,43 @@ class Engine:
         self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
         self.stats = EngineStats()
         self._ids = itertools.count()
+
+    def _stage_plan(self, num_blocks: int) -> StagePlan:
+        """What every stage must agree on, decided once here (and sent to stage processes)."""
+        config = self.config
+        return StagePlan(
+            fingerprint=model_fingerprint(self.model_dir),
+            dtype=str(self.dtype).removeprefix("torch."),
+            pp=config.pp,
+            layers=partition_layers(self.model_config, config.pp),
+            buckets=list(self.plan.sizes),
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            num_slots=config.pp + config.depth,  # the ring: L = pp + depth
+            max_tokens=max(config.prefill_chunk_size, self.plan.max_batch),  # a prompt chunk or the largest bucket
+            seed=config.seed,
+            use_cuda_graphs=self.backend == "cuda",
+            kernels=config.kernels,
+            allow_eager=config.allow_eager,
+        )
+
+    @property
+    def depth(self) -> int:
+        return self.stage_plan.num_slots - self.stage_plan.pp
+
+    def describe(self) -> str:
+        """The one line every start-up banner and report gives of this engine's shape."""
+        return (
+            f"pp={self.stage_plan.pp} depth={self.depth} on {','.join(map(str, self.devices))}, "
+            f"{str(self.dtype).removeprefix('torch.')}, {self.backend} decode, "
+            f"{'async' if self.config.async_scheduling else 'no async'} scheduling"
+        )
+
+    @property
+    def failure(self) -> StageFailure | None:
+        """What stopped the stage processes (--procs), or None: a pipeline that is up."""
+        return self.cluster.failure if self.cluster is not None else None
 
     def _capture_graphs(self, forced_eager: set[tuple[int, int]], show_progress: bool) -> None:
         self.graphs, self.graph_records = [], []
@@ -200,7 +240,11 @@ class Engine:
     def abort(self, seq: Sequence) -> None:
         """Stop a request now; its KV blocks return as soon as no micro-batch in flight uses them."""
         if not seq.finished:
-            self.scheduler.finish(seq, FinishReason.ABORT)
+            self.finish(seq, FinishReason.ABORT)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a request for a reason the engine can't see (a stop string in its text, an abort)."""
+        self.scheduler.finish(seq, reason)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.ring.busy
@@ -254,14 +298,11 @@ class Engine:
             self._recover(exc)
 
     def _update(self, mb: MicroBatch | None) -> list[Sequence]:
-        """Hand a finished micro-batch's tokens to the scheduler, then extend the texts."""
+        """Hand a finished micro-batch's tokens to the scheduler."""
         if mb is None:
             return []
         now = time.perf_counter()
         updated = self.scheduler.update_from_output(mb.step, mb.token_ids, now)
-        if self.tokenizer is not None:
-            for seq in updated:
-                self._extend_text(seq)
         self._account(mb, now, len(updated))
         return updated
 
@@ -273,7 +314,7 @@ class Engine:
         lost.update((id(seq), seq) for seq in extra)
         self.ring.reset(f"{type(exc).__name__} in stage 0: {exc}")
         self.scheduler.fail(list(lost.values()))
-        pipeline_down = self.cluster is not None and self.cluster.failure is not None
+        pipeline_down = self.failure is not None
         raise StageError(
             f"a pipeline stage failed ({type(exc).__name__}: {exc}); the {len(lost)} requests in flight "
             "were ended with an error"
@@ -310,20 +351,6 @@ class Engine:
             if self.num_eager_fallbacks == 0:
                 logger.warning("decode bucket %d runs eagerly on stages %s (capture failed for them)", bucket, eager_stages)
             self.num_eager_fallbacks += 1
-
-    def _extend_text(self, seq: Sequence) -> None:
-        """Append the new token's text (decoding a few tokens, not the whole output: this runs for
-        every token) and end the sequence at a stop string."""
-        old_len = len(seq.text)
-        delta, *offsets = self.tokenizer.decode_next(seq.output_ids, *seq.detok_offsets, final=seq.finished)
-        seq.detok_offsets = tuple(offsets)
-        seq.text += delta
-        for stop in seq.params.stop:
-            # Only a stop string that ends in the new text can be new.
-            cut = seq.text.find(stop, max(0, old_len - len(stop) + 1))
-            if cut != -1:
-                seq.text = seq.text[:cut]
-                self.scheduler.finish(seq, FinishReason.STOP)
 
     def close(self) -> None:
         self.ring.close()

@@ -13,6 +13,7 @@ from graphrt.config import EngineConfig
 from graphrt.default_model import default_model_dir
 from graphrt.engine import Engine
 from graphrt.errors import RequestError
+from graphrt.output_processor import OutputProcessor
 from graphrt.sampling import SamplingParams
 
 
@@ -95,13 +96,16 @@ class LLM:
             for seq in seqs:
                 engine.abort(seq)
             raise
+        processor = OutputProcessor(engine)
+        texts: dict[int, str] = {}
         while engine.has_work():
-            engine.step()
+            for seq, text in processor.process(engine.step()):
+                texts[seq.request_id] = text.text
         return [
             RequestOutput(
                 prompt=prompt,
                 prompt_token_ids=seq.prompt_ids,
-                text=seq.text,
+                text=texts.get(seq.request_id, ""),
                 token_ids=seq.output_ids,
                 finish_reason=seq.finish_reason.value,
             )

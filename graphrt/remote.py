@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphrt.capture.manifest import model_fingerprint
 from graphrt.handshake import StagePlan, engine_handshake
 from graphrt.kernels import kernel_set
 from graphrt.model import Stage
@@ -135,25 +134,8 @@ class Cluster:
 
     # -- start-up ---------------------------------------------------------------------------------
 
-    def handshake(self, engine) -> None:
-        """Agree with every rank on the plan; on a mismatch every rank stops naming the field."""
-        config = engine.config
-        plan = StagePlan(
-            fingerprint=model_fingerprint(engine.model_dir),
-            dtype=str(engine.dtype).removeprefix("torch."),
-            pp=config.pp,
-            layers=partition_layers(engine.model_config, config.pp),
-            buckets=list(engine.plan.sizes),
-            num_blocks=engine.allocator.num_blocks,
-            block_size=config.block_size,
-            max_model_len=engine.max_model_len,
-            num_slots=config.pp + config.depth,
-            max_tokens=max(config.prefill_chunk_size, engine.plan.max_batch),
-            seed=config.seed,
-            use_cuda_graphs=engine.backend == "cuda",
-            kernels=config.kernels,
-            allow_eager=config.allow_eager,
-        )
+    def handshake(self, plan: StagePlan) -> None:
+        """Send every rank the plan rank 0 decided; on a mismatch every rank stops naming the field."""
         try:
             self.remote_weight_bytes = engine_handshake(self.link, plan, STARTUP_TIMEOUT_S)
         except StageFailure as exc:

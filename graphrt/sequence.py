@@ -31,8 +31,6 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     prefill_len: int = -1  # tokens to prefill: the prompt, or after a preemption every known token
-    text: str = ""
-    detok_offsets: tuple[int, int] = (0, 0)  # (prefix, read) offsets of incremental detokenization
     finish_reason: FinishReason | None = None
     num_in_flight: int = 0  # micro-batches in the ring that carry this sequence
     # Tokens being sampled and not read back yet (async scheduling launches the next step before

@@ -10,6 +10,7 @@ from typing import Callable
 
 from graphrt.bench import make_workload
 from graphrt.llm import LLM
+from graphrt.output_processor import OutputProcessor
 from graphrt.profiling.plots import plot_depth_sweep, plot_timeline
 from graphrt.profiling.report import RunSummary, render_report, summarize
 from graphrt.profiling.trace import write_trace
@@ -59,8 +60,9 @@ def profile_once(options: ProfileOptions, depth: int, model_dir: Path | None) ->
         )
         for request in workload:
             engine.add_request(request.prompt, SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True))
+        processor = OutputProcessor(engine)
         while engine.has_work():
-            engine.step()
+            processor.process(engine.step())
         timeline = engine.timeline
         timeline.resolve()
         pp = len(engine.pipeline.stages)

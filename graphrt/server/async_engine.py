@@ -25,10 +25,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from graphrt.errors import GraphrtError, RequestError, StageError
+from graphrt.output_processor import OutputProcessor
 from graphrt.sampling import SamplingParams
 from graphrt.sequence import FinishReason, Sequence
+
+if TYPE_CHECKING:
+    from graphrt.engine import Engine
 
 logger = logging.getLogger("graphrt.server")
 
@@ -60,6 +65,7 @@ class Failed:
 class ChoiceUpdate:
     index: int
     text: str  # the whole output so far, already cut at a stop string
+    num_streamable: int  # characters of `text` no later token can change (OutputProcessor)
     num_tokens: int
     finish_reason: str | None
     at: float  # time.perf_counter() when the step that made it ended
@@ -99,7 +105,7 @@ class EngineSnapshot:
 
 
 class AsyncEngine:
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self._commands: queue.Queue = queue.Queue()
         self._jobs: set[GenerationJob] = set()  # engine thread only
@@ -109,6 +115,7 @@ class AsyncEngine:
         self.accepting = False
         self._admission = threading.Lock()  # no job can be queued behind the stop command
         self._prompts = PromptPreparer(engine)
+        self._outputs = OutputProcessor(engine)  # engine thread only
         self._trim_heap = heap_trimmer()
         self.snapshot = self._take_snapshot()
 
@@ -227,12 +234,13 @@ class AsyncEngine:
         self._jobs.discard(job)
         for seq in job.seqs:
             self._owners.pop(seq.request_id, None)
+            self._outputs.forget(seq)
 
     def _step(self, deliveries: list) -> None:
         try:
             seqs = self.engine.step()
         except Exception as exc:
-            failure = getattr(getattr(self.engine, "cluster", None), "failure", None)
+            failure = self.engine.failure
             if failure is not None:
                 # A stage process died or went silent (--procs): nothing in flight can finish; the server stops.
                 logger.error("%s; failing %d requests in flight", failure, len(self._jobs))
@@ -254,11 +262,11 @@ class AsyncEngine:
                 deliveries.append((job, Failed(status, message)))
             return
         now = time.perf_counter()
-        for seq in seqs:
+        for seq, text in self._outputs.process(seqs):
             job, index = self._owners[seq.request_id]
             job.started = True
             reason = seq.finish_reason.value if seq.finish_reason is not None else None
-            deliveries.append((job, ChoiceUpdate(index, seq.text, len(seq.output_ids), reason, now)))
+            deliveries.append((job, ChoiceUpdate(index, text.text, text.num_streamable, len(seq.output_ids), reason, now)))
         for job in {job for job, _ in deliveries}:
             if all(seq.finished for seq in job.seqs):
                 self._forget(job)
@@ -271,7 +279,7 @@ class AsyncEngine:
             num_blocks=engine.allocator.num_blocks,
             num_running=num_running,
             num_waiting=len(self._jobs) - num_running,
-            num_eager_fallbacks=getattr(engine, "num_eager_fallbacks", 0),
+            num_eager_fallbacks=engine.num_eager_fallbacks,
             num_preemptions=engine.scheduler.num_preemptions,
             stage_busy_s=tuple(engine.ring.stage_busy_s),
         )
@@ -293,7 +301,7 @@ class PromptPreparer:
     length and the scheduler's length check, which depends on configuration alone.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.check_lengths = engine.scheduler.check

@@ -41,8 +41,7 @@ class Generation:
         self.job = job
         self.format = response_format
         self.include_usage = include_usage
-        stops = job.params[0].stop
-        self.choices = [ChoiceState.for_stops(stops) for _ in job.params]
+        self.choices = [ChoiceState() for _ in job.params]
         self.prompt_tokens = 0
         self.state = "new"  # -> submitted -> admitted, or refused by the engine
         self.outcome: str | None = "abort"  # None: counted by the API error handler instead

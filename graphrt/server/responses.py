@@ -8,29 +8,22 @@ from dataclasses import dataclass
 
 from graphrt.server.async_engine import ChoiceUpdate
 
-REPLACEMENT_CHAR = "\ufffd"  # what a decode ending inside a multi-byte character ends with
-
 
 @dataclass
 class ChoiceState:
     """One choice as its tokens arrive, and how much of its text a stream has sent."""
 
-    holdback: int  # characters at the end that may still become the start of a stop string
     text: str = ""
+    num_streamable: int = 0  # characters of `text` that can no longer change (see OutputProcessor)
     num_tokens: int = 0
     finish_reason: str | None = None
     first_at: float | None = None
     last_at: float | None = None
     num_sent: int = 0  # characters of `text` already streamed
 
-    @staticmethod
-    def for_stops(stops: list[str]) -> ChoiceState:
-        # The engine cuts the text where a stop string starts, so text that could be the first
-        # characters of one must wait until the next token shows whether it is.
-        return ChoiceState(holdback=max((len(s) for s in stops), default=1) - 1)
-
     def apply(self, update: ChoiceUpdate) -> None:
         self.text, self.num_tokens, self.finish_reason = update.text, update.num_tokens, update.finish_reason
+        self.num_streamable = update.num_streamable
         if self.first_at is None:
             self.first_at = update.at
         self.last_at = update.at
@@ -40,11 +33,8 @@ class ChoiceState:
         return self.finish_reason is not None
 
     def take_delta(self) -> str:
-        """The text a stream may send now: all of it once finished, else what can no longer change."""
-        if self.finished:
-            end = len(self.text)
-        else:
-            end = len(self.text[: len(self.text) - self.holdback].rstrip(REPLACEMENT_CHAR))
+        """The text a stream may send now: what can no longer change (all of it once finished)."""
+        end = len(self.text) if self.finished else self.num_streamable
         if end <= self.num_sent:
             return ""
         delta, self.num_sent = self.text[self.num_sent : end], end

@@ -207,7 +207,7 @@ class GracefulServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         # With --procs, a dead stage ends the server (its monitor has failed what was in flight).
-        if stage_failure(self.async_engine.engine) is not None:
+        if self.async_engine.engine.failure is not None:
             return True
         return await super().on_tick(counter)
 
@@ -228,12 +228,6 @@ class GracefulServer(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-
-
-def stage_failure(engine):
-    """The StageFailure that stopped a --procs engine's pipeline, or None."""
-    cluster = getattr(engine, "cluster", None)
-    return cluster.failure if cluster is not None else None
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -308,9 +302,7 @@ def start_engine(options: ServeOptions, echo: Callable[[str], None]):
         start = time.perf_counter()
         engine = load_engine(options)
         echo(f"[graphrt] load and capture {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, "
-             f"pp={len(engine.devices)} depth={engine.ring.num_slots - len(engine.devices)}, {engine.backend} decode, "
-             f"{'async' if engine.config.async_scheduling else 'no async'} scheduling, "
-             f"buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "
+             f"{engine.describe()}, buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "
              f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks")
         start = time.perf_counter()
         warm_up(engine)
@@ -345,8 +337,8 @@ def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
             server.run(sockets=[sock])
         finally:
             stop_engine(server)
-        if stage_failure(engine) is not None:
-            raise stage_failure(engine)  # the CLI prints it and exits 1
+        if engine.failure is not None:
+            raise engine.failure  # the CLI prints it and exits 1
         echo("[graphrt] stopped")
     finally:
         sock.close()
