@@ -40,6 +40,8 @@ class ScheduledStep:
     id: int = -1  # increases in the order steps are scheduled, which is the order they launch and finish in
     sample_rows: list[int] = field(default_factory=list)  # rows that get a token from this step
 
+    sampled_seqs: list[Sequence] = field(init=False)  # the sequences of sample_rows
+
     def __post_init__(self) -> None:
         if not self.starts:
             self.starts = [seq.num_computed for seq in self.seqs]
@@ -49,10 +51,7 @@ class ScheduledStep:
                 row for row, (seq, start, query_len) in enumerate(zip(self.seqs, self.starts, self.query_lens))
                 if start + query_len >= seq.prefill_len
             ]
-
-    @property
-    def sampled_seqs(self) -> list[Sequence]:
-        return [self.seqs[i] for i in self.sample_rows]
+        self.sampled_seqs = [self.seqs[i] for i in self.sample_rows]
 
 
 @dataclass
