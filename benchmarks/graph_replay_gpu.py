@@ -325,20 +325,30 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.context >= args.max_model_len:
         parser.error(f"--context {args.context} must be below --max-model-len {args.max_model_len}")
-    args.models = [m.strip() for m in (args.models or ("tiny" if args.device == "cpu" else "1b,tiny")).split(",")]
-    if not set(args.models) <= {"tiny", "1b"}:
-        parser.error(f"--models takes tiny and 1b, got {','.join(args.models)}")
-    if args.device == "cpu" and "1b" in args.models:
-        parser.error("--device cpu runs the tiny model only (the 1B-shaped one is made on a GPU)")
+    args.models = parse_models(parser, args.models, args.device)
     return args
+
+
+def parse_models(parser: argparse.ArgumentParser, models: str | None, device: str) -> list[str]:
+    """--models: tiny and 1b on a GPU by default, only tiny on the CPU."""
+    names = [m.strip() for m in (models or ("tiny" if device == "cpu" else "1b,tiny")).split(",")]
+    if not set(names) <= {"tiny", "1b"}:
+        parser.error(f"--models takes tiny and 1b, got {','.join(names)}")
+    if device == "cpu" and "1b" in names:
+        parser.error("--device cpu runs the tiny model only (the 1B-shaped one is made on a GPU)")
+    return names
+
+
+def say_no_cuda(script: str) -> int:
+    print(f"{script} measures on a GPU (scripts/gpu_check.sh), or checks itself with --device cpu")
+    print(f"no CUDA device: torch {torch.__version__} sees none (torch.cuda.is_available() is False)")
+    return NO_CUDA_EXIT
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("graph_replay_gpu.py measures on a GPU (scripts/gpu_check.sh), or checks itself with --device cpu")
-        print(f"no CUDA device: torch {torch.__version__} sees none (torch.cuda.is_available() is False)")
-        return NO_CUDA_EXIT
+        return say_no_cuda("graph_replay_gpu.py")
     if args.write_model is not None:
         start = time.perf_counter()
         write_random_model(args.write_model)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from graph_replay_gpu import BLOCK_SIZE, NO_CUDA_EXIT, TINY_VARIANT, int_list, stage_device, write_random_model
+from graph_replay_gpu import BLOCK_SIZE, TINY_VARIANT, int_list, parse_models, say_no_cuda, stage_device, write_random_model
 from graphrt import LLM, SamplingParams
 from graphrt.synthetic import make_tiny_model
 
@@ -133,11 +133,7 @@ def parse_args(argv=None):
     parser.add_argument("--hbm-tb-s", type=float, default=4.8, help="peak HBM bandwidth in TB/s [default: H200's 4.8]")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: check this script on the tiny model")
     args = parser.parse_args(argv)
-    args.models = [m.strip() for m in (args.models or ("tiny" if args.device == "cpu" else "1b,tiny")).split(",")]
-    if not set(args.models) <= {"tiny", "1b"}:
-        parser.error(f"--models takes tiny and 1b, got {','.join(args.models)}")
-    if args.device == "cpu" and "1b" in args.models:
-        parser.error("--device cpu runs the tiny model only (the 1B-shaped one is made on a GPU)")
+    args.models = parse_models(parser, args.models, args.device)
     if args.prompt_len < 1 or args.output_len < 2:
         parser.error("--prompt-len must be at least 1 and --output-len at least 2 (decode needs a second token)")
     return args
@@ -146,9 +142,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("pp_throughput_gpu.py measures on a GPU (scripts/gpu_check.sh), or checks itself with --device cpu")
-        print(f"no CUDA device: torch {torch.__version__} sees none (torch.cuda.is_available() is False)")
-        return NO_CUDA_EXIT
+        return say_no_cuda("pp_throughput_gpu.py")
     failures = []
     with tempfile.TemporaryDirectory(prefix="graphrt-pp-") as scratch:
         for name in args.models:
