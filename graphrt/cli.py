@@ -277,7 +277,8 @@ def serve(
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM."""
     from graphrt.server import ServeOptions
     from graphrt.server import serve as run_server
-    from graphrt.server.runner import ConnectionLimits, api_key_from
+    from graphrt.server.connections import ConnectionLimits
+    from graphrt.server.runner import api_key_from
 
     limits = dict(max_connections=max_connections, header_timeout_s=timeout_header, body_timeout_s=timeout_body, keep_alive_s=timeout_keep_alive)
     llm_kwargs = dict(engine_kwargs(**model_args), cache=cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len)

@@ -23,7 +23,8 @@ from click.testing import CliRunner  # noqa: E402
 from graphrt.cli import main  # noqa: E402
 from graphrt.llm import LLM  # noqa: E402
 from graphrt.server import ServerSettings, ServerThread  # noqa: E402
-from graphrt.server.runner import ConnectionLimits, exposure_warning  # noqa: E402
+from graphrt.server.connections import ConnectionLimits  # noqa: E402
+from graphrt.server.runner import exposure_warning  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
