@@ -147,6 +147,10 @@ def capture_stage(
                 graph, record = None, GraphRecord(stage.index, bucket, "eager", 0, None, None, None, "marked eager in the graph cache (--allow-eager at capture)")
             else:
                 graph, record = record_cuda_graph(stage, cache, inputs, pool, side_stream, allow_eager)
+                if graph is None and not any(g.mode == "graph" for g in graphs.values()):
+                    # The failed graph held the pool's only reference and gave it back: torch
+                    # refuses to capture into a pool whose count fell to 0, so start a new one.
+                    pool = torch.cuda.graph_pool_handle()
             graph = graph or EagerStageGraph(stage, cache, inputs)
             record.capture_ms = (time.perf_counter() - start) * 1000
             record.max_abs_error = verify_bucket(graph, stage, cache, plan, bucket)
@@ -172,8 +176,10 @@ def record_cuda_graph(stage, cache, inputs, pool, side_stream, allow_eager: bool
         where = f"stage {stage.index}, bucket {bucket}"
         if isinstance(exc, RehearsalError):  # it names the pair, the op, its line and the fix
             cause = str(exc)
-        else:
+        elif isinstance(exc, RuntimeError):  # what CUDA and torch raise when capture breaks
             cause = f"capturing {where} failed: {exc}. A host sync or a dynamic shape inside the stage's forward breaks capture"
+        else:
+            cause = f"capturing {where} failed: {type(exc).__name__}: {exc}"
         if not allow_eager:
             raise CaptureError(f"{cause}; fix it, or pass --allow-eager to run this pair eagerly") from None
         note = f"capture failed, running eagerly: {str(exc).splitlines()[0]}"

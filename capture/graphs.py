@@ -105,7 +105,7 @@ class CudaStageGraph:
                 with host_syncs_raise():  # a sync inside capture is a bare CUDA error; here it names its op
                     stage(inputs.x, inputs.meta, cache)
             side_stream.synchronize()
-            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            graph, kept = new_cuda_graph()
             with torch.cuda.stream(side_stream):
                 graph.capture_begin(pool=pool)
                 try:
@@ -114,13 +114,23 @@ class CudaStageGraph:
                     abandon_capture(graph, stage.device, pool)
                     raise
                 graph.capture_end()
-            graph.instantiate()
+            if kept:  # otherwise capture_end instantiated it
+                graph.instantiate()
             caller.wait_stream(side_stream)
         return CudaStageGraph(graph, inputs, output)
 
     def replay(self, max_seq_len: int | None = None) -> torch.Tensor:
         self.graph.replay()
         return self.output
+
+
+def new_cuda_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
+    """A graph kept after capture, so its nodes can be counted (torch 2.8 and newer), and whether
+    it was; an older torch instantiates it at capture_end and keeps nothing to count."""
+    try:
+        return torch.cuda.CUDAGraph(keep_graph=True), True
+    except TypeError:
+        return torch.cuda.CUDAGraph(), False
 
 
 @contextmanager

@@ -27,7 +27,7 @@ from graphrt.model import Stage
 from graphrt.pipeline import Pipeline, partition_layers
 from graphrt.ring import Ring, RingSlot
 from graphrt.step import MicroBatch
-from graphrt.streams import CpuStream, own_cuda_stream
+from graphrt.streams import CpuStream, use_own_cuda_stream
 from graphrt.transport import (
     DECODE, HEARTBEAT, PREFILL, SHUTDOWN, Link, Message, Sampling, StageFailure, cpu_threads_per_stage, open_group, recv_reply,
     send_message, stage_name,
@@ -173,10 +173,11 @@ class Cluster:
     def _receive(self) -> None:
         # Replies arrive on a stream of their own: on the default stream, stage 0's next
         # micro-batch would queue behind a reply still on its way.
-        with own_cuda_stream(self.link.device):
-            self._receive_replies()
-
-    def _receive_replies(self) -> None:
+        try:
+            use_own_cuda_stream(self.link.device)
+        except Exception as exc:  # noqa: BLE001 - no replies can be read: say so rather than hang
+            self.fail(f"{stage_name(0)} cannot receive replies on {self.link.device} ({exc})")
+            return
         last = self.link.world_size - 1
         while True:
             try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -49,10 +48,10 @@ class CpuStream:
         self._thread.start()
 
     def _loop(self) -> None:
-        with own_cuda_stream(self._device):
-            self._run()
-
-    def _run(self) -> None:
+        try:
+            use_own_cuda_stream(self._device)
+        except BaseException as exc:  # noqa: BLE001 - every later event carries it to its waiter
+            self._error = exc
         while True:
             item = self._queue.get()
             if item is None:
@@ -124,16 +123,17 @@ class CudaStream:
         self._stream.synchronize()
 
 
-@contextmanager
-def own_cuda_stream(device: torch.device | None):
-    """For the calling thread: make `device` current and run on a new stream of it, which first
-    waits for the work already queued there. Nothing to do for a CPU (or no) device."""
+def use_own_cuda_stream(device: torch.device | None) -> None:
+    """For the calling thread, which drives `device` from now on: make the device current and run
+    on a new stream of it, which first waits for the work already queued there. Nothing to do for
+    a CPU (or no) device."""
     if device is None or device.type != "cuda":
-        yield
         return
-    torch.cuda.set_device(device)  # the device is per thread: a new thread starts on cuda:0
-    with torch.cuda.stream(new_cuda_stream(device)):
-        yield
+    # The device is per thread (a new thread starts on cuda:0); "cuda" without an index means
+    # the current one, which set_device refuses.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_device(index)
+    torch.cuda.set_stream(new_cuda_stream(torch.device("cuda", index)))
 
 
 def new_cuda_stream(device: torch.device) -> torch.cuda.Stream:

@@ -230,7 +230,7 @@ if [[ -n $STOPPED ]]; then
         not_run "$step" "the run stopped early: ${STOPPED%%:*}"
     done
 else
-    run_step pytest_cuda 100 "'$PY' -m pytest -m cuda -v -rfEs --continue-on-collection-errors -p no:cacheprovider tests"
+    run_step pytest_cuda 130 "'$PY' -m pytest -m cuda -v -rfEs --continue-on-collection-errors -p no:cacheprovider tests"
 
     # The 1B-shaped model, once: the benchmarks and the capture step read it.
     run_step write_model 25 "[[ -f '$MODEL_DIR/config.json' ]] && echo 'reusing $MODEL_DIR' \

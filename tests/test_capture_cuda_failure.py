@@ -21,16 +21,17 @@ from graphrt import LLM, SamplingParams
 from graphrt.capture.capture import CaptureError
 from graphrt.model import Stage
 
-model, case = sys.argv[1], sys.argv[2]
+model, case, broken = sys.argv[1], sys.argv[2], int(sys.argv[3])
 OPTIONS = dict(pp=2, devices=["cuda:0", "cuda:0"], dtype="float32", buckets=[1, 2, 4, 8], kv_cache_tokens=8192, kernels="torch")
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-PROMPTS = [[3 + i] * (2 + 3 * i) for i in range(6)]  # 3 rows per micro-batch: decoded in bucket 4
+# Two slots (pp 2, depth 0): 2 * (broken - 1) prompts decode as broken - 1 rows, in the broken bucket.
+PROMPTS = [[3 + i] * (2 + 3 * i % 11) for i in range(2 * (broken - 1))]
 forward = Stage.forward
 
 
 def broken_forward(self, x, meta, kv):
     out = forward(self, x, meta, kv)
-    if self.index == 1 and x.shape[0] == 4:
+    if self.index == 1 and x.shape[0] == broken:
         if case == "sync" or torch.cuda.is_current_stream_capturing():
             out.sum().item()  # a host sync: fine eagerly, illegal while a graph records
     return out
@@ -40,7 +41,7 @@ Stage.forward = broken_forward
 if case == "allow-eager":
     llm = LLM(model=model, allow_eager=True, **OPTIONS)
     modes = {(r.stage, r.bucket): r.mode for r in llm.engine.graph_records}
-    assert modes.pop((1, 4)) == "eager", modes
+    assert modes.pop((1, broken)) == "eager", modes
     assert set(modes.values()) == {"graph"}, modes
     with_fallback = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert llm.engine.num_eager_fallbacks > 0
@@ -65,8 +66,8 @@ print("later capture ok")
 """
 
 
-def run_child(model, case: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CHILD, str(model), case], capture_output=True, text=True, timeout=300)
+def run_child(model, case: str, broken_bucket: int = 4) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CHILD, str(model), case, str(broken_bucket)], capture_output=True, text=True, timeout=300)
 
 
 def test_a_host_sync_is_named_before_capture_starts(tiny_model_factory):
@@ -88,7 +89,10 @@ def test_a_capture_that_breaks_while_recording_leaves_the_process_usable(tiny_mo
     assert "later capture ok" in done.stdout
 
 
-def test_allow_eager_runs_the_failed_pair_eagerly_with_the_same_tokens(tiny_model_factory):
-    done = run_child(tiny_model_factory(), "allow-eager")
+@pytest.mark.parametrize("broken_bucket", [4, 8], ids=["smaller-bucket", "largest-bucket"])
+def test_allow_eager_runs_the_failed_pair_eagerly_with_the_same_tokens(tiny_model_factory, broken_bucket):
+    """The largest bucket is captured first: when it fails, its graph held the stage pool's only
+    reference, and the stage's other buckets must still be captured (in a new pool)."""
+    done = run_child(tiny_model_factory(), "allow-eager", broken_bucket)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "later capture ok" in done.stdout

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from graphrt.streams import CpuStream, CudaStream, own_cuda_stream
+from graphrt.streams import CpuStream, CudaStream, use_own_cuda_stream
 
 
 class FakeStream:
@@ -48,7 +48,15 @@ class FakeCuda:
         return getattr(self._local, "stream", self.default)
 
     def set_device(self, device) -> None:
+        if isinstance(device, torch.device) and device.index is None:
+            raise ValueError("Expected a torch.device with a specified index or an integer")  # as torch does
         self.log.append(("set_device", str(device), threading.current_thread().name))
+
+    def current_device(self) -> int:
+        return 0
+
+    def set_stream(self, stream: FakeStream) -> None:
+        self._local.stream = stream
 
     @contextmanager
     def stream(self, stream: FakeStream):
@@ -60,10 +68,17 @@ class FakeCuda:
             self._local.stream = previous
 
 
+def settled(event, safety_s: float = 30.0):
+    """The event, once its worker passed it (a thread that died without passing it fails here
+    instead of hanging the suite)."""
+    assert event._done.wait(safety_s), "the stream's thread never reached the event"
+    return event
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch) -> FakeCuda:
     cuda = FakeCuda()
-    for name in ("Stream", "current_stream", "set_device", "stream"):
+    for name in ("Stream", "current_stream", "current_device", "set_device", "set_stream", "stream"):
         monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
     return cuda
 
@@ -82,7 +97,7 @@ def test_a_thread_driving_a_device_sets_it_and_runs_on_its_own_stream(fake_cuda)
     worker.record().synchronize()
     worker.close()
     assert fake_cuda.log == [
-        ("set_device", "cuda:1", "graphrt-stage0"),  # the device is per thread: set in the thread itself
+        ("set_device", "1", "graphrt-stage0"),  # the device is per thread: set in the thread itself
         ("new", "stream1", "cuda:1"),
         ("wait", "stream1", "default"),  # after what the main thread queued there
     ]
@@ -95,6 +110,26 @@ def test_cpu_threads_touch_no_cuda_state(fake_cuda):
     worker.submit(lambda: None)
     worker.record().synchronize()
     worker.close()
-    with own_cuda_stream(None):
-        pass
+    use_own_cuda_stream(None)
     assert fake_cuda.log == []
+
+
+def test_a_device_without_an_index_means_the_current_one(fake_cuda):
+    worker = CpuStream("graphrt-stage0", torch.device("cuda"))
+    settled(worker.record()).synchronize()
+    worker.close()
+    assert fake_cuda.log[0] == ("set_device", "0", "graphrt-stage0")
+
+
+def test_a_thread_that_cannot_use_its_device_fails_its_waiters_instead_of_hanging(fake_cuda, monkeypatch):
+    def refuse(device) -> None:
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    ran = []
+    worker = CpuStream("graphrt-stage0", torch.device("cuda:7"))
+    worker.submit(lambda: ran.append(True))
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        settled(worker.record()).synchronize()
+    worker.close()
+    assert ran == []  # nothing runs on a thread that is not on its device
