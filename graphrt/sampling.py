@@ -11,6 +11,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # top_k and seeds travel between sta
 # Below this, a temperature is read as 0 (greedy), the limit it approaches: float32 holds it only as
 # a subnormal (on GPUs possibly flushed to 0), and logits / temperature overflows to inf or NaN.
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token, as OpenAI allows
 
 
 @dataclass
@@ -24,6 +25,10 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # Log-probabilities from the model's raw logits (log_softmax before temperature, top-k and
+    # top-p): None asks for none; k >= 0 gives each token's own and its k most likely alternatives.
+    logprobs: int | None = None  # of each generated token
+    prompt_logprobs: int | None = None  # of each prompt token after the first
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -40,6 +45,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
     @property
     def greedy(self) -> bool:
