@@ -303,6 +303,8 @@ class Engine:
             return []
         now = time.perf_counter()
         updated = self.scheduler.update_from_output(mb.step, mb.token_ids, now)
+        if mb.logprobs is not None:
+            mb.logprobs.apply(mb.step, updated)
         self._account(mb, now, len(updated))
         return updated
 

@@ -13,6 +13,7 @@ from graphrt.config import EngineConfig
 from graphrt.default_model import default_model_dir
 from graphrt.engine import Engine
 from graphrt.errors import RequestError
+from graphrt.logprobs import TokenLogprob
 from graphrt.output_processor import OutputProcessor
 from graphrt.sampling import SamplingParams
 
@@ -28,6 +29,10 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
+    # When params.logprobs / params.prompt_logprobs asked: one per output token; one per prompt
+    # token, None for the first (see graphrt.logprobs).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -108,6 +113,8 @@ class LLM:
                 text=texts.get(seq.request_id, ""),
                 token_ids=seq.output_ids,
                 finish_reason=seq.finish_reason.value,
+                logprobs=seq.logprobs if params.logprobs is not None else None,
+                prompt_logprobs=seq.prompt_logprobs if params.prompt_logprobs is not None else None,
             )
             for prompt, seq in zip(prompts, seqs)
         ]

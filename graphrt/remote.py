@@ -100,7 +100,7 @@ class Cluster:
         self.failure: StageFailure | None = None
         self.remote_weight_bytes = 0
         self.ring: RemoteRing | None = None
-        self._pending: dict[int, tuple[RemoteEvent, int]] = {}  # micro-batch id -> (event, token_base)
+        self._pending: dict[int, tuple[RemoteEvent, MicroBatch]] = {}  # micro-batch id -> (its event, it)
         self._lock = threading.Lock()
         self.closing = threading.Event()
         self._run(self._monitor, "graphrt-monitor")
@@ -157,7 +157,7 @@ class Cluster:
             if self.failure is not None:
                 event._set(self.failure)
             else:
-                self._pending[mb.id] = (event, mb.token_base)
+                self._pending[mb.id] = (event, mb)
         return event
 
     def send(self, message: Message) -> None:
@@ -181,22 +181,25 @@ class Cluster:
         last = self.link.world_size - 1
         while True:
             try:
-                kind, micro_batch, _slot, tokens, busy_us = recv_reply(self.link, last)
+                reply = recv_reply(self.link, last)
             except StageFailure as exc:
                 if not self.closing.is_set():
                     self._fail_soon(str(exc))
                 return
-            if kind == SHUTDOWN:
+            if reply.kind == SHUTDOWN:
                 return
-            if kind == HEARTBEAT:
+            if reply.kind == HEARTBEAT:
                 continue
-            if busy_us:
-                self.ring.remote_busy_s = [us / 1e6 for us in busy_us[1:]]
+            if reply.busy_us:
+                self.ring.remote_busy_s = [us / 1e6 for us in reply.busy_us[1:]]
             with self._lock:
-                event, token_base = self._pending.pop(micro_batch, (None, 0))
+                event, mb = self._pending.pop(reply.micro_batch, (None, None))
             if event is not None:
-                if tokens is not None:
-                    self.ring.host_tokens[token_base : token_base + tokens.shape[0]].copy_(tokens)
+                if reply.token_ids is not None:
+                    self.ring.host_tokens[mb.token_base : mb.token_base + reply.token_ids.shape[0]].copy_(reply.token_ids)
+                if reply.logprobs is not None:
+                    mb.logprobs.values.copy_(reply.logprobs[0])
+                    mb.logprobs.top_ids.copy_(reply.logprobs[1])
                 event._set()
 
     def _heartbeat(self) -> None:
@@ -235,7 +238,7 @@ class Cluster:
             if self.failure is not None:
                 return
             self.failure = StageFailure(f"{message}; the pipeline is down, restart graphrt")
-            pending, self._pending = [event for event, _ in self._pending.values()], {}
+            pending, self._pending = [event for event, _mb in self._pending.values()], {}
         print(f"[graphrt] {stage_name(0)} stops: {self.failure}", file=sys.stderr, flush=True)
         for event in pending:
             event._set(self.failure)
@@ -381,7 +384,10 @@ class RemoteRing(Ring):
         released = [rid for rid, seq in self._seeded.items() if seq.finished]
         for rid in released:
             del self._seeded[rid]
-        return Sampling(mb.sample_rows, [s.request_id for s in seqs], [s.params for s in seqs], [s.params.seed for s in seqs], released)
+        sampling = Sampling(mb.sample_rows, [s.request_id for s in seqs], [s.params for s in seqs], [s.params.seed for s in seqs], released)
+        if mb.logprobs is not None:
+            sampling.scored, sampling.prompt_targets, sampling.num_top = mb.logprobs.sampled, mb.logprobs.prompt_targets, mb.logprobs.num_top
+        return sampling
 
     def queue_heartbeat(self) -> None:
         self.heartbeat_queued = True

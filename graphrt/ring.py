@@ -30,6 +30,7 @@ import torch
 from graphrt.batch import StepMetadata
 from graphrt.block_allocator import SCRATCH_BLOCK
 from graphrt.capture.graphs import StageGraphs
+from graphrt.logprobs import plan_logprobs, score_rows
 from graphrt.pipeline import Pipeline
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline, mark
@@ -39,10 +40,13 @@ from graphrt.streams import make_stream
 
 
 def build_inputs(
-    step: ScheduledStep, block_size: int, feed_indices: dict[int, int] | None = None, pin: bool = False
+    step: ScheduledStep, block_size: int, feed_indices: dict[int, int] | None = None, pin: bool = False,
+    extra_logits_rows: list[int] = (),
 ) -> tuple[torch.Tensor, StepMetadata]:
     """Token ids and metadata of a step on the host; the pipeline moves them to each stage. A token
     not read back yet is given as a feed reference, from `feed_indices` (request id -> feed index).
+    The last stage computes logits for each sequence's last row, then for `extra_logits_rows`
+    (prompt rows to score, see graphrt.logprobs).
 
     `pin` puts them in page-locked memory, so the copies to a GPU are truly asynchronous (from
     pageable memory the driver may wait for the stream, and the host would block).
@@ -65,17 +69,19 @@ def build_inputs(
         tables += seq.block_ids[:blocks]
         tables += [SCRATCH_BLOCK] * (width - blocks)
     # One tensor construction per micro-batch, then views: this runs on the host every tick.
-    flat = torch.tensor(token_ids + positions + slots + seq_lens + last_rows + tables, dtype=torch.int64)
+    logits_rows = last_rows + list(extra_logits_rows)
+    flat = torch.tensor(token_ids + positions + slots + seq_lens + logits_rows + tables, dtype=torch.int64)
     if pin:
         flat = flat.pin_memory()
     num_tokens, num_rows = len(token_ids), len(seq_lens)
-    rows_from = 3 * num_tokens  # after token ids, positions and slots: seq lens, last rows, tables
+    rows_from = 3 * num_tokens  # after token ids, positions and slots: seq lens, logits rows, tables
+    tables_from = rows_from + num_rows + len(logits_rows)
     meta = StepMetadata(
         positions=flat[num_tokens : 2 * num_tokens],
         slot_mapping=flat[2 * num_tokens : rows_from],
-        block_tables=flat[rows_from + 2 * num_rows :].view(num_rows, width),
+        block_tables=flat[tables_from:].view(num_rows, width),
         seq_lens=flat[rows_from : rows_from + num_rows],
-        logits_indices=flat[rows_from + num_rows : rows_from + 2 * num_rows],
+        logits_indices=flat[rows_from + num_rows : tables_from],
         seq_lens_host=seq_lens,
         query_lens=list(step.query_lens) if step.is_prefill else None,
     )
@@ -167,7 +173,9 @@ class Ring:
     def launch(self, slot: RingSlot, step: ScheduledStep) -> MicroBatch:
         """Build the step's tensors and enqueue it on every stage; returns at once (CUDA) or after
         queuing (CPU)."""
-        token_ids, meta = build_inputs(step, self.block_size, self._feed_indices, self.pin)
+        logprobs = plan_logprobs(step)
+        extra_rows = logprobs.prompt_rows if logprobs is not None else []
+        token_ids, meta = build_inputs(step, self.block_size, self._feed_indices, self.pin, extra_rows)
         # The micro-batches in flight whose tokens this one reads from the feed.
         producers = {}
         for seq, start in zip(step.seqs, step.starts):
@@ -177,8 +185,11 @@ class Ring:
         bucket = None if step.is_prefill else self.graphs[0].plan.bucket_for(len(step.seqs))
         token_base = (2 * slot.index + slot.launches % 2) * self.max_tokens
         mb = MicroBatch(
-            step, slot.index, time.perf_counter(), token_base=token_base, reads_feed=bool(producers), bucket=bucket
+            step, slot.index, time.perf_counter(), token_base=token_base, reads_feed=bool(producers), bucket=bucket,
+            logprobs=logprobs,
         )
+        if logprobs is not None:
+            logprobs.allocate(pin=self.pipeline.stages[-1].device.type == "cuda")
         self._enqueue(slot, mb, token_ids, meta, list(producers.values()))
         for row, seq in enumerate(mb.sampled_seqs):
             self._producers[seq.request_id], self._feed_indices[seq.request_id] = mb, token_base + row
@@ -252,20 +263,33 @@ class Ring:
             if not stage.is_last:
                 with self.ranges.transfer(index):
                     slot.recv[index + 1][:num_tokens].copy_(out, non_blocking=True)
-            elif mb.sample_rows:
-                logits = out if len(mb.sample_rows) == out.shape[0] else out[host_to_device(mb.sample_rows, torch.int64, out.device)]
-                with self.ranges.sample():
-                    token_ids_out = self.sampler(logits, params, generators)
-                rows = slice(mb.token_base, mb.token_base + len(mb.sample_rows))
-                if self.feed is not self.host_tokens:
-                    self.feed[rows].copy_(token_ids_out, non_blocking=True)
-                self.host_tokens[rows].copy_(token_ids_out, non_blocking=True)
+            else:
+                self._sample(mb, out, params, generators)
         self._busy_end(index, stage.device, busy_from, mb)
         if self.timeline:
             self.timeline.end(
                 stage.device, started, stage=index, slot=mb.slot, micro_batch=mb.id, kind=kind,
                 rows=len(mb.step.seqs), bucket=mb.bucket,
             )
+
+    def _sample(self, mb: MicroBatch, out: torch.Tensor, params, generators) -> None:
+        """On the last stage: sample the rows that get a token, score what `mb.logprobs` asks for."""
+        logits = token_ids_out = None
+        if mb.sample_rows:
+            logits = out if len(mb.sample_rows) == out.shape[0] else out[host_to_device(mb.sample_rows, torch.int64, out.device)]
+            with self.ranges.sample():
+                token_ids_out = self.sampler(logits, params, generators)
+            rows = slice(mb.token_base, mb.token_base + len(mb.sample_rows))
+            if self.feed is not self.host_tokens:
+                self.feed[rows].copy_(token_ids_out, non_blocking=True)
+            self.host_tokens[rows].copy_(token_ids_out, non_blocking=True)
+        plan = mb.logprobs
+        if plan is not None:
+            values, top_ids = score_rows(
+                out, logits, token_ids_out, plan.sampled, len(mb.step.seqs), plan.prompt_targets, plan.num_top
+            )
+            plan.values.copy_(values, non_blocking=True)
+            plan.top_ids.copy_(top_ids, non_blocking=True)
 
     def _input_ids(self, token_ids: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """Stage 0's token ids, with each feed reference replaced by the token in the feed."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from graphrt.logprobs import TokenLogprob
     from graphrt.sampling import SamplingParams
 
 
@@ -40,6 +41,10 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # Only for requests that ask (params.logprobs / params.prompt_logprobs): one entry per output
+    # token, and one per prompt token, None for the first (nothing comes before it to score it).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
 
     def __post_init__(self) -> None:
         if self.prefill_len < 0:

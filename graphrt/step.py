@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from graphrt.logprobs import LogprobPlan
     from graphrt.sequence import Sequence
 
 
@@ -67,6 +68,7 @@ class MicroBatch:
     bucket: int | None = None
     busy_events: list = field(default_factory=list)  # CUDA: (stage, start, end) events of its work
     token_ids: list[int] | None = None  # one per sampled row, once read back
+    logprobs: LogprobPlan | None = None  # what its last stage scores, for the requests that ask
 
     @property
     def id(self) -> int:

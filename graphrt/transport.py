@@ -2,15 +2,18 @@
 
 A micro-batch travels from rank k to rank k+1 as
   header    int64 (HEADER_SIZE,): kind, micro-batch id, slot, rows, tokens, bucket, block-table
-            width, sampled rows, released request ids, busy counters
+            width, sampled rows, released request ids, busy counters, logits rows, scored sampled
+            rows, scored prompt rows, logprob alternatives + 1 (0: no logprobs)
   ints      int64: positions, slot mapping, block tables, seq lens, logits rows, query lens
             (prefill), then for sampling: sampled rows, request ids, top_k, seeds, has-seed,
             then the request ids whose generators can go, then one busy counter per rank (the
-            microseconds each stage so far has worked in all, filled in as the micro-batch passes)
+            microseconds each stage so far has worked in all, filled in as the micro-batch passes),
+            then for logprobs (graphrt.logprobs): the scored sampled rows, the scored prompt tokens
   floats    float64 (2 * sampled rows): temperature, top_p      (only when rows are sampled)
   hidden    (tokens, hidden_size) in the stage dtype, into the receiver's per-slot buffer (k > 0)
-and the last rank answers rank 0 with a reply header (REPLY_SIZE,) followed by the token ids and
-the busy counters, from which rank 0 reports every stage's busy time.
+and the last rank answers rank 0 with a reply header (REPLY_SIZE,) followed by the token ids, the
+busy counters, from which rank 0 reports every stage's busy time, and any logprobs (float32
+values, int64 alternatives' ids).
 Nothing is pickled, so every rank reads the same bytes the same way, and gloo (CPU) and NCCL (GPU,
 device tensors) carry it alike. Every wait is bounded by the watchdog, so a dead or silent peer
 becomes an error naming its stage instead of a hang.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,7 +33,7 @@ from graphrt.errors import GraphrtError
 from graphrt.sampling import SamplingParams
 
 HEADER_SIZE = 16
-REPLY_SIZE = 5
+REPLY_SIZE = 7
 PREFILL, DECODE, HEARTBEAT, SHUTDOWN = 0, 1, 2, 3
 
 
@@ -56,6 +59,10 @@ class Sampling:
     params: list[SamplingParams]
     seeds: list[int | None]
     released: list[int]  # request ids whose seeded generators are no longer needed
+    # Logprobs (graphrt.logprobs.LogprobPlan, without what only rank 0 needs): num_top < 0 is none.
+    scored: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    num_top: int = -1
 
 
 @dataclass
@@ -123,7 +130,12 @@ def encode(message: Message) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     num_sampled = len(sampling.rows) if sampling else 0
     released = sampling.released if sampling else []
     busy = message.busy_us or []
-    header[3:10] = torch.tensor([rows, num_tokens, message.bucket or 0, width, num_sampled, len(released), len(busy)])
+    scored, prompt_targets = (sampling.scored, sampling.prompt_targets) if sampling else ([], [])
+    logprobs_width = sampling.num_top + 1 if sampling else 0
+    header[3:14] = torch.tensor([
+        rows, num_tokens, message.bucket or 0, width, num_sampled, len(released), len(busy),
+        meta.logits_indices.shape[0], len(scored), len(prompt_targets), logprobs_width,
+    ])
     parts = [meta.positions, meta.slot_mapping, meta.block_tables.reshape(-1), meta.seq_lens, meta.logits_indices]
     parts = [p.cpu() for p in parts]
     if meta.query_lens is not None:
@@ -134,26 +146,29 @@ def encode(message: Message) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
         has_seed = [int(s is not None) for s in sampling.seeds]
         top_k = [p.top_k for p in sampling.params]
         parts.append(torch.tensor(sampling.rows + sampling.request_ids + top_k + seeds + has_seed + released, dtype=torch.int64))
-    parts.append(torch.tensor(busy, dtype=torch.int64))
+    parts.append(torch.tensor(busy + scored + prompt_targets, dtype=torch.int64))
     if num_sampled:
         floats = torch.tensor([p.temperature for p in sampling.params] + [p.top_p for p in sampling.params], dtype=torch.float64)
     return header, torch.cat(parts), floats
 
 
 def int_payload_size(header: torch.Tensor) -> int:
-    kind, rows, num_tokens, width, num_sampled, num_released, num_busy = (int(header[i]) for i in (0, 3, 4, 6, 7, 8, 9))
-    size = 2 * num_tokens + rows * width + 2 * rows + (rows if kind == PREFILL else 0)
-    return size + 5 * num_sampled + num_released + num_busy
+    kind, rows, num_tokens, width, num_sampled, num_released, num_busy, num_logits, num_scored, num_targets = (
+        int(header[i]) for i in (0, 3, 4, 6, 7, 8, 9, 10, 11, 12)
+    )
+    size = 2 * num_tokens + rows * width + rows + num_logits + (rows if kind == PREFILL else 0)
+    return size + 5 * num_sampled + num_released + num_busy + num_scored + num_targets
 
 
 def decode(header: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor | None) -> Message:
-    kind, micro_batch, slot, rows, num_tokens, bucket, width, num_sampled, num_released, num_busy = header[:10].tolist()
+    (kind, micro_batch, slot, rows, num_tokens, bucket, width, num_sampled, num_released, num_busy, num_logits,
+     num_scored, num_targets, logprobs_width) = header[:14].tolist()
     if kind in (HEARTBEAT, SHUTDOWN):
         return Message(kind, micro_batch, slot)
-    sizes = [num_tokens, num_tokens, rows * width, rows, rows]
+    sizes = [num_tokens, num_tokens, rows * width, rows, num_logits]
     sizes += [rows] if kind == PREFILL else []
-    sizes += [num_sampled] * 5 + [num_released, num_busy]
-    *fields, busy = ints.split(sizes)
+    sizes += [num_sampled] * 5 + [num_released, num_busy, num_scored, num_targets]
+    *fields, busy, scored, prompt_targets = ints.split(sizes)
     positions, slot_mapping, tables, seq_lens, logits_indices = fields[:5]
     rest = fields[5:]
     query_lens = None
@@ -171,11 +186,14 @@ def decode(header: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor | None
     )
     sample_rows, request_ids, top_k, seeds, has_seed, released = (t.tolist() for t in rest)
     sampling = None
-    if num_sampled or num_released:
+    if num_sampled or num_released or logprobs_width:
         values = floats.tolist() if num_sampled else []
         temperature, top_p = values[:num_sampled], values[num_sampled:]
         params = [SamplingParams(max_tokens=None, temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)]
-        sampling = Sampling(sample_rows, request_ids, params, [s if h else None for s, h in zip(seeds, has_seed)], released)
+        sampling = Sampling(
+            sample_rows, request_ids, params, [s if h else None for s, h in zip(seeds, has_seed)], released,
+            scored.tolist(), prompt_targets.tolist(), logprobs_width - 1,
+        )
     return Message(kind, micro_batch, slot, meta, bucket or None, sampling, busy_us=busy.tolist())
 
 
@@ -204,22 +222,47 @@ def recv_message(link: Link, src: int, buffers: list[torch.Tensor], timeout: dat
     return message
 
 
-def send_reply(
-    link: Link, kind: int, micro_batch: int, slot: int, token_ids: torch.Tensor | None, busy_us: list[int] | None = None,
-) -> None:
-    count = 0 if token_ids is None else token_ids.shape[0]
-    busy = busy_us or []
-    header = torch.tensor([kind, micro_batch, slot, count, len(busy)], dtype=torch.int64)
-    tensors = [header] + ([token_ids.to(torch.int64)] if count else []) + ([torch.tensor(busy, dtype=torch.int64)] if busy else [])
+@dataclass
+class Reply:
+    """What the last rank sends rank 0 for a micro-batch (or a heartbeat, or the shutdown)."""
+
+    kind: int
+    micro_batch: int
+    slot: int
+    token_ids: torch.Tensor | None = None  # None without sampled rows
+    busy_us: list[int] = field(default_factory=list)
+    logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # values, alternatives' ids (graphrt.logprobs)
+
+
+def send_reply(link: Link, reply: Reply) -> None:
+    count = 0 if reply.token_ids is None else reply.token_ids.shape[0]
+    values, top_ids = reply.logprobs if reply.logprobs is not None else (torch.zeros(0, 0), torch.zeros(0, 0))
+    header = torch.tensor(
+        [reply.kind, reply.micro_batch, reply.slot, count, len(reply.busy_us), values.shape[0], values.shape[1]], dtype=torch.int64
+    )
+    tensors = [header] + ([reply.token_ids.to(torch.int64)] if count else [])
+    tensors += [torch.tensor(reply.busy_us, dtype=torch.int64)] if reply.busy_us else []
+    tensors += [values.float()] if values.numel() else []
+    tensors += [top_ids.to(torch.int64)] if top_ids.numel() else []  # none with 0 alternatives
     link.send(tensors, 0, reply=True)
 
 
-def recv_reply(link: Link, src: int) -> tuple[int, int, int, torch.Tensor | None, list[int]]:
-    """kind, micro-batch id, slot, the token ids (None without sampled rows), the busy counters."""
-    kind, micro_batch, slot, count, num_busy = link.recv(torch.empty(REPLY_SIZE, dtype=torch.int64), src, reply=True).tolist()
-    tokens = link.recv(torch.empty(count, dtype=torch.int64), src, reply=True) if count else None
-    busy = link.recv(torch.empty(num_busy, dtype=torch.int64), src, reply=True).tolist() if num_busy else []
-    return kind, micro_batch, slot, tokens, busy
+def recv_reply(link: Link, src: int) -> Reply:
+    kind, micro_batch, slot, count, num_busy, lp_rows, lp_width = link.recv(
+        torch.empty(REPLY_SIZE, dtype=torch.int64), src, reply=True
+    ).tolist()
+    reply = Reply(kind, micro_batch, slot)
+    if count:
+        reply.token_ids = link.recv(torch.empty(count, dtype=torch.int64), src, reply=True)
+    if num_busy:
+        reply.busy_us = link.recv(torch.empty(num_busy, dtype=torch.int64), src, reply=True).tolist()
+    if lp_rows * lp_width:
+        values = link.recv(torch.empty(lp_rows, lp_width, dtype=torch.float32), src, reply=True)
+        top_ids = torch.empty(lp_rows, lp_width - 1, dtype=torch.int64)
+        if top_ids.numel():
+            link.recv(top_ids, src, reply=True)
+        reply.logprobs = values, top_ids
+    return reply
 
 
 def open_group(backend: str, init_method: str, timeout_s: float) -> tuple:

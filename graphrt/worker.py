@@ -34,7 +34,11 @@ from graphrt.kv_cache import StageKVCache
 from graphrt.model import Stage
 from graphrt.pipeline import partition_layers
 from graphrt.sampling import Sampler
-from graphrt.transport import HEARTBEAT, PREFILL, SHUTDOWN, Link, cpu_threads_per_stage, Message, open_group, recv_message, send_message, send_reply, stage_name
+from graphrt.logprobs import score_rows
+from graphrt.transport import (
+    HEARTBEAT, PREFILL, SHUTDOWN, Link, Message, Reply, cpu_threads_per_stage, open_group, recv_message, send_message, send_reply,
+    stage_name,
+)
 from graphrt.weights import WeightFiles
 
 DEFAULT_WATCHDOG_S = 30.0
@@ -116,33 +120,41 @@ class StageWorker:
                 out = self.stage(message.hidden, meta, self.cache)
             else:
                 out = self.graphs.run(message.hidden, meta)
-            tokens = self._sample(message, out) if self.stage.is_last else None
+            reply = self._sample(message, out) if self.stage.is_last else None
             self.busy_s += time.perf_counter() - started
             if message.busy_us:  # rank 0 reports every stage's busy time from these (/metrics)
                 message.busy_us[self.rank] = int(self.busy_s * 1e6)
-            self._pass_on(message, out if not self.stage.is_last else tokens)
+            self._pass_on(message, out if not self.stage.is_last else None, reply)
 
-    def _sample(self, message: Message, logits: torch.Tensor) -> torch.Tensor | None:
+    def _sample(self, message: Message, out: torch.Tensor) -> Reply:
+        """The last stage's answer: the sampled rows' tokens, and the logprobs asked for."""
+        reply = Reply(message.kind, message.micro_batch, message.slot)
         sampling = message.sampling
         if sampling is None:
-            return None
-        tokens = None
+            return reply
+        logits = None
         if sampling.rows:
-            if len(sampling.rows) != logits.shape[0]:
-                logits = logits[torch.tensor(sampling.rows, device=logits.device)]
+            logits = out if len(sampling.rows) == out.shape[0] else out[torch.tensor(sampling.rows, device=out.device)]
             generators = []
             for request_id, seed in zip(sampling.request_ids, sampling.seeds):
                 if seed is not None and request_id not in self.generators:
                     self.generators[request_id] = self.sampler.request_generator(seed)
                 generators.append(self.generators.get(request_id) if seed is not None else None)
-            tokens = self.sampler(logits, sampling.params, generators)
+            reply.token_ids = self.sampler(logits, sampling.params, generators)
+        if sampling.num_top >= 0:
+            num_rows = message.meta.seq_lens.shape[0]
+            reply.logprobs = score_rows(
+                out, logits, reply.token_ids, sampling.scored, num_rows, sampling.prompt_targets, sampling.num_top
+            )
         for request_id in sampling.released:
             self.generators.pop(request_id, None)
-        return tokens
+        return reply
 
-    def _pass_on(self, message: Message, out: torch.Tensor | None) -> None:
+    def _pass_on(self, message: Message, out: torch.Tensor | None, reply: Reply | None = None) -> None:
         if self.stage.is_last:
-            send_reply(self.link, message.kind, message.micro_batch, message.slot, out, message.busy_us)
+            reply = reply or Reply(message.kind, message.micro_batch, message.slot)
+            reply.busy_us = message.busy_us or []
+            send_reply(self.link, reply)
         else:
             message.hidden = out
             send_message(self.link, message, self.rank + 1)

@@ -10,7 +10,7 @@ from graphrt.sampling import SamplingParams
 from graphrt.transport import DECODE, HEARTBEAT, PREFILL, Message, Sampling, decode, encode, int_payload_size
 
 
-def micro_batch(kind: int, with_sampling: bool, released: list[int]) -> Message:
+def micro_batch(kind: int, with_sampling: bool, released: list[int], with_logprobs: bool = False) -> Message:
     rows, width = 3, 4
     query_lens = [5, 1, 2] if kind == PREFILL else None
     num_tokens = sum(query_lens) if query_lens else rows
@@ -19,22 +19,30 @@ def micro_batch(kind: int, with_sampling: bool, released: list[int]) -> Message:
         slot_mapping=torch.arange(num_tokens) * 3 + 1,
         block_tables=torch.arange(rows * width).view(rows, width) + 2,
         seq_lens=torch.tensor([12, 9, 30]),
-        logits_indices=torch.tensor([num_tokens - 4, num_tokens - 3, num_tokens - 1]),
+        # With logprobs, a prefill's extra rows score prompt tokens (graphrt.logprobs)
+        logits_indices=torch.tensor([num_tokens - 4, num_tokens - 3, num_tokens - 1] + ([0, 1, 2] if with_logprobs and query_lens else [])),
         seq_lens_host=[12, 9, 30],
         query_lens=query_lens,
     )
     sampling = None
-    if with_sampling or released:
+    if with_sampling or released or with_logprobs:
         rows_sampled = [0, 2] if with_sampling else []
         params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9), SamplingParams(temperature=0.0)][: len(rows_sampled)]
         sampling = Sampling(rows_sampled, [41, 43][: len(rows_sampled)], params, [1234, None][: len(rows_sampled)], released)
+        if with_logprobs:
+            sampling.scored = [1] if with_sampling else []
+            sampling.prompt_targets = [99, 98, 97] if query_lens else []
+            sampling.num_top = 5
     return Message(kind, micro_batch=17, slot=2, meta=meta, bucket=4 if kind == DECODE else None, sampling=sampling, busy_us=[0, 5, 123456789])
 
 
 @pytest.mark.parametrize("kind", [PREFILL, DECODE])
-@pytest.mark.parametrize("with_sampling, released", [(True, [5, 8]), (True, []), (False, [9]), (False, [])])
-def test_a_micro_batch_round_trips(kind, with_sampling, released):
-    sent = micro_batch(kind, with_sampling, released)
+@pytest.mark.parametrize(
+    "with_sampling, released, with_logprobs",
+    [(True, [5, 8], False), (True, [], False), (False, [9], False), (False, [], False), (True, [], True), (False, [], True)],
+)
+def test_a_micro_batch_round_trips(kind, with_sampling, released, with_logprobs):
+    sent = micro_batch(kind, with_sampling, released, with_logprobs)
     header, ints, floats = encode(sent)
     assert ints.shape[0] == int_payload_size(header)  # the receiver sizes its buffer from the header
     got = decode(header, ints, floats)
@@ -48,6 +56,9 @@ def test_a_micro_batch_round_trips(kind, with_sampling, released):
         return
     assert got.sampling.rows == sent.sampling.rows and got.sampling.request_ids == sent.sampling.request_ids
     assert got.sampling.seeds == sent.sampling.seeds and got.sampling.released == sent.sampling.released
+    assert (got.sampling.scored, got.sampling.prompt_targets, got.sampling.num_top) == (
+        sent.sampling.scored, sent.sampling.prompt_targets, sent.sampling.num_top
+    )
     for ours, theirs in zip(got.sampling.params, sent.sampling.params):
         assert (ours.temperature, ours.top_k, ours.top_p) == (theirs.temperature, theirs.top_k, theirs.top_p)
 
