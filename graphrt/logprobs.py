@@ -99,10 +99,11 @@ def plan_logprobs(step: ScheduledStep) -> LogprobPlan | None:
 def compute_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (rows, vocab), targets (rows,) int64, on one device -> the targets' logprobs and the
     `num_top` most likely tokens' as values (rows, 1 + num_top) float32 and ids (rows, num_top)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    # In float32 at least (float64 models in float64); reported in float32, as vLLM does.
+    logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     chosen = logprobs.gather(-1, targets[:, None])
     top_values, top_ids = logprobs.topk(num_top, dim=-1)
-    return torch.cat([chosen, top_values], dim=-1), top_ids
+    return torch.cat([chosen, top_values], dim=-1).float(), top_ids
 
 
 def score_rows(
