@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from graphrt.errors import ModelLoadError
+from graphrt.errors import ModelLoadError, RequestError
 
 
 # A normalizer may merge characters before the vocabulary sees them (NFC composes up to three
@@ -45,6 +45,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
 
+    def decode_token(self, token_id: int) -> str:
+        """One token's own text, special tokens included (how logprobs name a token)."""
+        return self._tok.decode([token_id])
+
     def decode_next(self, token_ids: list[int], prefix_offset: int, read_offset: int, final: bool = False) -> tuple[str, int, int]:
         """The text the newest tokens add, decoding only a short window instead of the whole output.
 
@@ -60,10 +64,39 @@ class Tokenizer:
         return "", prefix_offset, read_offset
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        """The prompt text for a conversation, ending where the assistant's reply begins."""
+        """The prompt text for a conversation, ending where the assistant's reply begins.
+
+        Raises RequestError naming the message the template cannot render (a role it does not
+        know, tool calls it has no place for, roles out of the order it demands).
+        """
         if not self._tok.chat_template:
             raise ModelLoadError("this model has no chat template; send a plain prompt instead")
-        return self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            return self._render(messages, add_generation_prompt=True)
+        except Exception as exc:  # a Jinja template raises whatever its code runs into
+            index, error = self._first_unrenderable(messages, exc)
+            raise RequestError(f"messages[{index}]: the model's chat template cannot render this message ({error})") from None
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def _first_unrenderable(self, messages: list[dict], error: Exception) -> tuple[int, Exception]:
+        """The message whose inclusion makes rendering fail, and the template's error for it.
+
+        Bisects over prefixes (log2 of the number of renders, not one per message) between one
+        that renders (or none) and one that fails; the message that ends the failing prefix is it.
+        Prefixes render without the generation prompt, which a template may refuse after an
+        assistant turn; the whole conversation is known to fail with it.
+        """
+        renders, fails = 0, len(messages)
+        while fails - renders > 1:
+            middle = (renders + fails) // 2
+            try:
+                self._render(messages[:middle], add_generation_prompt=False)
+                renders = middle
+            except Exception as exc:
+                fails, error = middle, exc
+        return fails - 1, error
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.encode_templated(self.apply_chat_template(messages))

@@ -18,7 +18,7 @@ from graphrt.server.errors import APIError
 from graphrt.server.generation import Generation, GenerationStream
 from graphrt.server.metrics import ServerMetrics
 from graphrt.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_request
-from graphrt.server.responses import ChatFormat, CompletionFormat, ResponseFormat
+from graphrt.server.responses import ChatFormat, CompletionFormat, ResponseFormat, TokenNames
 
 MAX_DRAIN_BYTES = 64 << 20  # past this, an oversized body is not read to its end before the 413
 
@@ -41,6 +41,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     async_engine = AsyncEngine(engine)
     metrics = ServerMetrics(lambda: async_engine.snapshot)
     created = int(time.time())
+    names = TokenNames(engine.tokenizer)  # the event loop's: logprobs responses spell tokens with it
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -99,14 +100,17 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         parsed = await read_request(request, CompletionRequest)
-        job = GenerationJob(params=sampling_params(parsed), prompt=parsed.prompt)
-        return await generate(request, job, parsed, CompletionFormat(settings.model_id))
+        prompts = parsed.prompts()
+        # n choices per prompt, prompt by prompt; a seed gives choice j of every prompt seed + j
+        job = GenerationJob(params=sampling_params(parsed) * len(prompts), prompts=prompts)
+        fmt = CompletionFormat(settings.model_id, parsed.num_logprobs, names, parsed.echo)
+        return await generate(request, job, parsed, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         parsed = await read_request(request, ChatCompletionRequest)
         job = GenerationJob(params=sampling_params(parsed), messages=[m.template_dict() for m in parsed.messages])
-        return await generate(request, job, parsed, ChatFormat(settings.model_id))
+        return await generate(request, job, parsed, ChatFormat(settings.model_id, parsed.num_logprobs, names))
 
     def model_card() -> dict:
         return {"id": settings.model_id, "object": "model", "created": created, "owned_by": "graphrt", "max_model_len": engine.max_model_len}

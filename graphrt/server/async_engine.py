@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from graphrt.errors import GraphrtError, RequestError, StageError
+from graphrt.logprobs import TokenLogprob
 from graphrt.output_processor import OutputProcessor
 from graphrt.sampling import SamplingParams
 from graphrt.sequence import FinishReason, Sequence
@@ -69,6 +70,10 @@ class ChoiceUpdate:
     num_tokens: int
     finish_reason: str | None
     at: float  # time.perf_counter() when the step that made it ended
+    # For requests that ask: the sequence's own lists, which only grow (on the engine thread);
+    # the first `num_tokens` logprobs are final. The prompt's are complete by the first token.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,17 +83,27 @@ class Disconnected:
 
 @dataclass(eq=False)  # compared and hashed by identity
 class GenerationJob:
-    """One HTTP request: a prompt (text, token ids or chat messages) and one SamplingParams per choice."""
+    """One HTTP request: its prompts (texts or token ids), or chat messages, and one SamplingParams
+    per choice. With several prompts the choices go prompt by prompt, `len(params) // len(prompts)`
+    each, as OpenAI numbers them."""
 
     params: list[SamplingParams]
-    prompt: str | list[int] | None = None
+    prompts: list[str | list[int]] | None = None
     messages: list[dict] | None = None
-    prompt_ids: list[int] | None = None  # set by AsyncEngine.prepare, before the job is submitted
+    prompt_ids: list[list[int]] | None = None  # one per prompt, set by AsyncEngine.prepare before the job is submitted
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived_at: float = field(default_factory=time.perf_counter)
     # engine thread only
     seqs: list[Sequence] = field(default_factory=list)
     started: bool = False  # has produced a token
+
+    @property
+    def num_prompts(self) -> int:
+        return 1 if self.prompts is None else len(self.prompts)
+
+    def prompt_index(self, choice: int) -> int:
+        """Which prompt a choice continues."""
+        return choice * self.num_prompts // len(self.params)
 
 
 @dataclass(frozen=True)
@@ -207,8 +222,8 @@ class AsyncEngine:
 
     def _add(self, job: GenerationJob, deliveries: list) -> None:
         try:
-            for params in job.params:
-                job.seqs.append(self.engine.add_request(job.prompt_ids, params))
+            for choice, params in enumerate(job.params):
+                job.seqs.append(self.engine.add_request(job.prompt_ids[job.prompt_index(choice)], params))
         except Exception as exc:
             for seq in job.seqs:
                 self.engine.abort(seq)
@@ -221,7 +236,7 @@ class AsyncEngine:
         self._jobs.add(job)
         for index, seq in enumerate(job.seqs):
             self._owners[seq.request_id] = (job, index)
-        deliveries.append((job, Admitted(len(job.seqs[0].prompt_ids))))
+        deliveries.append((job, Admitted(sum(map(len, job.prompt_ids)))))
 
     def _abort(self, job: GenerationJob) -> None:
         if job not in self._jobs:
@@ -266,7 +281,12 @@ class AsyncEngine:
             job, index = self._owners[seq.request_id]
             job.started = True
             reason = seq.finish_reason.value if seq.finish_reason is not None else None
-            deliveries.append((job, ChoiceUpdate(index, text.text, text.num_streamable, len(seq.output_ids), reason, now)))
+            params = seq.params
+            deliveries.append((job, ChoiceUpdate(
+                index, text.text, text.num_streamable, len(seq.output_ids), reason, now,
+                seq.logprobs if params.logprobs is not None else None,
+                seq.prompt_logprobs if params.prompt_logprobs is not None else None,
+            )))
         for job in {job for job, _ in deliveries}:
             if all(seq.finished for seq in job.seqs):
                 self._forget(job)
@@ -307,18 +327,31 @@ class PromptPreparer:
         self.check_lengths = engine.scheduler.check
         self.model_name = engine.model_dir.name
 
-    def prompt_ids(self, job: GenerationJob) -> list[int]:
+    def prompt_ids(self, job: GenerationJob) -> list[list[int]]:
+        """Each prompt's token ids; a RequestError names the prompt when there are several."""
         if job.messages is not None:
-            prompt_ids = self._encode(self._render_chat(job.messages), templated=True)
-        elif isinstance(job.prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(f"{self.model_name} has no tokenizer; pass prompts as lists of token ids")
-            prompt_ids = self._encode(job.prompt, templated=False)
+            prompt_ids = [self._encode(self._render_chat(job.messages), templated=True)]
         else:
-            prompt_ids = list(job.prompt)
-        for params in job.params:
-            self.check_lengths(len(prompt_ids), params.max_tokens)
+            prompt_ids = []
+            for index, prompt in enumerate(job.prompts):
+                try:
+                    prompt_ids.append(self._prompt_ids(prompt))
+                except RequestError as exc:
+                    raise RequestError(f"prompt[{index}]: {exc}" if len(job.prompts) > 1 else str(exc)) from None
+        for choice, params in enumerate(job.params):
+            index = job.prompt_index(choice)
+            try:
+                self.check_lengths(len(prompt_ids[index]), params.max_tokens)
+            except RequestError as exc:
+                raise RequestError(f"prompt[{index}]: {exc}" if len(prompt_ids) > 1 else str(exc)) from None
         return prompt_ids
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise RequestError(f"{self.model_name} has no tokenizer; pass prompts as lists of token ids")
+        return self._encode(prompt, templated=False)
 
     def _render_chat(self, messages: list[dict]) -> str:
         if self.tokenizer is None:

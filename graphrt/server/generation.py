@@ -78,6 +78,7 @@ class Generation:
         if isinstance(update, Admitted):
             self.state = "admitted"
             self.prompt_tokens = update.prompt_tokens
+            self.format.start(self.job, self.choices)
             self.metrics.prompt_tokens.inc(update.prompt_tokens)
             return True
         self.state, self.outcome = "refused", None
@@ -130,8 +131,8 @@ class Generation:
                 choice = self.choices[update.index]
                 choice.apply(update)
                 delta = choice.take_delta()
-                if delta or choice.finished:
-                    yield sse(fmt.chunk([fmt.delta_choice(update.index, delta, choice.finish_reason)], include_usage))
+                if delta or choice.finished or choice.scored:
+                    yield sse(fmt.chunk([fmt.delta_choice(update.index, choice, delta)], include_usage))
             else:
                 self._set_finished_outcome()
                 if include_usage:

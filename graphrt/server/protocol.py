@@ -16,26 +16,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from graphrt.sampling import INT64_MAX, INT64_MIN, SamplingParams
+from graphrt.sampling import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from graphrt.server.errors import APIError
 
-MAX_CHOICES = 128  # `n`: each choice is a sequence of its own in the engine
+MAX_CHOICES = 128  # sequences per request (prompts x n): each is a sequence of its own in the engine
 MAX_STOP_STRINGS = 16
 
 # OpenAI parameters graphrt does not implement, with the values that mean "off" (clients often
 # send those explicitly). Any other value is refused with a 400 naming the parameter.
 UNSUPPORTED_PARAMS: dict[str, tuple] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -48,6 +42,9 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    # Ignored. OpenAI pads streamed chunks with random characters against length side channels on
+    # shared networks; graphrt never adds them, which is what `false` asks for.
+    include_obfuscation: bool | None = None
 
 
 class SamplingFields(StrictModel):
@@ -56,7 +53,7 @@ class SamplingFields(StrictModel):
     model: str | None = None  # None: the served model
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, ge=0, le=1)  # 0 keeps only the most likely token: greedy
     top_k: int = Field(0, ge=-1, le=INT64_MAX)  # 0 or -1: no limit; the sampler clamps it to the vocabulary
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX - MAX_CHOICES)
     stop: str | list[str] | None = None
@@ -88,40 +85,99 @@ class SamplingFields(StrictModel):
     def resolved_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Log-probabilities the response reports for each generated token: None for none (the
+        choice's `logprobs` is null); k for the chosen token's own and its k most likely alternatives."""
+        return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """As `num_logprobs`, for each prompt token after the first (completions with `echo`)."""
+        return None
+
     def sampling_params(self) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i draws from seed + i."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        greedy = self.top_p == 0  # the sampler's greedy path; its top_p must be in (0, 1]
         return [
             SamplingParams(
                 max_tokens=self.resolved_max_tokens(),
-                temperature=self.temperature,
+                temperature=0.0 if greedy else self.temperature,
                 top_k=max(self.top_k, 0),
-                top_p=self.top_p,
+                top_p=1.0 if greedy else self.top_p,
                 seed=None if self.seed is None else self.seed + index,
                 stop=stop,
                 ignore_eos=self.ignore_eos,
+                logprobs=self.num_logprobs,
+                prompt_logprobs=self.num_prompt_logprobs,
             )
             for index in range(self.n)
         ]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Any
+    """`prompt` is one prompt (text or token ids) or a batch of them; `prompts()` lists them either way.
+
+    Each prompt gets `n` choices, which the response indexes prompt_index * n + choice_index, as
+    OpenAI does. Every prompt samples with the same `sampling_params()` (choice i from seed + i), so
+    a prompt generates in a batch what it generates alone.
+    """
+
+    prompt: Any  # after validation: a str or list[int] (one prompt), or a list of two or more of those
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # each choice's text begins with its prompt (and its logprobs, with `logprobs`)
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_echo(cls, echo):
+        return False if echo is None else echo  # OpenAI's SDKs type it optional: null means the default
 
     @field_validator("prompt", mode="plain")
     @classmethod
     def _check_prompt(cls, prompt):
-        """A string, a list of token ids, or a batch of one of those."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            raise ValueError("batches of prompts are not supported; send one prompt per request (use n for several choices)")
-        if isinstance(prompt, str):
+        """A string, a list of token ids, or a batch: a list of strings or of token-id lists."""
+        shapes = "a string, a list of token ids, a list of strings, or a list of token-id lists"
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt)):
             return prompt
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
-        raise ValueError("must be a string, a list of token ids, or a list holding one of those")
+        if not isinstance(prompt, list):
+            raise ValueError(f"must be {shapes}")
+        if not prompt:
+            raise ValueError(f"must not be empty; send {shapes}")
+        if not all(isinstance(p, str) for p in prompt) and not all(isinstance(p, list) for p in prompt):
+            raise ValueError(f"must be {shapes}, not a mix of those")
+        for index, element in enumerate(prompt):
+            if isinstance(element, list) and not (element and all(_is_token_id(t) for t in element)):
+                raise ValueError(f"element {index} must be a non-empty list of token ids (integers)")
+        return prompt[0] if len(prompt) == 1 else prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts in order; one element for a single prompt."""
+        if isinstance(self.prompt, str) or _is_token_id(self.prompt[0]):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def check(self) -> None:
+        super().check()
+        num_prompts = len(self.prompts())
+        if num_prompts * self.n > MAX_CHOICES:
+            raise APIError(
+                400, f"prompt holds {num_prompts} prompts, which with n={self.n} make {num_prompts * self.n} sequences, more "
+                f"than the {MAX_CHOICES} one request may ask for; send fewer prompts per request or lower n", param="prompt",
+            )
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class TextPart(StrictModel):
@@ -129,37 +185,120 @@ class TextPart(StrictModel):
     text: str
 
 
-class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+class ToolCallFunction(StrictModel):
+    name: str
+    arguments: str  # JSON, as the model wrote it
 
-    @field_validator("content")
-    @classmethod
-    def _check_content(cls, content):
-        if not content:  # as OpenAI: an empty message is a client bug, not a turn to template
-            got = "an empty string" if isinstance(content, str) else "an empty list"
-            raise ValueError(f"must be a non-empty string or a non-empty list of text parts, got {got}")
-        return content
+
+class ToolCall(StrictModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
 
     def template_dict(self) -> dict:
-        """The message as chat templates expect it: plain text content, developer read as system."""
-        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        """As transformers' chat templates expect a call: its arguments as an object, not a JSON string
+        (templates write them with `tojson`). Arguments that are not a JSON object (a model can write
+        broken JSON) stay the string the model wrote."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except (ValueError, RecursionError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None  # a tool message: the call whose result it carries
+
+    def check(self, index: int) -> None:
+        """What fits together in one message; raises APIError naming the field, e.g. `messages[2].content`."""
+        field = lambda name: f"messages[{index}].{name}"  # noqa: E731
+        if self.tool_calls is not None and self.role != "assistant":
+            raise APIError(400, f"{field('tool_calls')}: only assistant messages make tool calls, not {self.role} messages", param=field("tool_calls"))
+        if self.role == "tool" and self.tool_call_id is None:
+            raise APIError(400, f"{field('tool_call_id')} is required: a tool message answers the call with that id", param=field("tool_call_id"))
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise APIError(400, f"{field('tool_call_id')}: only tool messages answer a tool call, not {self.role} messages", param=field("tool_call_id"))
+        if self.content is None and not self.tool_calls:
+            needs = "unless the message has tool_calls" if self.role == "assistant" else f"in a {self.role} message"
+            raise APIError(400, f"{field('content')} is required {needs}", param=field("content"))
+        # As OpenAI: an empty message is a client bug, not a turn to template. A tool may return
+        # nothing, and an assistant turn that made calls may say nothing.
+        if self.content is not None and not self.content and not self.tool_calls and self.role != "tool":
+            got = "an empty string" if isinstance(self.content, str) else "an empty list"
+            raise APIError(400, f"{field('content')}: must be a non-empty string or a non-empty list of text parts, got {got}", param=field("content"))
+
+    def template_dict(self) -> dict:
+        """The message as transformers' chat templates expect it: plain text content, developer read
+        as system, `tool_calls` on an assistant's calls and `tool_call_id` on a tool's result.
+
+        Content null (an assistant turn that only made calls) becomes "", as vLLM does: templates
+        that know tool calls render them and skip an empty text, and the others (SmolLM2's
+        concatenates `message['content']`) render an empty assistant turn, not the text "None" or
+        an error. transformers 5 drops null keys, so null never reaches a template either way.
+        """
+        if self.content is None:
+            content = ""
+        else:
+            content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # only with logprobs: true
+    # graphrt never calls tools: `tools` are accepted only with tool_choice "none", and then the
+    # model never sees them (they are not passed to the chat template).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # Accepted and ignored: fields OpenAI's SDKs and LangChain send, none of which changes what
+    # graphrt does.
+    parallel_tool_calls: bool | None = None  # no tool is called, in parallel or one at a time
+    metadata: dict[str, str] | None = None  # tags for OpenAI's stored completions; graphrt stores none
+    store: bool | None = None  # the same: nothing is stored
+    service_tier: str | None = None  # OpenAI's priced tiers; one server is one tier
+    reasoning_effort: str | None = None  # for OpenAI's reasoning models; no chat template here is given it
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _null_logprobs(cls, logprobs):
+        return False if logprobs is None else logprobs  # OpenAI's SDKs type it optional: null means the default
 
     def check(self) -> None:
         super().check()
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens disagree; give one of them", param="max_tokens")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs is only allowed with logprobs: true", param="top_logprobs")
+        if self.tools and self.tool_choice != "none":
+            raise APIError(
+                400, 'tools are not supported by graphrt: the model cannot call them; remove tools, or send tool_choice: "none" '
+                "to have them ignored", param="tools",
+            )
+        if self.tool_choice not in (None, "none"):
+            raise APIError(400, 'tool_choice other than "none" is not supported by graphrt: the model cannot call tools', param="tool_choice")
+        for index, message in enumerate(self.messages):
+            message.check(index)
 
     def resolved_max_tokens(self) -> int | None:
         # None: up to the context length, as OpenAI's default for chat
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse_request(body: bytes, model_cls: type[SamplingFields]) -> SamplingFields:

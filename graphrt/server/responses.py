@@ -1,17 +1,26 @@
-"""The JSON the OpenAI API answers with: whole responses, stream chunks and usage, per endpoint."""
+"""The JSON the OpenAI API answers with: whole responses, stream chunks and usage, per endpoint.
+
+Logprobs, where a request asks for them, show each token as the text it decodes to alone (OpenAI's
+`tokens`), next to its log-probability and its most likely alternatives. With `echo`, a completion's
+text and logprobs begin with the prompt's (its first token has no logprob: nothing precedes it).
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from graphrt.server.async_engine import ChoiceUpdate
+from graphrt.logprobs import TokenLogprob
+from graphrt.server.async_engine import ChoiceUpdate, GenerationJob
+
+# A token and its logprob entry (None for a prompt's first token), as a choice reports them.
+Scored = tuple[int, TokenLogprob | None]
 
 
 @dataclass
 class ChoiceState:
-    """One choice as its tokens arrive, and how much of its text a stream has sent."""
+    """One choice as its tokens arrive, and how much of its text and logprobs a stream has sent."""
 
     text: str = ""
     num_streamable: int = 0  # characters of `text` that can no longer change (see OutputProcessor)
@@ -20,25 +29,44 @@ class ChoiceState:
     first_at: float | None = None
     last_at: float | None = None
     num_sent: int = 0  # characters of `text` already streamed
+    # echo: the prompt's text and tokens, sent ahead of the first generated text
+    echo_text: str = ""
+    echo_ids: list[int] | None = None
+    scored: list[Scored] = field(default_factory=list)  # logprobs received and not yet sent
+    text_offset: int = 0  # where the next scored token's text begins in the choice's text
+    _logprobs: list[TokenLogprob] | None = None  # the sequence's list (see ChoiceUpdate)
+    _num_scored: int = 0
 
     def apply(self, update: ChoiceUpdate) -> None:
         self.text, self.num_tokens, self.finish_reason = update.text, update.num_tokens, update.finish_reason
         self.num_streamable = update.num_streamable
         if self.first_at is None:
             self.first_at = update.at
+            if update.prompt_logprobs is not None and self.echo_ids is not None:
+                self.scored += zip(self.echo_ids, update.prompt_logprobs)
         self.last_at = update.at
+        if update.logprobs is not None:
+            fresh = update.logprobs[self._num_scored : update.num_tokens]
+            self.scored += ((entry.token_id, entry) for entry in fresh)
+            self._num_scored = update.num_tokens
+
+    def take_scored(self) -> list[Scored]:
+        taken, self.scored = self.scored, []
+        return taken
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def take_delta(self) -> str:
-        """The text a stream may send now: what can no longer change (all of it once finished)."""
+        """The text a stream may send now: what can no longer change (all of it once finished),
+        after the echoed prompt the first time."""
+        echo, self.echo_text = self.echo_text, ""
         end = len(self.text) if self.finished else self.num_streamable
         if end <= self.num_sent:
-            return ""
+            return echo
         delta, self.num_sent = self.text[self.num_sent : end], end
-        return delta
+        return echo + delta
 
 
 def usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict:
@@ -47,17 +75,42 @@ def usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
+class TokenNames:
+    """Each token id as the text it decodes to alone, remembered (a logprobs response names every
+    token and its alternatives); `token_id:N` for a model without a tokenizer, as vLLM writes it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._names: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        name = self._names.get(token_id)
+        if name is None:
+            name = self.tokenizer.decode_token(token_id) if self.tokenizer is not None else f"token_id:{token_id}"
+            self._names[token_id] = name
+        return name
+
+
 class ResponseFormat:
-    """What differs between /v1/completions and /v1/chat/completions is only the JSON's shape."""
+    """What differs between /v1/completions and /v1/chat/completions is only the JSON's shape.
+
+    `num_top` is the alternatives each token's logprobs list (None: the request asked for no
+    logprobs), `names` how tokens are spelled there.
+    """
 
     id_prefix = ""
     response_object = ""
     chunk_object = ""
 
-    def __init__(self, model_id: str):
+    def __init__(self, model_id: str, num_top: int | None = None, names: TokenNames | None = None):
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_id = model_id
+        self.num_top, self.names = num_top, names
+
+    @property
+    def with_logprobs(self) -> bool:
+        return self.num_top is not None
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model_id, "choices": choices}
@@ -73,13 +126,23 @@ class ResponseFormat:
             body["usage"] = usage_body  # null on every chunk but the last, as OpenAI does
         return body
 
+    def start(self, job: GenerationJob, choices: list[ChoiceState]) -> None:
+        """Once the job is admitted (its prompts are token ids by then)."""
+
     def opening_choice(self, index: int) -> dict | None:
         return None
 
     def final_choice(self, index: int, choice: ChoiceState) -> dict:
         raise NotImplementedError
 
-    def delta_choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def delta_choice(self, index: int, choice: ChoiceState, text: str) -> dict:
+        """A stream chunk's choice: `text` and the logprobs received since the last chunk."""
+        raise NotImplementedError
+
+    def logprobs(self, choice: ChoiceState) -> dict | None:
+        return self.logprobs_body(choice, choice.take_scored()) if self.with_logprobs else None
+
+    def logprobs_body(self, choice: ChoiceState, scored: list[Scored]) -> dict:
         raise NotImplementedError
 
 
@@ -87,11 +150,48 @@ class CompletionFormat(ResponseFormat):
     id_prefix = "cmpl"
     response_object = chunk_object = "text_completion"
 
-    def final_choice(self, index: int, choice: ChoiceState) -> dict:
-        return {"index": index, "text": choice.text, "logprobs": None, "finish_reason": choice.finish_reason}
+    def __init__(self, model_id: str, num_top: int | None = None, names: TokenNames | None = None, echo: bool = False):
+        super().__init__(model_id, num_top, names)
+        self.echo = echo
 
-    def delta_choice(self, index: int, text: str, finish_reason: str | None) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def start(self, job: GenerationJob, choices: list[ChoiceState]) -> None:
+        """Once admitted: with echo, each choice's text (and logprobs) begins with its prompt."""
+        if not self.echo:
+            return
+        for index, choice in enumerate(choices):
+            prompt = job.prompts[job.prompt_index(index)]
+            prompt_ids = job.prompt_ids[job.prompt_index(index)]
+            choice.echo_text = prompt if isinstance(prompt, str) else self._decode(prompt_ids)
+            choice.echo_ids = prompt_ids if self.with_logprobs else None
+
+    def _decode(self, token_ids: list[int]) -> str:
+        tokenizer = self.names.tokenizer if self.names is not None else None
+        return tokenizer.decode(token_ids) if tokenizer is not None else ""
+
+    def final_choice(self, index: int, choice: ChoiceState) -> dict:
+        text = choice.echo_text + choice.text
+        return {"index": index, "text": text, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+
+    def delta_choice(self, index: int, choice: ChoiceState, text: str) -> dict:
+        return {"index": index, "text": text, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+
+    def logprobs_body(self, choice: ChoiceState, scored: list[Scored]) -> dict:
+        """The legacy shape: parallel lists; each top_logprobs dict holds the token itself too."""
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for token_id, entry in scored:
+            name = self.names(token_id)
+            tokens.append(name)
+            text_offset.append(choice.text_offset)
+            choice.text_offset += len(name)
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(entry.logprob)
+            top = {self.names(alt): logprob for alt, logprob in entry.top}
+            top.setdefault(name, entry.logprob)
+            top_logprobs.append(top)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
 
 
 class ChatFormat(ResponseFormat):
@@ -104,8 +204,20 @@ class ChatFormat(ResponseFormat):
 
     def final_choice(self, index: int, choice: ChoiceState) -> dict:
         message = {"role": "assistant", "content": choice.text}
-        return {"index": index, "message": message, "logprobs": None, "finish_reason": choice.finish_reason}
+        return {"index": index, "message": message, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
 
-    def delta_choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def delta_choice(self, index: int, choice: ChoiceState, text: str) -> dict:
         delta = {"content": text} if text else {}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+
+    def logprobs_body(self, choice: ChoiceState, scored: list[Scored]) -> dict:
+        """The chat shape: one object per token, with its UTF-8 bytes and a list of alternatives."""
+        def token(token_id: int, logprob: float) -> dict:
+            name = self.names(token_id)
+            return {"token": name, "logprob": logprob, "bytes": list(name.encode("utf-8"))}
+
+        content = [
+            {**token(token_id, entry.logprob), "top_logprobs": [token(alt, logprob) for alt, logprob in entry.top]}
+            for token_id, entry in scored
+        ]
+        return {"content": content, "refusal": None}

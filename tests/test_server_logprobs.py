@@ -1,0 +1,147 @@
+"""Logprobs, echo and batched prompts through `graphrt serve` and the real openai client: the
+numbers equal transformers' log_softmax (float32, to 1e-4), streamed equals not streamed, choices
+are numbered prompt by prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+for package in ("fastapi", "uvicorn", "openai", "httpx"):  # the server stack: not on every GPU image
+    pytest.importorskip(package)
+
+import openai  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from graphrt.llm import LLM  # noqa: E402
+from graphrt.server import ServerSettings, ServerThread  # noqa: E402
+from graphrt.tokenizer import Tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "Water boils at a temperature of"]
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    engine = LLM(default_model, dtype="float32", max_num_seqs=16).engine
+    with ServerThread(engine, ServerSettings(model_id="smol")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model) -> Tokenizer:
+    return Tokenizer.from_dir(default_model)
+
+
+@pytest.fixture(scope="module")
+def reference(default_model):
+    """log_softmax of transformers' logits for a token sequence (row p scores token p + 1)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32)
+
+    def logprobs(token_ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
+
+    return logprobs
+
+
+def greedy_ids(reference, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy continuation: the token ids the server's text stands for."""
+    ids = list(prompt_ids)
+    for _ in range(num_tokens):
+        ids.append(int(reference(ids)[-1].argmax()))
+    return ids
+
+
+def test_echo_with_logprobs_scores_prompt_and_completion(client, tokenizer, reference):
+    """What lm-eval's loglikelihood tasks send: token-id prompts in a batch, echo, logprobs, greedy."""
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    response = client.completions.create(model="smol", prompt=prompts, max_tokens=4, temperature=0, logprobs=3, echo=True, n=2)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.usage.prompt_tokens == sum(map(len, prompts))
+    assert response.usage.completion_tokens == 4 * 4
+    for choice in response.choices:
+        prompt_ids = prompts[choice.index // 2]  # prompt-major: prompt 0's two choices, then prompt 1's
+        logprobs = choice.logprobs
+        assert choice.text.startswith(tokenizer.decode(prompt_ids))
+        assert len(logprobs.tokens) == len(prompt_ids) + 4
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        # the token strings spell the text, and text_offset says where each one starts
+        assert "".join(logprobs.tokens) == choice.text
+        assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+        ids = greedy_ids(reference, prompt_ids, 4)
+        assert logprobs.tokens == [tokenizer.decode_token(t) for t in ids]
+        rows = reference(ids)
+        for position in range(1, len(ids)):
+            row = rows[position - 1]
+            assert abs(logprobs.token_logprobs[position] - row[ids[position]].item()) <= ATOL, position
+            top = logprobs.top_logprobs[position]
+            best = row.topk(3)
+            names = [tokenizer.decode_token(t) for t in best.indices.tolist()]
+            # the three most likely tokens, plus the token itself when it is not among them
+            assert set(top) == set(names) | {logprobs.tokens[position]}
+            for name, value in zip(names, best.values.tolist()):
+                assert abs(top[name] - value) <= ATOL
+
+
+def test_completion_logprobs_stream_equals_non_stream(client):
+    kwargs = dict(model="smol", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    streamed = [lp for chunk in chunks if chunk.logprobs for lp in chunk.logprobs.token_logprobs]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert streamed == whole.logprobs.token_logprobs
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == whole.logprobs.text_offset
+
+
+def test_chat_logprobs_equal_transformers_streamed_or_not(client, tokenizer, reference):
+    messages = [{"role": "user", "content": "Name a color."}]
+    kwargs = dict(model="smol", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    content = whole.logprobs.content
+    prompt_ids = tokenizer.encode_chat(messages)
+    output_ids = greedy_ids(reference, prompt_ids, len(content))[len(prompt_ids):]
+    assert [t.token for t in content] == [tokenizer.decode_token(t) for t in output_ids]
+    assert "".join(t.token for t in content) == whole.message.content
+    rows = reference(prompt_ids + output_ids)
+    for i, token in enumerate(content):
+        row = rows[len(prompt_ids) + i - 1]
+        assert abs(token.logprob - row[output_ids[i]].item()) <= ATOL
+        assert token.bytes == list(token.token.encode("utf-8"))
+        best = row.topk(2)
+        assert [t.token for t in token.top_logprobs] == [tokenizer.decode_token(t) for t in best.indices.tolist()]
+    streamed = [t for c in client.chat.completions.create(stream=True, **kwargs) if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+
+
+def test_without_logprobs_there_are_none(client):
+    completion = client.completions.create(model="smol", prompt=PROMPTS, max_tokens=3, temperature=0)
+    assert [c.logprobs for c in completion.choices] == [None, None]
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert chat.choices[0].logprobs is None
+
+
+def test_batched_prompts_answer_as_single_requests(client):
+    """Each prompt of a batch gets what it gets alone; streamed, each choice keeps its own text."""
+    single = [client.completions.create(model="smol", prompt=p, max_tokens=8, temperature=0).choices[0].text for p in PROMPTS]
+    batched = client.completions.create(model="smol", prompt=PROMPTS, max_tokens=8, temperature=0)
+    assert [c.text for c in sorted(batched.choices, key=lambda c: c.index)] == single
+    texts = ["", ""]
+    for chunk in client.completions.create(model="smol", prompt=PROMPTS, max_tokens=8, temperature=0, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == single
+
+
+def test_echo_without_logprobs_prefixes_the_prompt(client):
+    plain = client.completions.create(model="smol", prompt=PROMPTS[1], max_tokens=5, temperature=0).choices[0]
+    echoed = client.completions.create(model="smol", prompt=PROMPTS[1], max_tokens=5, temperature=0, echo=True).choices[0]
+    assert echoed.text == PROMPTS[1] + plain.text and echoed.logprobs is None

@@ -1,0 +1,372 @@
+"""Parsing request bodies, without a server: what `parse_request` accepts, what it refuses (with
+the parameter named), and the `SamplingParams` and chat-template messages a request turns into."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+for package in ("fastapi", "uvicorn"):  # graphrt.server imports the server stack: not on every GPU image
+    pytest.importorskip(package)
+
+from graphrt.errors import RequestError  # noqa: E402
+from graphrt.sampling import MAX_LOGPROBS  # noqa: E402
+from graphrt.server.errors import APIError  # noqa: E402
+from graphrt.server.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, parse_request  # noqa: E402
+
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+# a tool-using conversation as LangChain's ChatOpenAI sends it: the assistant's content is null
+TOOL_HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    *USER,
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "content": "sunny, 24 C", "tool_call_id": "call_1"},
+    {"role": "user", "content": "Should I take an umbrella?"},
+]
+
+
+def completion(**fields) -> CompletionRequest:
+    return parse_request(json.dumps({"prompt": "Hello", **fields}).encode(), CompletionRequest)
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return parse_request(json.dumps({"messages": USER, **fields}).encode(), ChatCompletionRequest)
+
+
+def refused(parse, **fields) -> APIError:
+    with pytest.raises(APIError) as caught:
+        parse(**fields)
+    assert caught.value.status == 400
+    return caught.value
+
+
+# --- logprobs ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("fields", "logprobs", "prompt_logprobs"), [
+    ({}, None, None),
+    ({"logprobs": None, "echo": None}, None, None),  # SDKs send null for "unset"
+    ({"logprobs": 0}, 0, None),  # the chosen token's own log-probability, no alternatives
+    ({"logprobs": 5}, 5, None),
+    ({"logprobs": MAX_LOGPROBS}, MAX_LOGPROBS, None),
+    ({"logprobs": 3, "echo": True}, 3, 3),  # echo with logprobs scores the prompt too
+    ({"echo": True}, None, None),  # echo alone prints the prompt, scores nothing
+])
+def test_completion_logprobs_reach_the_sampling_params(fields, logprobs, prompt_logprobs):
+    request = completion(n=2, **fields)
+    assert (request.num_logprobs, request.num_prompt_logprobs) == (logprobs, prompt_logprobs)
+    assert request.echo is bool(fields.get("echo"))
+    assert [(p.logprobs, p.prompt_logprobs) for p in request.sampling_params()] == [(logprobs, prompt_logprobs)] * 2
+
+
+@pytest.mark.parametrize("fields", [{"logprobs": MAX_LOGPROBS + 1}, {"logprobs": -1}, {"logprobs": True}, {"logprobs": "5"}, {"echo": 1}])
+def test_completion_logprobs_out_of_range_are_refused(fields):
+    error = refused(completion, **fields)
+    assert error.param == next(iter(fields))
+
+
+@pytest.mark.parametrize(("fields", "logprobs"), [
+    ({}, None),
+    ({"logprobs": None}, None),
+    ({"logprobs": False}, None),
+    ({"logprobs": True}, 0),
+    ({"logprobs": True, "top_logprobs": None}, 0),
+    ({"logprobs": True, "top_logprobs": 0}, 0),
+    ({"logprobs": True, "top_logprobs": 7}, 7),
+    ({"logprobs": True, "top_logprobs": MAX_LOGPROBS}, MAX_LOGPROBS),
+])
+def test_chat_logprobs_reach_the_sampling_params(fields, logprobs):
+    request = chat(**fields)
+    assert request.num_logprobs == logprobs and request.num_prompt_logprobs is None
+    assert [(p.logprobs, p.prompt_logprobs) for p in request.sampling_params()] == [(logprobs, None)]
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"top_logprobs": 3}, "top_logprobs"),  # as OpenAI: top_logprobs needs logprobs: true
+    ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "top_logprobs"),
+    ({"logprobs": 5}, "logprobs"),  # chat's logprobs is a bool; the count is top_logprobs
+    ({"echo": True}, "echo"),  # completions only
+])
+def test_chat_logprobs_near_misses_are_refused(fields, param):
+    error = refused(chat, **fields)
+    assert error.param == param and param in error.message
+
+
+def test_top_logprobs_is_a_chat_parameter():
+    assert refused(completion, top_logprobs=2).param == "top_logprobs"
+
+
+# --- batched prompts --------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("prompt", "prompts"), [
+    ("Hello", ["Hello"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    (["Hello"], ["Hello"]),  # a batch of one is that prompt
+    ([[1, 2, 3]], [[1, 2, 3]]),
+    (["Hello", "Bonjour", "Hallo"], ["Hello", "Bonjour", "Hallo"]),
+    ([[1, 2], [3], [4, 5, 6]], [[1, 2], [3], [4, 5, 6]]),
+    (["Hello", ""], ["Hello", ""]),  # text that tokenizes to nothing is refused later, as a single "" is
+])
+def test_prompt_forms(prompt, prompts):
+    request = completion(prompt=prompt)
+    assert request.prompts() == prompts
+    if len(prompts) == 1:
+        assert request.prompt == prompts[0]  # one prompt stays one prompt, whatever its wrapping
+
+
+@pytest.mark.parametrize(("prompt", "says"), [
+    ([], "must not be empty"),
+    ([[1, 2], []], "element 1"),  # no prompt is an empty list of token ids
+    ([[]], "element 0"),
+    ([[1, "a"]], "element 0"),
+    ([[1, True]], "element 0"),  # a bool is not a token id
+    ([[1.0]], "element 0"),
+    (["a", [1]], "not a mix"),
+    ([1, "a"], "not a mix"),
+    ([["a"]], "element 0"),
+    ([1.5], "must be"),
+    (5, "must be"),
+    (None, "must be"),
+    ({"text": "a"}, "must be"),
+])
+def test_malformed_prompts_are_refused(prompt, says):
+    error = refused(completion, prompt=prompt)
+    assert error.param == "prompt" and says in error.message
+
+
+def test_prompts_times_choices_is_bounded():
+    assert len(completion(prompt=["a"] * MAX_CHOICES).prompts()) == MAX_CHOICES
+    assert completion(prompt=["a", "b", "c"], n=MAX_CHOICES // 3).n == MAX_CHOICES // 3  # 126 sequences
+    for fields in ({"prompt": ["a"] * (MAX_CHOICES + 1)}, {"prompt": ["a", "b", "c"], "n": MAX_CHOICES // 3 + 1}, {"prompt": [[1], [2]], "n": MAX_CHOICES}):
+        error = refused(completion, **fields)
+        assert error.param == "prompt"
+        assert f"more than the {MAX_CHOICES}" in error.message and "lower n" in error.message
+
+
+def test_every_prompt_of_a_batch_samples_as_it_would_alone():
+    batch = completion(prompt=["a", "b"], n=3, seed=10, temperature=0.7)
+    alone = completion(prompt="a", n=3, seed=10, temperature=0.7)
+    assert batch.sampling_params() == alone.sampling_params()
+    assert [p.seed for p in batch.sampling_params()] == [10, 11, 12]
+
+
+# --- fields SDKs send, accepted and ignored ---------------------------------------------------
+
+IGNORED_CHAT_FIELDS = [
+    {"metadata": {"user_tier": "free", "session": "42"}},
+    {"metadata": None},
+    {"store": True},
+    {"store": False},
+    {"service_tier": "auto"},
+    {"reasoning_effort": "low"},
+    {"parallel_tool_calls": True},
+    {"parallel_tool_calls": False},
+    {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}},
+    {"tools": [], "tool_choice": "none"},
+    {"tool_choice": "none"},
+    {"user": "someone"},
+]
+
+
+@pytest.mark.parametrize("fields", IGNORED_CHAT_FIELDS, ids=lambda fields: "+".join(fields))
+def test_ignored_fields_change_nothing(fields):
+    baseline = chat(temperature=0.5, seed=3, stream=fields.get("stream", False))
+    request = chat(temperature=0.5, seed=3, **fields)
+    assert request.sampling_params() == baseline.sampling_params()
+    assert [m.template_dict() for m in request.messages] == [m.template_dict() for m in baseline.messages]
+
+
+def test_include_obfuscation_is_accepted_on_completions_too():
+    assert completion(stream=True, stream_options={"include_obfuscation": True}).include_usage is False
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"metadata": {"k": 1}}, "metadata.k"),
+    ({"metadata": ["k"]}, "metadata"),
+    ({"store": "yes"}, "store"),
+    ({"service_tier": 1}, "service_tier"),
+    ({"reasoning_effort": 2}, "reasoning_effort"),
+    ({"parallel_tool_calls": "true"}, "parallel_tool_calls"),
+    ({"stream": True, "stream_options": {"include_obfuscation": "no"}}, "stream_options.include_obfuscation"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),  # no SDK sends it unasked
+    ({"frobnicate": 1}, "frobnicate"),
+])
+def test_ignored_fields_near_misses_are_refused(fields, param):
+    error = refused(chat, **fields)
+    assert error.param == param and param.split(".")[0] in error.message
+
+
+@pytest.mark.parametrize("name", ["metadata", "store", "service_tier", "reasoning_effort", "parallel_tool_calls"])
+def test_chat_only_fields_are_unknown_to_completions(name):
+    error = refused(completion, **{name: None})
+    assert error.param == name and error.message == f"unrecognized request argument: {name}"
+
+
+# --- tools ------------------------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_tools_with_tool_choice_none_are_ignored():
+    request = chat(tools=TOOLS, tool_choice="none", parallel_tool_calls=False)
+    assert [m.template_dict() for m in request.messages] == [m.template_dict() for m in chat().messages]
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": TOOLS}, "tools"),
+    ({"tools": TOOLS, "tool_choice": None}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": "get_weather", "tool_choice": "none"}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_tools_the_model_would_be_asked_to_call_are_refused(fields, param):
+    error = refused(chat, **fields)
+    assert error.param == param and param in error.message
+
+
+# --- tool-call history ------------------------------------------------------------------------
+
+def test_tool_history_reaches_the_template_as_transformers_expects():
+    request = parse_request(json.dumps({"messages": TOOL_HISTORY}).encode(), ChatCompletionRequest)
+    assert [m.template_dict() for m in request.messages] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        ]},
+        {"role": "tool", "content": "sunny, 24 C", "tool_call_id": "call_1"},
+        {"role": "user", "content": "Should I take an umbrella?"},
+    ]
+
+
+@pytest.mark.parametrize(("assistant", "content", "arguments"), [
+    ({"content": "Let me look.", "tool_calls": [CALL]}, "Let me look.", {"city": "Paris"}),  # text beside the calls
+    ({"content": "", "tool_calls": [CALL]}, "", {"city": "Paris"}),
+    ({"tool_calls": [CALL]}, "", {"city": "Paris"}),  # content missing
+    ({"content": [{"type": "text", "text": "Let me "}, {"type": "text", "text": "look."}], "tool_calls": [CALL]}, "Let me look.", {"city": "Paris"}),
+    # arguments that are not a JSON object stay the text the model wrote
+    ({"content": None, "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{broken"}}]}, "", "{broken"),
+    ({"content": None, "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1, 2]"}}]}, "", "[1, 2]"),
+])
+def test_assistant_tool_call_forms(assistant, content, arguments):
+    messages = [*USER, {"role": "assistant", **assistant}, {"role": "tool", "content": [{"type": "text", "text": "sunny"}], "tool_call_id": "call_1"}]
+    request = parse_request(json.dumps({"messages": messages}).encode(), ChatCompletionRequest)
+    turn, result = (m.template_dict() for m in request.messages[1:])
+    assert turn["content"] == content and turn["tool_calls"][0]["function"]["arguments"] == arguments
+    assert result == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+def test_a_tool_may_return_nothing():
+    messages = [*TOOL_HISTORY[:3], {"role": "tool", "content": "", "tool_call_id": "call_1"}]
+    assert parse_request(json.dumps({"messages": messages}).encode(), ChatCompletionRequest).messages[3].template_dict()["content"] == ""
+
+
+@pytest.mark.parametrize(("message", "param", "says"), [
+    ({"role": "assistant", "content": None}, "messages[1].content", "unless the message has tool_calls"),
+    ({"role": "assistant"}, "messages[1].content", "unless the message has tool_calls"),
+    ({"role": "assistant", "content": None, "tool_calls": []}, "messages[1].content", "unless the message has tool_calls"),
+    ({"role": "assistant", "content": ""}, "messages[1].content", "non-empty"),
+    ({"role": "user", "content": None}, "messages[1].content", "is required"),
+    ({"role": "user"}, "messages[1].content", "is required"),
+    ({"role": "user", "content": ""}, "messages[1].content", "non-empty"),
+    ({"role": "user", "content": "hi", "tool_calls": [CALL]}, "messages[1].tool_calls", "only assistant messages"),
+    ({"role": "user", "content": "hi", "tool_call_id": "call_1"}, "messages[1].tool_call_id", "only tool messages"),
+    ({"role": "tool", "content": "sunny"}, "messages[1].tool_call_id", "is required"),
+    ({"role": "tool", "content": None, "tool_call_id": "call_1"}, "messages[1].content", "is required"),
+    ({"role": "tool", "content": 24, "tool_call_id": "call_1"}, "messages[1].content", "valid"),
+    ({"role": "tool", "content": "sunny", "tool_call_id": 1}, "messages[1].tool_call_id", "valid string"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "type": "custom"}]}, "messages[1].tool_calls[0].type", "function"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f"}}]}, "messages[1].tool_calls[0].function.arguments", "required"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": {"city": "Paris"}}}]},  # JSON text, not an object
+     "messages[1].tool_calls[0].function.arguments", "valid string"),
+    ({"role": "assistant", "tool_calls": [{"type": "function", "function": CALL["function"]}]}, "messages[1].tool_calls[0].id", "required"),
+    ({"role": "assistant", "tool_calls": CALL}, "messages[1].tool_calls", "valid list"),
+    ({"role": "function", "content": "x"}, "messages[1].role", "'tool'"),
+])
+def test_malformed_tool_messages_are_refused(message, param, says):
+    error = refused(chat, messages=[*USER, message])
+    assert error.param == param, error.message
+    assert error.message.startswith(param) and says in error.message
+
+
+# --- top_p ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 2.0])
+def test_top_p_zero_is_greedy(temperature):
+    for request in (completion(top_p=0, temperature=temperature, n=2, seed=1), chat(top_p=0.0, temperature=temperature)):
+        for params in request.sampling_params():
+            assert params.greedy and params.temperature == 0 and params.top_p == 1.0
+
+
+def test_top_p_above_zero_is_kept():
+    [params] = completion(top_p=1e-9, temperature=0.7).sampling_params()
+    assert not params.greedy and params.top_p == 1e-9 and params.temperature == 0.7
+
+
+@pytest.mark.parametrize("top_p", [-0.1, 1.5, True])
+def test_top_p_out_of_range_is_refused(top_p):
+    assert refused(completion, top_p=top_p).param == "top_p"
+
+
+def test_max_tokens_stays_positive():
+    assert refused(completion, max_tokens=0).param == "max_tokens"
+    assert refused(chat, max_completion_tokens=0).param == "max_completion_tokens"
+
+
+# --- the chat template's side -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model):
+    from graphrt.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(default_model)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    return [m.template_dict() for m in parse_request(json.dumps({"messages": messages}).encode(), ChatCompletionRequest).messages]
+
+
+@pytest.mark.slow
+def test_default_template_renders_tool_history(tokenizer):
+    # SmolLM2's template knows no tool calls: the call's turn is empty, its result a "tool" turn
+    text = tokenizer.apply_chat_template(template_messages(TOOL_HISTORY))
+    assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\nsunny, 24 C<|im_end|>" in text
+    assert "None" not in text and text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad_index", [0, 1, 3, 4])
+def test_template_failure_names_the_message(tokenizer, monkeypatch, bad_index):
+    # a template that, like many, refuses roles it does not know
+    template = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+                "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
+                "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    monkeypatch.setattr(tokenizer._tok, "chat_template", template)
+    messages = [{"role": "user", "content": f"turn {i}"} for i in range(6)]
+    assert tokenizer.apply_chat_template(messages).endswith("user: turn 5\nassistant: ")
+    messages[bad_index] = {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    messages[-1] = {"role": "tool", "content": "rain", "tool_call_id": "call_2"}  # a later one is not named
+    with pytest.raises(RequestError) as caught:
+        tokenizer.apply_chat_template(messages)
+    assert str(caught.value) == f"messages[{bad_index}]: the model's chat template cannot render this message (unknown role tool)"
+
+
+@pytest.mark.slow
+def test_template_failure_search_renders_prefixes_without_the_generation_prompt(tokenizer, monkeypatch):
+    # a template that wants the conversation to end with the user when asked for a reply: a prefix
+    # ending on the assistant's turn is no error of that turn
+    template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+                "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{% if messages[-1]['role'] != 'user' %}{{ raise_exception('reply to what?') }}{% endif %}"
+                "assistant: {% endif %}")
+    monkeypatch.setattr(tokenizer._tok, "chat_template", template)
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}, {"role": "tool", "content": "d"}]
+    with pytest.raises(RequestError, match=r"^messages\[3\]: .* \(no tools\)$"):
+        tokenizer.apply_chat_template(messages)
+    with pytest.raises(RequestError, match=r"^messages\[1\]: .* \(reply to what\?\)$"):  # the whole conversation fails only for its end
+        tokenizer.apply_chat_template(messages[:2])
