@@ -1,7 +1,9 @@
 """`graphrt bench`: an offline workload through the ring, and optionally through transformers.
 
 Requests are random token ids with seeded random prompt and output lengths, all submitted at
-once; EOS is ignored so every request produces exactly its output length. transformers runs the
+once; EOS is ignored so every request produces exactly its output length. With a shared prefix,
+every prompt starts with the same tokens (a system prompt) before its own, which the prefix cache
+computes once. transformers runs the
 same requests in static batches of the same maximum size (left-padded, each batch generating
 until its longest request is done); only the requested tokens count for both.
 """
@@ -25,11 +27,14 @@ class Request:
     output_len: int
 
 
-def make_workload(num_requests: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, seed: int) -> list[Request]:
+def make_workload(
+    num_requests: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, seed: int, shared_prefix: int = 0,
+) -> list[Request]:
     rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab_size) for _ in range(shared_prefix)]
     return [
         Request(
-            prompt=[rng.randrange(3, vocab_size) for _ in range(rng.randint(*input_range))],
+            prompt=prefix + [rng.randrange(3, vocab_size) for _ in range(rng.randint(*input_range))],
             output_len=rng.randint(*output_range),
         )
         for _ in range(num_requests)
@@ -53,6 +58,7 @@ class BenchResult:
     ttft_s: dict[str, float] | None = None
     tpot_s: dict[str, float] | None = None
     weight_gb_s: float | None = None
+    prefix_hit_rate: float | None = None  # prompt tokens taken from the prefix cache, of those looked up
 
     @property
     def output_tok_s(self) -> float:
@@ -68,14 +74,18 @@ class BenchResult:
             out.append(f"  TTFT {fmt(self.ttft_s)}; TPOT {fmt(self.tpot_s)}")
         if self.weight_gb_s is not None:
             out.append(f"  weight bandwidth during decode: {self.weight_gb_s:.1f} GB/s")
+        if self.prefix_hit_rate is not None:
+            out.append(f"  prefix cache hit rate: {self.prefix_hit_rate:.1%} of prompt tokens")
         return out
 
 
 def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
     engine = llm.engine
-    # Warm-up: one short request, so first-call costs don't count.
-    llm.generate([workload[0].prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    before = (engine.stats.decode_steps, engine.stats.decode_seconds)
+    # Warm-up: one short request, so first-call costs don't count; its prompt is the first one
+    # reversed, which shares no prefix with any request.
+    llm.generate([workload[0].prompt[::-1]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    allocator = engine.allocator
+    before = (engine.stats.decode_steps, engine.stats.decode_seconds, allocator.num_queried_tokens, allocator.num_hit_tokens)
     start = time.perf_counter()
     seqs = [
         engine.add_request(r.prompt, SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True))
@@ -89,6 +99,7 @@ def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
     tpot = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs if len(s.output_ids) > 1]
     steps = engine.stats.decode_steps - before[0]
     decode_seconds = engine.stats.decode_seconds - before[1]
+    queried, hits = allocator.num_queried_tokens - before[2], allocator.num_hit_tokens - before[3]
     return BenchResult(
         name=f"graphrt pp={engine.stage_plan.pp} depth={engine.depth}",
         seconds=seconds,
@@ -97,6 +108,7 @@ def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
         ttft_s=percentiles(ttft),
         tpot_s=percentiles(tpot),
         weight_gb_s=engine.weight_bytes * steps / decode_seconds / 1e9 if decode_seconds else None,
+        prefix_hit_rate=hits / queried if engine.config.prefix_caching and queried else None,
     )
 
 

@@ -49,6 +49,7 @@ def model_options(command):
         click.option("--buckets", default=None, help="Decode bucket sizes, e.g. 1,2,4,8,16 [default: 1, 2, 4, 8, then every 8 up to --max-batch]."),
         click.option("--depth", type=click.IntRange(min=0), default=None, help="Micro-batches in flight beyond one per stage: the ring has pp + depth slots [default: 1 with several CUDA stages, else 0]."),
         click.option("--async-scheduling/--no-async-scheduling", default=True, help="Launch a slot's next decode step before its tokens are read back, so the host's turnaround overlaps the stages' work [default: on]."),
+        click.option("--no-prefix-caching", is_flag=True, help="Prefill every prompt whole instead of reusing the KV blocks of prefixes computed before."),
         click.option("--no-graphs", is_flag=True, help="Replay decode eagerly over the same static buffers instead of CUDA graphs."),
         click.option("--allow-eager", is_flag=True, help="Run a (stage, bucket) whose capture fails eagerly instead of stopping."),
         click.option("--procs", is_flag=True, help="Run stages 1..pp-1 in worker processes over torch.distributed (see docs/distributed.md)."),
@@ -60,7 +61,8 @@ def model_options(command):
 
 
 def engine_kwargs(
-    model, pp, devices, dtype, kernels, max_batch, buckets, depth, async_scheduling, no_graphs, allow_eager, procs=False, watchdog_s=None,
+    model, pp, devices, dtype, kernels, max_batch, buckets, depth, async_scheduling, no_prefix_caching, no_graphs, allow_eager,
+    procs=False, watchdog_s=None,
 ) -> dict:
     from graphrt.capture.buckets import parse_buckets
 
@@ -74,6 +76,7 @@ def engine_kwargs(
         buckets=parse_buckets(buckets) if buckets else None,
         depth=depth,
         async_scheduling=async_scheduling,
+        prefix_caching=False if no_prefix_caching else None,
         use_graphs=False if no_graphs else None,
         allow_eager=allow_eager or None,
         procs=procs or None,
@@ -149,9 +152,10 @@ def read_prompts(path: Path) -> list[str | list[int]]:
 @click.option("--requests", "num_requests", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--input-len", default="16,256", show_default=True, help="Prompt length, N or MIN,MAX (uniform).")
 @click.option("--output-len", default="16,128", show_default=True, help="Output length, N or MIN,MAX (uniform).")
+@click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True, help="Tokens every prompt starts with (a shared system prompt), before its own --input-len tokens.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--compare-hf", is_flag=True, help="Also run transformers' generate on the same requests (static batches of --max-batch).")
-def bench(num_requests, input_len, output_len, seed, compare_hf, **model_args) -> None:
+def bench(num_requests, input_len, output_len, shared_prefix, seed, compare_hf, **model_args) -> None:
     """Throughput, TTFT and TPOT of an offline workload; optionally against transformers."""
     from graphrt.bench import make_workload, run_graphrt, run_transformers, summarize
     from graphrt.llm import LLM
@@ -160,7 +164,7 @@ def bench(num_requests, input_len, output_len, seed, compare_hf, **model_args) -
     engine = llm.engine
     workload = make_workload(
         num_requests, parse_range(input_len, "--input-len"), parse_range(output_len, "--output-len"),
-        engine.model_config.vocab_size, seed,
+        engine.model_config.vocab_size, seed, shared_prefix,
     )
     ours = run_graphrt(llm, workload)
     theirs = None

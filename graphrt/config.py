@@ -177,6 +177,7 @@ class EngineConfig:
     allow_eager: bool = False  # a (stage, bucket) that fails capture runs eagerly instead of aborting
     depth: int | None = None  # micro-batches beyond one per stage (ring of pp + depth); None: default_depth()
     async_scheduling: bool = True  # launch a slot's next step before its tokens are read back (graphrt.ring)
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes computed before (graphrt.block_allocator)
     timeline: bool = False  # record when each stage works on which micro-batch (graphrt.profiling)
     procs: bool = False  # stages 1..pp-1 in worker processes over torch.distributed (graphrt.remote)
     watchdog_s: float = 30.0  # with procs: a stage silent this long is declared dead
@@ -200,8 +201,9 @@ class EngineConfig:
             self.depth = self.default_depth()
         if not isinstance(self.depth, int) or self.depth < 0:
             raise ValueError(f"depth must be a non-negative integer (micro-batches beyond one per stage), got {self.depth!r}")
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        for name in ("async_scheduling", "prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.buckets is not None and (not self.buckets or min(self.buckets) < 1):

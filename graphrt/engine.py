@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -86,7 +87,7 @@ class Engine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch,
-            eos_ids=frozenset(self.eos_ids),
+            eos_ids=frozenset(self.eos_ids), prefix_root=self._prefix_root() if config.prefix_caching else None,
         )
         self.sampler = Sampler(self.devices[-1], config.seed)
         self.timeline = Timeline(self.devices) if config.timeline else None
@@ -103,6 +104,11 @@ class Engine:
         self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
         self.stats = EngineStats()
         self._ids = itertools.count()
+
+    def _prefix_root(self) -> bytes:
+        """Where prefix-cache keys start: what, besides the tokens, decides a block's K/V."""
+        identity = f"{model_fingerprint(self.model_dir)}|{self.dtype}|{self.config.block_size}"
+        return hashlib.blake2b(identity.encode(), digest_size=16).digest()
 
     def _stage_plan(self, num_blocks: int) -> StagePlan:
         """What every stage must agree on, decided once here (and sent to stage processes)."""

@@ -4,7 +4,7 @@ tokens do when they come back.
 `schedule` admits requests, allocates KV blocks, advances the computed and in-flight counts and
 emits a plain `ScheduledStep`; `update_from_output` takes the step back with its token ids, appends
 them, ends sequences at EOS or max_tokens and frees their blocks (`finish` ends them for any other
-reason). Blocks are freed in `_free_blocks` only.
+reason). Blocks go back in `_give_back` only.
 
 A micro-batch is either a prefill chunk (up to `prefill_chunk_size` tokens: prompt tokens from
 one or more sequences plus one token for each decode row riding along; eager) or a decode batch
@@ -16,6 +16,14 @@ sequence with nothing in flight gives its blocks back and waits to be recomputed
 every token it has so far are prefilled again, and it goes on where it was), as vLLM does; an
 older sequence is never preempted for a younger one (it waits for the younger ones to stop at a
 block boundary). A request must fit the cache alone (`check`), so the oldest always makes progress.
+
+With prefix caching (`prefix_root` set; graphrt.block_allocator), a sequence's full blocks are
+offered to the cache once their K/V is written (launched: every stage runs micro-batches in launch
+order, so a later one that reads them finds them written) and their tokens are known. A prompt
+looks up its longest cached run of full blocks when it is admitted, and again before its first
+chunk runs (requests admitted together find what the first of them computed), and prefills only
+the rest; its last token is always computed, so its logits exist. Requests that report their
+prompt's logprobs compute every prompt token. After a stage failure nothing cached is trusted.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
-from graphrt.block_allocator import BlockAllocator
+from graphrt.block_allocator import BlockAllocator, block_keys
 from graphrt.errors import RequestError
 from graphrt.sequence import FinishReason, Sequence
 from graphrt.step import ScheduledStep
@@ -38,8 +46,10 @@ class Scheduler:
         max_model_len: int,
         max_decode_batch: int,
         eos_ids: frozenset[int] = frozenset(),
+        prefix_root: bytes | None = None,
     ):
         self.allocator = allocator
+        self.prefix_root = prefix_root  # None: no prefix caching
         self.eos_ids = eos_ids
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
@@ -80,14 +90,62 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _admit(self) -> None:
+        allocator = self.allocator
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            needed = self.allocator.blocks_for(seq.prefill_len + 1)
+            cached = self._cached_prefix(seq)
+            needed = allocator.blocks_for(seq.prefill_len + 1) - len(cached)
             # Leave a block for each running sequence's next one, or admitting would force a preemption.
-            if needed + len(self.running) > self.allocator.num_free:
+            if needed + allocator.num_unreferenced(cached) + len(self.running) > allocator.num_free:
                 break  # first come, first served: later requests wait behind it
-            seq.block_ids = self.allocator.allocate(needed)
+            if self.prefix_root is not None:
+                allocator.count_lookup(seq.prefill_len, len(cached) * allocator.block_size)
+            allocator.take(cached)
+            seq.block_ids = cached + allocator.allocate(needed)
+            seq.num_computed = seq.num_cached_tokens = len(cached) * allocator.block_size
             self.running.append(self.waiting.popleft())
+
+    # -- the prefix cache -------------------------------------------------------------------------
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks that can stand for the start of what `seq` has to prefill (none taken)."""
+        if self.prefix_root is None or seq.params.prompt_logprobs is not None:
+            return []
+        # Whole blocks only, and never the last token to prefill: its logits are needed.
+        usable = (seq.prefill_len - 1) // self.allocator.block_size
+        return self.allocator.cached_prefix(self._keys(seq, usable))
+
+    def _keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The keys of the first `num_blocks` full blocks of `seq`'s known tokens (made once each)."""
+        if len(seq.block_keys) < num_blocks:
+            tokens = seq.prompt_ids + seq.output_ids
+            start = len(seq.block_keys)
+            parent = seq.block_keys[-1] if start else None
+            size = self.allocator.block_size
+            seq.block_keys += block_keys(tokens[: num_blocks * size], size, self.prefix_root, start, parent)
+        return seq.block_keys[:num_blocks]
+
+    def _reuse_cached_prefix(self, seq: Sequence) -> None:
+        """Before a prompt's first chunk: swap its fresh leading blocks for cached ones registered
+        since it was admitted (by a request admitted with it, say)."""
+        cached = self._cached_prefix(seq)
+        have = seq.num_cached_tokens // self.allocator.block_size
+        if len(cached) <= have:
+            return
+        self.allocator.take(cached[have:])
+        fresh = seq.block_ids[have : len(cached)]
+        seq.block_ids[have : len(cached)] = cached[have:]
+        self._give_back(fresh)
+        seq.num_computed = seq.num_cached_tokens = len(cached) * self.allocator.block_size
+        self.allocator.count_lookup(0, (len(cached) - have) * self.allocator.block_size)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Offer the cache each full block of `seq` whose K/V is written and whose tokens are known."""
+        full = min(seq.num_computed, seq.num_tokens) // self.allocator.block_size
+        if full > seq.num_registered and seq.block_ids:
+            for block, key in zip(seq.block_ids[seq.num_registered : full], self._keys(seq, full)[seq.num_registered :]):
+                self.allocator.register(block, key)
+            seq.num_registered = full
 
     def schedule(self, num_slots: int = 1, follows: int | None = None) -> ScheduledStep | None:
         """The next micro-batch for one ring slot, or None if nothing can run now. The step's rows
@@ -124,12 +182,13 @@ class Scheduler:
         self._rotate(batch)
         return self._launched(ScheduledStep(batch, [1] * len(batch), is_prefill=False, id=next(self._step_ids)))
 
-    @staticmethod
-    def _launched(step: ScheduledStep) -> ScheduledStep:
+    def _launched(self, step: ScheduledStep) -> ScheduledStep:
         """Advance the counts of every row of a step about to launch."""
         for seq, query_len in zip(step.seqs, step.query_lens):
             seq.num_computed += query_len
             seq.num_in_flight += 1
+            if self.prefix_root is not None:
+                self._register_full_blocks(seq)
         for seq in step.sampled_seqs:
             seq.num_output_placeholders += 1
             seq.sampling_step = step.id
@@ -151,7 +210,10 @@ class Scheduler:
             if seq.in_prefill:
                 continue  # preempted for an earlier row of this batch
             while len(seq.block_ids) * self.allocator.block_size <= seq.num_computed:
-                if self.allocator.num_free == 0 and not self._preempt_for(seq, protected=kept):
+                # A preempted sequence may free no block (all of them shared): preempt until one is free.
+                while self.allocator.num_free == 0 and self._preempt_for(seq, protected=kept):
+                    pass
+                if self.allocator.num_free == 0 or not seq.block_ids:  # none to be had, or `seq` gave its own back
                     break
                 seq.block_ids += self.allocator.allocate(1)
             else:
@@ -176,6 +238,7 @@ class Scheduler:
         """Give back every block of `seq` and queue it to be recomputed, in arrival order."""
         self._free_blocks(seq)
         seq.num_computed, seq.prefill_len = 0, seq.num_tokens
+        seq.num_cached_tokens = seq.num_registered = 0
         self.running.remove(seq)
         later = next((i for i, waiting in enumerate(self.waiting) if waiting.request_id > seq.request_id), len(self.waiting))
         self.waiting.insert(later, seq)
@@ -192,6 +255,8 @@ class Scheduler:
         seqs, lens = list(riders), [1] * len(riders)
         budget = self.prefill_chunk_size - len(riders)
         for seq in prefilling:
+            if seq.num_computed == seq.num_cached_tokens and self.prefix_root is not None:
+                self._reuse_cached_prefix(seq)
             take = min(seq.prefill_len - seq.num_computed, budget)
             seqs.append(seq)
             lens.append(take)
@@ -216,6 +281,8 @@ class Scheduler:
             if token_ids is not None and not seq.finished:
                 self._append(seq, token_ids[row], now)
                 updated.append(seq)
+                if self.prefix_root is not None:
+                    self._register_full_blocks(seq)
         for seq in step.seqs:
             if seq.finished:
                 self._free_when_idle(seq)
@@ -247,12 +314,16 @@ class Scheduler:
         for seq in lost:
             seq.num_in_flight = seq.num_output_placeholders = 0
             self.finish(seq, seq.finish_reason or FinishReason.ERROR)
+        self.allocator.forget_cache()  # blocks the lost micro-batches were writing may be registered
 
     def _free_when_idle(self, seq: Sequence) -> None:
         if seq.num_in_flight == 0 and seq.block_ids:
             self._free_blocks(seq)
 
     def _free_blocks(self, seq: Sequence) -> None:
-        """The one place KV blocks go back to the allocator."""
-        self.allocator.free(seq.block_ids)
+        self._give_back(seq.block_ids)
         seq.block_ids = []
+
+    def _give_back(self, blocks: list[int]) -> None:
+        """The one place KV blocks go back to the allocator (one reference each)."""
+        self.allocator.free(blocks)

@@ -31,6 +31,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of those, tokens taken from the prefix cache rather than computed
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
+    num_registered: int = 0  # leading full blocks offered to the prefix cache
     prefill_len: int = -1  # tokens to prefill: the prompt, or after a preemption every known token
     finish_reason: FinishReason | None = None
     num_in_flight: int = 0  # micro-batches in the ring that carry this sequence

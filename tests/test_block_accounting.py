@@ -1,5 +1,9 @@
-"""KV block accounting under a fuzzed workload: every block is free or owned by exactly one live
-request after every engine step, whatever stage of its life a request is aborted in.
+"""KV block accounting under a fuzzed workload: after every engine step, whatever stage of its life
+a request is aborted in, every block is free, cached (unreferenced, kept for the prefix cache) or
+referenced exactly as many times as live requests hold it.
+
+Half the prompts start with one of two shared prefixes, so requests take cached blocks, share them
+while running and leave them cached when they end (prefix caching, on in all but one config).
 
 Requests arrive at random ticks with prompts of several prefill chunks, into a cache small enough
 that some wait in the queue and some are preempted; some stop at EOS, the rest at max_tokens.
@@ -41,7 +45,8 @@ DEFAULT_ABORT_CHANCE = 0.04
 SEEDS = (0, 1, 2, 3)
 # (pp, depth, async scheduling): one to three stages, rings of 1 to 4 slots. The scheduler sees the
 # number of slots, not of stages, so no two of these schedule alike.
-CONFIGS = [(1, 0, False), (1, 0, True), (1, 1, True), (2, 0, False), (2, 1, True), (3, 0, False), (3, 1, True)]
+# The last number: prefix caching on (1) or off (0).
+CONFIGS = [(1, 0, False, 1), (1, 0, True, 1), (1, 1, True, 1), (2, 0, False, 1), (2, 1, True, 1), (2, 1, True, 0), (3, 0, False, 1), (3, 1, True, 1)]
 
 # Counted apart too: the abort whose blocks only the micro-batch's read-back can free (issue 14).
 MID_PREFILL_IN_FLIGHT = "mid-prefill, a chunk in flight"
@@ -56,11 +61,20 @@ class Request:
     arrival_tick: int
 
 
+# Of 9 and 13 tokens: two whole blocks and three, each with a token past the boundary.
+SHARED_PREFIXES = ([3, 14, 15, 92, 65, 35, 89, 79, 32], [27, 18, 28, 18, 28, 45, 90, 45, 23, 53, 60, 28, 74])
+
+
 def make_workload(seed: int) -> list[Request]:
     rng = random.Random(seed)
+
+    def prompt() -> list[int]:
+        prefix = list(rng.choice(SHARED_PREFIXES)) if rng.random() < 0.5 else []
+        return (prefix + [rng.randrange(1, 97) for _ in range(rng.randint(1, 30))])[:30]
+
     return [
         Request(
-            prompt=[rng.randrange(1, 97) for _ in range(rng.randint(1, 30))],
+            prompt=prompt(),
             params=SamplingParams(max_tokens=rng.randint(1, 32), temperature=0, ignore_eos=rng.random() < 0.3),
             arrival_tick=rng.randint(0, LAST_ARRIVAL_TICK),
         )
@@ -82,7 +96,7 @@ def eos_model(tiny_model_factory, tmp_path_factory):
 @pytest.fixture(scope="module")
 def alone(eos_model) -> dict[int, list[list[int]]]:
     """Per seed, each request's tokens when it runs by itself: one stage, a cache with room to spare."""
-    llm = LLM(model=eos_model, dtype="float64", kv_cache_tokens=4096, depth=0, async_scheduling=False, buckets=[1])
+    llm = LLM(model=eos_model, dtype="float64", kv_cache_tokens=4096, depth=0, async_scheduling=False, buckets=[1], prefix_caching=False)
     reference = {
         seed: [llm.generate(r.prompt, r.params)[0].token_ids for r in make_workload(seed)] for seed in SEEDS
     }
@@ -95,9 +109,9 @@ def free_blocks(allocator) -> list[int]:
 
 
 def assert_blocks_accounted(engine, seqs: list[Sequence], when: str, aborted_at: dict[int, str]) -> None:
-    """Every usable block is free or owned by exactly one request; finished requests with nothing in
-    flight own none (an aborted one keeps its blocks only while a micro-batch still writes them).
-    `aborted_at`: request id -> the life stage it was aborted in, for the messages."""
+    """Every usable block is free, cached or referenced once per request holding it; finished
+    requests with nothing in flight hold none (an aborted one keeps its blocks only while a
+    micro-batch still writes them). `aborted_at`: request id -> the life stage it was aborted in."""
     allocator, scheduler = engine.allocator, engine.scheduler
     for seq in seqs:
         if seq.finished and seq.num_in_flight == 0:
@@ -112,19 +126,26 @@ def assert_blocks_accounted(engine, seqs: list[Sequence], when: str, aborted_at:
             )
     for seq in scheduler.waiting:
         assert seq.block_ids == [], f"{when}: request {seq.request_id} waits in the queue but owns blocks {seq.block_ids}"
-    owner: dict[int, int] = {}
+    owners: dict[int, list[int]] = {}
     for seq in seqs:
+        assert len(set(seq.block_ids)) == len(seq.block_ids), f"{when}: request {seq.request_id} holds a block twice: {seq.block_ids}"
         for block in seq.block_ids:
-            assert block not in owner, f"{when}: block {block} is owned by requests {owner[block]} and {seq.request_id}"
-            owner[block] = seq.request_id
-    free = free_blocks(allocator)
+            owners.setdefault(block, []).append(seq.request_id)
+    for block in range(allocator.num_blocks):
+        held = len(owners.get(block, []))
+        assert allocator._refs[block] == held, (
+            f"{when}: block {block} has {allocator._refs[block]} references but {held} requests hold it ({owners.get(block)})"
+        )
+    free, cached = free_blocks(allocator), list(allocator._evictable)
     twice = sorted(block for block, count in Counter(free).items() if count > 1)
     assert not twice, f"{when}: blocks {twice} are in the free list twice (freed twice)"
-    both = sorted(set(free) & owner.keys())
-    assert not both, f"{when}: blocks {both} are free and owned (by requests {[owner[b] for b in both]})"
-    assert SCRATCH_BLOCK not in owner and SCRATCH_BLOCK not in free, f"{when}: the scratch block was handed out"
-    lost = sorted(set(range(1, allocator.num_blocks)) - set(free) - owner.keys())
-    assert not lost, f"{when}: KV blocks leaked: {lost} are neither free nor owned by any request"
+    both = sorted((set(free) | set(cached)) & owners.keys())
+    assert not both, f"{when}: blocks {both} are free or cached and held (by requests {[owners[b] for b in both]})"
+    assert not set(free) & set(cached), f"{when}: blocks {sorted(set(free) & set(cached))} are both free and cached"
+    assert set(cached) <= allocator._key_of.keys(), f"{when}: unregistered blocks are kept as cached"
+    assert SCRATCH_BLOCK not in owners and SCRATCH_BLOCK not in free + cached, f"{when}: the scratch block was handed out"
+    lost = sorted(set(range(1, allocator.num_blocks)) - set(free) - set(cached) - owners.keys())
+    assert not lost, f"{when}: KV blocks leaked: {lost} are neither free, cached nor held by any request"
 
 
 def life_stage(seq: Sequence, engine, ever_admitted: set[int]) -> str:
@@ -230,10 +251,10 @@ def run_fuzz(engine, workload: list[Request], seed: int) -> FuzzRun:
     return FuzzRun(seqs, aborted, aborts_by_stage, feed_reads, max_in_flight)
 
 
-@pytest.mark.parametrize("pp, depth, async_scheduling", CONFIGS)
-def test_every_block_is_free_or_owned_once_through_aborts_at_every_stage(eos_model, alone, pp, depth, async_scheduling):
+@pytest.mark.parametrize("pp, depth, async_scheduling, caching", CONFIGS)
+def test_every_block_is_free_or_owned_once_through_aborts_at_every_stage(eos_model, alone, pp, depth, async_scheduling, caching):
     llm = LLM(
-        model=eos_model, pp=pp, depth=depth, async_scheduling=async_scheduling, dtype="float64",
+        model=eos_model, pp=pp, depth=depth, async_scheduling=async_scheduling, dtype="float64", prefix_caching=bool(caching),
         block_size=BLOCK_SIZE, kv_cache_tokens=KV_CACHE_TOKENS, prefill_chunk_size=PREFILL_CHUNK_SIZE, buckets=[1, 2, 4, 8],
     )
     engine = llm.engine
@@ -261,7 +282,8 @@ def test_every_block_is_free_or_owned_once_through_aborts_at_every_stage(eos_mod
     finally:
         engine.close()
     print(
-        f"pp={pp} depth={depth} async={async_scheduling}: aborts by stage {dict(sorted(aborts_by_stage.items()))}, "
+        f"pp={pp} depth={depth} async={async_scheduling} caching={caching}: prefix-cache hits "
+        f"{engine.allocator.num_hit_tokens} of {engine.allocator.num_queried_tokens} tokens, aborts by stage {dict(sorted(aborts_by_stage.items()))}, "
         f"survivors {dict((r.value, n) for r, n in finish_reasons.items())}, preemptions {num_preemptions}, "
         f"feed reads {feed_reads}, max in flight {max_in_flight}"
     )
@@ -270,6 +292,8 @@ def test_every_block_is_free_or_owned_once_through_aborts_at_every_stage(eos_mod
     assert not missing, f"no abort hit a request in the life stages {missing}: {dict(aborts_by_stage)}"
     assert finish_reasons[FinishReason.STOP] > 0 and finish_reasons[FinishReason.LENGTH] > 0, finish_reasons
     assert num_preemptions > 0
+    # Prefix caching was exercised: prompts found their shared prefixes cached (and only then).
+    assert (engine.allocator.num_hit_tokens > 0) == bool(caching)
     # Every slot was busy at once, and with async scheduling some slot held two micro-batches.
     assert max_in_flight >= engine.ring.num_slots and (max_in_flight > engine.ring.num_slots) == async_scheduling
     assert (feed_reads > 0) == async_scheduling

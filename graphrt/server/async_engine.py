@@ -117,6 +117,9 @@ class EngineSnapshot:
     num_eager_fallbacks: int
     num_preemptions: int = 0  # sequences that gave their KV blocks back to be recomputed later
     stage_busy_s: tuple[float, ...] = ()  # seconds each stage has worked (stage processes: as of their last reply)
+    num_cached_blocks: int = 0  # of the free blocks, those the prefix cache keeps
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 class AsyncEngine:
@@ -302,6 +305,9 @@ class AsyncEngine:
             num_eager_fallbacks=engine.num_eager_fallbacks,
             num_preemptions=engine.scheduler.num_preemptions,
             stage_busy_s=tuple(engine.ring.stage_busy_s),
+            num_cached_blocks=engine.allocator.num_cached,
+            prefix_queried_tokens=engine.allocator.num_queried_tokens,
+            prefix_hit_tokens=engine.allocator.num_hit_tokens,
         )
 
     def _deliver(self, deliveries: list) -> None:

@@ -35,7 +35,21 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("graphrt_requests_running", "Requests that have produced a token and are not finished", value=snap.num_running)
         yield GaugeMetricFamily("graphrt_requests_waiting", "Requests in the engine that have not produced a token yet", value=snap.num_waiting)
         yield GaugeMetricFamily("graphrt_kv_blocks_used", "KV cache blocks held by requests", value=usable_blocks - snap.num_free_blocks)
-        yield GaugeMetricFamily("graphrt_kv_blocks_free", "KV cache blocks free (the scratch block not counted)", value=snap.num_free_blocks)
+        yield GaugeMetricFamily(
+            "graphrt_kv_blocks_free", "KV cache blocks free or cached for later prefix hits (the scratch block not counted)",
+            value=snap.num_free_blocks,
+        )
+        yield GaugeMetricFamily(
+            "graphrt_kv_blocks_cached", "Of the free blocks, those holding a prefix a later prompt may reuse", value=snap.num_cached_blocks
+        )
+        yield CounterMetricFamily(
+            "graphrt_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", value=snap.prefix_queried_tokens
+        )
+        yield CounterMetricFamily(
+            "graphrt_prefix_cache_hits", "Prompt tokens taken from the prefix cache instead of computed", value=snap.prefix_hit_tokens
+        )
+        hit_rate = snap.prefix_hit_tokens / snap.prefix_queried_tokens if snap.prefix_queried_tokens else 0.0
+        yield GaugeMetricFamily("graphrt_prefix_cache_hit_rate", "Prefix cache hits over queries, in tokens, since start", value=hit_rate)
         yield CounterMetricFamily("graphrt_eager_fallbacks", "Decode micro-batches that ran eagerly instead of replaying a graph", value=snap.num_eager_fallbacks)
         yield CounterMetricFamily(
             "graphrt_preemptions", "Sequences that gave their KV blocks back when the cache was full, to be recomputed", value=snap.num_preemptions
