@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test venv clean
+.PHONY: run test venv eval clean
 
 venv: $(VENV)/.installed
 
@@ -27,5 +27,17 @@ test: venv
 	$(PY) -m pytest -q -m 'not cuda' tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
+# lm-eval against `graphrt serve` and against transformers on two local tasks (benchmarks/lm_eval_parity.py);
+# lm-eval gets a virtual environment of its own, with the same torch.
+EVAL_VENV ?= .venv-eval
+
+$(EVAL_VENV)/.installed:
+	$(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/pip install -q '$(TORCH_SPEC)' 'transformers>=4.56' 'lm_eval[hf,api]==0.4.13'
+	touch $@
+
+eval: venv $(EVAL_VENV)/.installed
+	$(EVAL_VENV)/bin/python benchmarks/lm_eval_parity.py --lm-eval $(EVAL_VENV)/bin/lm_eval
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(EVAL_VENV) build *.egg-info

@@ -167,3 +167,32 @@ def test_a_key_computed_twice_keeps_its_first_block_and_a_failure_forgets_all():
     allocator.forget_cache()
     assert allocator.num_cached == 0 and allocator.num_free == 4
     assert allocator.cached_prefix(block_keys([3] * 4, BLOCK, ROOT)) == []
+
+
+def test_server_over_stage_processes_serves_cached_prefixes_and_counts_them(tiny_model_factory):
+    """`graphrt serve --procs`: the same tokens as without caching, and /metrics counts the hits."""
+    for package in ("fastapi", "uvicorn", "httpx"):  # the server stack: not on every GPU image
+        pytest.importorskip(package)
+    import httpx
+
+    from graphrt.server import ServerSettings, ServerThread
+
+    model_dir = tiny_model_factory("llama-gqa-tied")
+    options = dict(pp=2, dtype="float64", block_size=BLOCK, kv_cache_tokens=1024, prefill_chunk_size=8)
+    prompts = workload()
+    expected = generate(LLM(model=model_dir, prefix_caching=False, **options), prompts, together=False)
+    llm = LLM(model=model_dir, procs=True, watchdog_s=30, **options)
+    server = ServerThread(llm.engine, ServerSettings(model_id="tiny")).start()
+    try:
+        # logprobs: a model without a tokenizer spells its tokens "token_id:N" there
+        body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        got = [httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": p}, timeout=60).json() for p in prompts]
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    finally:
+        server.stop()
+    tokens = [[int(t.removeprefix("token_id:")) for t in answer["choices"][0]["logprobs"]["tokens"]] for answer in got]
+    assert tokens == expected
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("graphrt_prefix_cache")}
+    assert values["graphrt_prefix_cache_hits_total"] == BLOCK * (5 + 1 + 1 + 0 + 5 + 4)
+    assert values["graphrt_prefix_cache_queries_total"] == sum(map(len, prompts))
+    assert values["graphrt_prefix_cache_hit_rate"] == pytest.approx(values["graphrt_prefix_cache_hits_total"] / sum(map(len, prompts)))
