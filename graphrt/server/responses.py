@@ -34,8 +34,7 @@ class ChoiceState:
     echo_ids: list[int] | None = None
     scored: list[Scored] = field(default_factory=list)  # logprobs received and not yet sent
     text_offset: int = 0  # where the next scored token's text begins in the choice's text
-    _logprobs: list[TokenLogprob] | None = None  # the sequence's list (see ChoiceUpdate)
-    _num_scored: int = 0
+    _num_scored: int = 0  # output tokens whose logprobs are in `scored` or sent
 
     def apply(self, update: ChoiceUpdate) -> None:
         self.text, self.num_tokens, self.finish_reason = update.text, update.num_tokens, update.finish_reason
@@ -70,7 +69,7 @@ class ChoiceState:
 
 
 def usage(prompt_tokens: int, choices: list[ChoiceState]) -> dict:
-    """The prompt counts once; completion tokens are summed over the choices."""
+    """Each prompt counts once (`prompt_tokens` is their sum); completion tokens are summed over the choices."""
     completion_tokens = sum(c.num_tokens for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
