@@ -274,9 +274,10 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
 @click.option("--timeout-header", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds a client has to send a whole request head, from connecting or from the previous response [default: 10].")
 @click.option("--timeout-body", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds a client has to send a request body, from the end of its head [default: 30].")
 @click.option("--timeout-keep-alive", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds an idle keep-alive connection stays open [default: 5].")
+@click.option("--no-engine-process", is_flag=True, help="Step the engine on a thread of the server's process instead of in a process of its own.")
 def serve(
     cache, max_num_seqs, max_model_len, host, port, api_key, api_key_file, max_body_bytes,
-    max_connections, timeout_header, timeout_body, timeout_keep_alive, **model_args,
+    max_connections, timeout_header, timeout_body, timeout_keep_alive, no_engine_process, **model_args,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM."""
     from graphrt.server import ServeOptions
@@ -293,6 +294,7 @@ def serve(
         max_body_bytes=max_body_bytes,
         limits=ConnectionLimits(**{name: value for name, value in limits.items() if value is not None}),
         llm_kwargs=llm_kwargs,
+        engine_process=not no_engine_process,
     )
     run_server(options, echo=click.echo)
 

@@ -37,6 +37,31 @@ from graphrt.sequence import FinishReason, Sequence
 from graphrt.step import ScheduledStep
 
 
+def check_lengths(prompt_len: int, max_tokens: int | None, max_model_len: int, capacity_tokens: int) -> int:
+    """Validate a request's lengths against the context and the whole KV cache (`capacity_tokens`);
+    return its resolved max_tokens. Raises RequestError."""
+    if prompt_len == 0:
+        raise RequestError("the prompt is empty; give at least one token")
+    if prompt_len >= max_model_len:
+        raise RequestError(
+            f"the prompt is {prompt_len} tokens but the context holds {max_model_len} "
+            "(prompt plus at least one new token); shorten the prompt"
+        )
+    if max_tokens is None:  # as much as the context and the cache allow
+        max_tokens = max(1, min(max_model_len, capacity_tokens) - prompt_len)
+    if prompt_len + max_tokens > max_model_len:
+        raise RequestError(
+            f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context "
+            f"length {max_model_len}; lower max_tokens to {max_model_len - prompt_len} or less"
+        )
+    if prompt_len + max_tokens > capacity_tokens:
+        raise RequestError(
+            f"the request needs {prompt_len + max_tokens} tokens of KV cache but the whole cache holds "
+            f"{capacity_tokens}; lower max_tokens or raise kv_cache_tokens"
+        )
+    return max_tokens
+
+
 class Scheduler:
     def __init__(
         self,
@@ -62,26 +87,7 @@ class Scheduler:
 
     def check(self, prompt_len: int, max_tokens: int | None) -> int:
         """Validate a request's lengths; return its resolved max_tokens. Raises RequestError."""
-        if prompt_len == 0:
-            raise RequestError("the prompt is empty; give at least one token")
-        if prompt_len >= self.max_model_len:
-            raise RequestError(
-                f"the prompt is {prompt_len} tokens but the context holds {self.max_model_len} "
-                "(prompt plus at least one new token); shorten the prompt"
-            )
-        if max_tokens is None:  # as much as the context and the cache allow
-            max_tokens = max(1, min(self.max_model_len, self.allocator.capacity_tokens) - prompt_len)
-        if prompt_len + max_tokens > self.max_model_len:
-            raise RequestError(
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context "
-                f"length {self.max_model_len}; lower max_tokens to {self.max_model_len - prompt_len} or less"
-            )
-        if prompt_len + max_tokens > self.allocator.capacity_tokens:
-            raise RequestError(
-                f"the request needs {prompt_len + max_tokens} tokens of KV cache but the whole cache holds "
-                f"{self.allocator.capacity_tokens}; lower max_tokens or raise kv_cache_tokens"
-            )
-        return max_tokens
+        return check_lengths(prompt_len, max_tokens, self.max_model_len, self.allocator.capacity_tokens)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

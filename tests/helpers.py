@@ -29,3 +29,18 @@ def run_counting_feed_reads(engine: Engine, prompts: list[list[int]], params: li
         engine.step()
         feed_reads += sum(mb.reads_feed for mb in engine.ring.in_flight)
     return seqs, feed_reads
+
+
+SERVER_MODES = ["thread", "process"]
+
+
+def engine_for_server(mode: str, **llm_kwargs):
+    """What a test server runs: an Engine stepped on a thread of the test process ("thread"), or an
+    EngineClient whose engine runs in a process of its own ("process", `graphrt serve`'s default)."""
+    if mode == "process":
+        from graphrt.server.engine_process import EngineClient
+
+        return EngineClient(llm_kwargs, echo=lambda line: None)
+    from graphrt.llm import LLM
+
+    return LLM(**llm_kwargs).engine

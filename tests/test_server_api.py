@@ -13,7 +13,7 @@ for package in ("fastapi", "uvicorn", "openai", "httpx"):  # the server stack: n
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from graphrt.llm import LLM  # noqa: E402
+from helpers import SERVER_MODES, engine_for_server  # noqa: E402
 from graphrt.server import ServerSettings, ServerThread  # noqa: E402
 from graphrt.tokenizer import Tokenizer  # noqa: E402
 
@@ -24,9 +24,9 @@ MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server(default_model):
-    engine = LLM(default_model, max_num_seqs=16).engine
+@pytest.fixture(scope="module", params=SERVER_MODES)
+def server(default_model, request):
+    engine = engine_for_server(request.param, model=default_model, max_num_seqs=16)
     with ServerThread(engine, ServerSettings(model_id=engine.model_dir.name, api_key=API_KEY)) as running:
         yield running
 

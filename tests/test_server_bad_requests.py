@@ -12,7 +12,7 @@ for package in ("fastapi", "uvicorn", "httpx"):  # the server stack: not on ever
 
 import httpx  # noqa: E402
 
-from graphrt.llm import LLM  # noqa: E402
+from helpers import SERVER_MODES, engine_for_server  # noqa: E402
 from graphrt.server import ServerSettings, ServerThread  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -97,9 +97,9 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(default_model):
-    engine = LLM(default_model, max_num_seqs=8, max_model_len=MAX_MODEL_LEN).engine
+@pytest.fixture(scope="module", params=SERVER_MODES)
+def server(default_model, request):
+    engine = engine_for_server(request.param, model=default_model, max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
     settings = ServerSettings(model_id=engine.model_dir.name, max_body_bytes=MAX_BODY_BYTES)
     with ServerThread(engine, settings) as running:
         yield running

@@ -17,7 +17,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import tool  # noqa: E402
 from langchain_openai import ChatOpenAI, OpenAI  # noqa: E402
 
-from graphrt.llm import LLM  # noqa: E402
+from helpers import SERVER_MODES, engine_for_server  # noqa: E402
 from graphrt.server import ServerSettings, ServerThread  # noqa: E402
 from graphrt.tokenizer import Tokenizer  # noqa: E402
 
@@ -45,9 +45,9 @@ HISTORY_DICTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(default_model):
-    engine = LLM(default_model, max_num_seqs=16).engine
+@pytest.fixture(scope="module", params=SERVER_MODES)
+def server(default_model, request):
+    engine = engine_for_server(request.param, model=default_model, max_num_seqs=16)
     with ServerThread(engine, ServerSettings(model_id=engine.model_dir.name, api_key=API_KEY)) as running:
         yield running
 

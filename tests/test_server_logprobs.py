@@ -13,7 +13,7 @@ import openai  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from graphrt.llm import LLM  # noqa: E402
+from helpers import SERVER_MODES, engine_for_server  # noqa: E402
 from graphrt.server import ServerSettings, ServerThread  # noqa: E402
 from graphrt.tokenizer import Tokenizer  # noqa: E402
 
@@ -23,9 +23,9 @@ PROMPTS = ["The capital of France is", "Water boils at a temperature of"]
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def server(default_model):
-    engine = LLM(default_model, dtype="float32", max_num_seqs=16).engine
+@pytest.fixture(scope="module", params=SERVER_MODES)
+def server(default_model, request):
+    engine = engine_for_server(request.param, model=default_model, dtype="float32", max_num_seqs=16)
     with ServerThread(engine, ServerSettings(model_id="smol")) as running:
         yield running
 
@@ -97,7 +97,7 @@ def test_completion_logprobs_stream_equals_non_stream(client):
     chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
     streamed = [lp for chunk in chunks if chunk.logprobs for lp in chunk.logprobs.token_logprobs]
     assert "".join(c.text for c in chunks) == whole.text
-    assert streamed == whole.logprobs.token_logprobs
+    assert streamed == pytest.approx(whole.logprobs.token_logprobs, abs=ATOL)  # a prefix-cache hit: see below
     assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == whole.logprobs.text_offset
 
 
@@ -119,7 +119,10 @@ def test_chat_logprobs_equal_transformers_streamed_or_not(client, tokenizer, ref
         assert [t.token for t in token.top_logprobs] == [tokenizer.decode_token(t) for t in best.indices.tolist()]
     streamed = [t for c in client.chat.completions.create(stream=True, **kwargs) if c.choices and c.choices[0].logprobs
                 for t in c.choices[0].logprobs.content]
-    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    # The second request finds the prompt's blocks in the prefix cache and computes only the rest,
+    # in matmuls of other shapes: the same numbers to float32 rounding, not bit for bit.
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) <= ATOL
 
 
 def test_without_logprobs_there_are_none(client):

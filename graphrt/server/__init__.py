@@ -1,8 +1,9 @@
 """`graphrt serve`: an OpenAI-compatible HTTP server over one engine.
 
-protocol (request bodies) -> app (routes) -> generation (one request) -> async_engine (the one
-thread that steps the engine); responses shapes the JSON, metrics feeds /metrics, runner starts
-and stops it all.
+protocol (request bodies) -> app (routes) -> generation (one request) -> engine_process (the
+engine in a process of its own, by default) or async_engine (the engine on a thread here), both
+driving an engine_core; responses shapes the JSON, metrics feeds /metrics, runner starts and
+stops it all.
 """
 
 from graphrt.server.app import ServerSettings, build_app

@@ -7,6 +7,7 @@ import hmac
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -19,6 +20,9 @@ from graphrt.server.generation import Generation, GenerationStream
 from graphrt.server.metrics import ServerMetrics
 from graphrt.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_request
 from graphrt.server.responses import ChatFormat, CompletionFormat, ResponseFormat, TokenNames
+
+if TYPE_CHECKING:
+    from graphrt.server.engine_process import EngineClient
 
 MAX_DRAIN_BYTES = 64 << 20  # past this, an oversized body is not read to its end before the 413
 
@@ -36,12 +40,12 @@ class ServerSettings:
             raise ValueError("the API key must not be empty; leave it unset to serve without one")
 
 
-def build_app(engine, settings: ServerSettings) -> FastAPI:
-    """An app serving `engine`; its lifespan starts and stops the engine thread."""
-    async_engine = AsyncEngine(engine)
+def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings) -> FastAPI:
+    """An app serving an engine on a thread of this process (AsyncEngine) or in a process of its
+    own (EngineClient); its lifespan starts and stops it."""
     metrics = ServerMetrics(lambda: async_engine.snapshot)
     created = int(time.time())
-    names = TokenNames(engine.tokenizer)  # the event loop's: logprobs responses spell tokens with it
+    names = TokenNames(async_engine.tokenizer)  # the event loop's: logprobs responses spell tokens with it
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -113,7 +117,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
         return await generate(request, job, parsed, ChatFormat(settings.model_id, parsed.num_logprobs, names))
 
     def model_card() -> dict:
-        return {"id": settings.model_id, "object": "model", "created": created, "owned_by": "graphrt", "max_model_len": engine.max_model_len}
+        return {"id": settings.model_id, "object": "model", "created": created, "owned_by": "graphrt", "max_model_len": async_engine.max_model_len}
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:

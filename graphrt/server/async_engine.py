@@ -27,11 +27,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from graphrt.errors import GraphrtError, RequestError, StageError
+from graphrt.errors import GraphrtError, RequestError
 from graphrt.logprobs import TokenLogprob
 from graphrt.output_processor import OutputProcessor
 from graphrt.sampling import SamplingParams
-from graphrt.sequence import FinishReason, Sequence
+from graphrt.sequence import Sequence
+from graphrt.server.engine_core import Admitted, EngineCore, EngineSnapshot, Failed, Rejected  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from graphrt.engine import Engine
@@ -39,27 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("graphrt.server")
 
 
-# -- what the engine thread sends to a job ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Admitted:
-    prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """The engine refused the request (prompt too long, can never fit the KV cache...): a 400."""
-
-    message: str
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The request was cut short by the server: shutting down (503) or an engine fault (500)."""
-
-    status: int
-    message: str
+# -- what the engine sends to a job (besides Admitted, Rejected and Failed: engine_core.py) ----------
 
 
 @dataclass(frozen=True)
@@ -93,9 +74,6 @@ class GenerationJob:
     prompt_ids: list[list[int]] | None = None  # one per prompt, set by AsyncEngine.prepare before the job is submitted
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived_at: float = field(default_factory=time.perf_counter)
-    # engine thread only
-    seqs: list[Sequence] = field(default_factory=list)
-    started: bool = False  # has produced a token
 
     @property
     def num_prompts(self) -> int:
@@ -106,36 +84,35 @@ class GenerationJob:
         return choice * self.num_prompts // len(self.params)
 
 
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """What /metrics shows of the engine, published by the engine thread after every step."""
-
-    num_free_blocks: int
-    num_blocks: int
-    num_running: int  # requests that have produced a token and are not finished
-    num_waiting: int  # requests admitted to the engine that have not produced a token yet
-    num_eager_fallbacks: int
-    num_preemptions: int = 0  # sequences that gave their KV blocks back to be recomputed later
-    stage_busy_s: tuple[float, ...] = ()  # seconds each stage has worked (stage processes: as of their last reply)
-    num_cached_blocks: int = 0  # of the free blocks, those the prefix cache keeps
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-
-
 class AsyncEngine:
+    """The engine on a thread of this process (see the module docstring)."""
+
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.failure_exit = None  # never set: the engine thread dies with the process
         self._commands: queue.Queue = queue.Queue()
-        self._jobs: set[GenerationJob] = set()  # engine thread only
-        self._owners: dict[int, tuple[GenerationJob, int]] = {}  # request_id -> (job, choice index)
+        self._core = EngineCore(engine)  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.accepting = False
         self._admission = threading.Lock()  # no job can be queued behind the stop command
-        self._prompts = PromptPreparer(engine)
+        self._prompts = PromptPreparer.for_engine(engine)
         self._outputs = OutputProcessor(engine)  # engine thread only
         self._trim_heap = heap_trimmer()
-        self.snapshot = self._take_snapshot()
+        self.snapshot = self._core.snapshot()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def failure(self):
+        """What stopped the pipeline (--procs: a dead stage process), or None."""
+        return self.engine.failure
 
     # -- the event loop's side ------------------------------------------------------------------
 
@@ -177,6 +154,10 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def close(self) -> None:
+        """After `join`: each stage finishes the micro-batch it holds, then its thread ends."""
+        self.engine.close()
+
     # -- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -188,10 +169,11 @@ class AsyncEngine:
                 self.accepting = False
             failed = Failed(500, "internal error in the engine; see the server log")
             queued = [job for kind, job in self._take_commands(block=False) if kind == "add"]
-            self._deliver([(job, failed) for job in list(self._jobs) + queued])
+            self._deliver([(job, failed) for job in list(self._core.jobs) + queued])
 
     def _loop_until_stopped(self) -> None:
         running, stepped = True, False
+        core = self._core
         while running:
             deliveries: list[tuple[GenerationJob, object]] = []
             idle = not self.engine.has_work()
@@ -200,19 +182,17 @@ class AsyncEngine:
                 stepped = False
             for kind, job in self._take_commands(block=idle):
                 if kind == "add":
-                    self._add(job, deliveries)
+                    deliveries.append((job, core.add(job, job.prompt_ids, job.params)))
                 elif kind == "abort":
-                    self._abort(job)
+                    self._forget_texts(core.abort(job))
                 else:
                     running = False
             if not running:
-                for job in list(self._jobs):
-                    self._abort(job)
-                    deliveries.append((job, Failed(503, "the server is shutting down; retry on another server")))
+                deliveries += core.stop()
             elif self.engine.has_work():
                 self._step(deliveries)
                 stepped = True
-            self.snapshot = self._take_snapshot()
+            self.snapshot = core.snapshot()
             self._deliver(deliveries)
 
     def _take_commands(self, block: bool) -> list[tuple[str, GenerationJob | None]]:
@@ -223,92 +203,18 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _add(self, job: GenerationJob, deliveries: list) -> None:
-        try:
-            for choice, params in enumerate(job.params):
-                job.seqs.append(self.engine.add_request(job.prompt_ids[job.prompt_index(choice)], params))
-        except Exception as exc:
-            for seq in job.seqs:
-                self.engine.abort(seq)
-            if isinstance(exc, (RequestError, ValueError)):
-                deliveries.append((job, Rejected(str(exc))))
-            else:
-                logger.exception("admitting a request failed")
-                deliveries.append((job, Failed(500, "internal error while admitting the request; see the server log")))
-            return
-        self._jobs.add(job)
-        for index, seq in enumerate(job.seqs):
-            self._owners[seq.request_id] = (job, index)
-        deliveries.append((job, Admitted(sum(map(len, job.prompt_ids)))))
-
-    def _abort(self, job: GenerationJob) -> None:
-        if job not in self._jobs:
-            return  # already finished, or never admitted
-        for seq in job.seqs:
-            self.engine.abort(seq)
-        self._forget(job)
-
-    def _forget(self, job: GenerationJob) -> None:
-        self._jobs.discard(job)
-        for seq in job.seqs:
-            self._owners.pop(seq.request_id, None)
-            self._outputs.forget(seq)
-
     def _step(self, deliveries: list) -> None:
-        try:
-            seqs = self.engine.step()
-        except Exception as exc:
-            failure = self.engine.failure
-            if failure is not None:
-                # A stage process died or went silent (--procs): nothing in flight can finish; the server stops.
-                logger.error("%s; failing %d requests in flight", failure, len(self._jobs))
-                status, message = 503, str(failure)
-            elif isinstance(exc, StageError):
-                # A stage failed and the engine recovered: only the requests it was carrying end.
-                hit = [job for job in self._jobs if any(s.finish_reason is FinishReason.ERROR for s in job.seqs)]
-                logger.error("%s; failing %d requests", exc, len(hit))
-                for job in hit:
-                    self._abort(job)
-                    deliveries.append((job, Failed(500, "a pipeline stage failed while running this request; retry it")))
-                return
-            else:
-                # A bug in the engine: fail what is in flight rather than leave clients hanging.
-                logger.error("engine step failed; failing %d requests in flight", len(self._jobs), exc_info=exc)
-                status, message = 500, "internal error in the engine; see the server log"
-            for job in list(self._jobs):
-                self._abort(job)
-                deliveries.append((job, Failed(status, message)))
-            return
+        updated, failed = self._core.step()
+        deliveries += failed
         now = time.perf_counter()
-        for seq, text in self._outputs.process(seqs):
-            job, index = self._owners[seq.request_id]
-            job.started = True
-            reason = seq.finish_reason.value if seq.finish_reason is not None else None
-            params = seq.params
-            deliveries.append((job, ChoiceUpdate(
-                index, text.text, text.num_streamable, len(seq.output_ids), reason, now,
-                seq.logprobs if params.logprobs is not None else None,
-                seq.prompt_logprobs if params.prompt_logprobs is not None else None,
-            )))
-        for job in {job for job, _ in deliveries}:
-            if all(seq.finished for seq in job.seqs):
-                self._forget(job)
+        texts = self._outputs.process([seq for _, _, seq in updated])  # may end sequences at a stop string
+        for (job, choice, seq), (_, text) in zip(updated, texts):
+            deliveries.append((job, choice_update(choice, seq, text, now)))
+        self._core.forget_finished({job for job, _, _ in updated})
 
-    def _take_snapshot(self) -> EngineSnapshot:
-        engine = self.engine
-        num_running = sum(1 for job in self._jobs if job.started)
-        return EngineSnapshot(
-            num_free_blocks=engine.allocator.num_free,
-            num_blocks=engine.allocator.num_blocks,
-            num_running=num_running,
-            num_waiting=len(self._jobs) - num_running,
-            num_eager_fallbacks=engine.num_eager_fallbacks,
-            num_preemptions=engine.scheduler.num_preemptions,
-            stage_busy_s=tuple(engine.ring.stage_busy_s),
-            num_cached_blocks=engine.allocator.num_cached,
-            prefix_queried_tokens=engine.allocator.num_queried_tokens,
-            prefix_hit_tokens=engine.allocator.num_hit_tokens,
-        )
+    def _forget_texts(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self._outputs.forget(seq)
 
     def _deliver(self, deliveries: list) -> None:
         if not deliveries:
@@ -319,6 +225,17 @@ class AsyncEngine:
             pass  # the event loop is closed: nobody is waiting any more
 
 
+def choice_update(choice: int, seq: Sequence, text, now: float) -> ChoiceUpdate:
+    """What a job hears of one choice after a step: its text so far and, if asked, its logprobs."""
+    reason = seq.finish_reason.value if seq.finish_reason is not None else None
+    params = seq.params
+    return ChoiceUpdate(
+        choice, text.text, text.num_streamable, len(seq.output_ids), reason, now,
+        seq.logprobs if params.logprobs is not None else None,
+        seq.prompt_logprobs if params.prompt_logprobs is not None else None,
+    )
+
+
 class PromptPreparer:
     """A job's prompt as token ids that fit the context, or a RequestError saying why not.
 
@@ -327,11 +244,15 @@ class PromptPreparer:
     length and the scheduler's length check, which depends on configuration alone.
     """
 
-    def __init__(self, engine: Engine):
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.check_lengths = engine.scheduler.check
-        self.model_name = engine.model_dir.name
+    def __init__(self, tokenizer, max_model_len: int, check_lengths, model_name: str):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.check_lengths = check_lengths  # Scheduler.check, or the same check made from its numbers
+        self.model_name = model_name
+
+    @staticmethod
+    def for_engine(engine: Engine) -> PromptPreparer:
+        return PromptPreparer(engine.tokenizer, engine.max_model_len, engine.scheduler.check, engine.model_dir.name)
 
     def prompt_ids(self, job: GenerationJob) -> list[list[int]]:
         """Each prompt's token ids; a RequestError names the prompt when there are several."""

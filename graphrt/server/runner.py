@@ -24,6 +24,7 @@ from graphrt.errors import GraphrtError
 from graphrt.sampling import SamplingParams
 from graphrt.server.app import ServerSettings, build_app
 from graphrt.server.async_engine import AsyncEngine
+from graphrt.server.engine_process import EngineClient
 from graphrt.server.connections import BoundedH11Protocol, ConnectionLimits, RequestFraming
 
 GRACEFUL_SHUTDOWN_S = 5  # after cancelling in-flight requests, how long connections get to close
@@ -38,6 +39,7 @@ class ServeOptions:
     max_body_bytes: int = 1 << 20
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     llm_kwargs: dict = field(default_factory=dict)  # graphrt.LLM's: model, pp, depth, cache, max_num_seqs, ...
+    engine_process: bool = True  # the engine in a process of its own (graphrt.server.engine_process)
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
@@ -90,7 +92,9 @@ class GracefulServer(uvicorn.Server):
     """uvicorn, except that stopping first cancels the requests in flight (each ends with a 503,
     so no connection holds the shutdown up), and a stop asked for by a signal exits with code 0."""
 
-    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, on_started: Callable[[], None] = lambda: None):
+    def __init__(
+        self, config: uvicorn.Config, async_engine: AsyncEngine | EngineClient, on_started: Callable[[], None] = lambda: None,
+    ):
         super().__init__(config)
         self.async_engine = async_engine
         self.on_started = on_started
@@ -101,8 +105,9 @@ class GracefulServer(uvicorn.Server):
             self.on_started()
 
     async def on_tick(self, counter: int) -> bool:
-        # With --procs, a dead stage ends the server (its monitor has failed what was in flight).
-        if self.async_engine.engine.failure is not None:
+        # A dead stage process (--procs) or engine process ends the server (what was in flight has
+        # been failed already).
+        if self.async_engine.failure is not None:
             return True
         return await super().on_tick(counter)
 
@@ -159,9 +164,10 @@ def warm_up(engine) -> None:
 
 
 def make_server(
-    engine, settings: ServerSettings, limits: ConnectionLimits, on_started: Callable[[], None] = lambda: None
+    async_engine: AsyncEngine | EngineClient, settings: ServerSettings, limits: ConnectionLimits,
+    on_started: Callable[[], None] = lambda: None,
 ) -> GracefulServer:
-    app = build_app(engine, settings)
+    app = build_app(async_engine, settings)
     config = uvicorn.Config(
         RequestFraming(app, settings.max_body_bytes, app.state.metrics),
         http=functools.partial(BoundedH11Protocol, limits=limits),
@@ -177,10 +183,11 @@ def stop_engine(server: GracefulServer) -> None:
     daemon thread still inside a torch op at exit is killed mid-op, and that aborts the whole
     process (SIGABRT, "terminate called without an active exception"), which a stop by signal
     with micro-batches in flight otherwise did every time. (uvicorn's lifespan joins the engine
-    thread too, but skips that on a second Ctrl+C, and nothing else closed the stages.)"""
+    thread too, but skips that on a second Ctrl+C, and nothing else closed the stages.) An engine
+    process is told to stop, waited for, and its sockets closed."""
     server.async_engine.stop()
     server.async_engine.join(ENGINE_STOP_S)
-    server.async_engine.engine.close()  # each stage finishes the micro-batch it holds, then its thread ends
+    server.async_engine.close()
 
 
 def curl_example(url: str, model_id: str, with_key: bool) -> str:
@@ -189,11 +196,13 @@ def curl_example(url: str, model_id: str, with_key: bool) -> str:
     return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
-def start_engine(options: ServeOptions, echo: Callable[[str], None]):
+def start_engine(options: ServeOptions, echo: Callable[[str], None]) -> AsyncEngine | EngineClient | None:
     """Load and warm up the engine, printing each phase; None if SIGINT or SIGTERM came first."""
     # Until uvicorn takes the signals over, SIGTERM stops the start-up the way Ctrl+C does.
     previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        if options.engine_process:
+            return EngineClient(options.llm_kwargs, echo, pin=True)
         start = time.perf_counter()
         engine = load_engine(options)
         echo(f"[graphrt] load and capture {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, "
@@ -202,7 +211,7 @@ def start_engine(options: ServeOptions, echo: Callable[[str], None]):
         start = time.perf_counter()
         warm_up(engine)
         echo(f"[graphrt] warm-up {time.perf_counter() - start:.1f} s")
-        return engine
+        return AsyncEngine(engine)
     except KeyboardInterrupt:
         echo("[graphrt] stopped during start-up")
         return None
@@ -217,37 +226,41 @@ def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
         echo(warning)
     sock = bind_socket(options.host, options.port)
     try:
-        engine = start_engine(options, echo)
-        if engine is None:
+        async_engine = start_engine(options, echo)
+        if async_engine is None:
             return
-        settings = ServerSettings(model_id=engine.model_dir.name, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+        model_id = (async_engine.model_dir if options.engine_process else async_engine.engine.model_dir).name
+        settings = ServerSettings(model_id=model_id, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
         url = address_of(sock)
 
         def banner() -> None:
             echo(f"[graphrt] serving {settings.model_id} on {url} (OpenAI API under /v1; /health, /metrics); Ctrl+C stops")
             echo("try: " + curl_example(url, settings.model_id, options.api_key is not None))
 
-        server = make_server(engine, settings, options.limits, banner)
+        server = make_server(async_engine, settings, options.limits, banner)
         try:
             server.run(sockets=[sock])
         finally:
             stop_engine(server)
-        if engine.failure is not None:
-            raise engine.failure  # the CLI prints it and exits 1
+        if async_engine.failure is not None:
+            raise async_engine.failure  # the CLI prints it and exits 1
         echo("[graphrt] stopped")
     finally:
         sock.close()
 
 
 class ServerThread:
-    """The same server on a background thread of this process; `stop` shuts it down cleanly."""
+    """The same server on a background thread of this process; `stop` shuts it down cleanly.
+    `engine`: an Engine, stepped on a thread here, or an EngineClient, whose engine process `stop`
+    ends too."""
 
     def __init__(
         self, engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 0, limits: ConnectionLimits | None = None
     ):
         self.sock = bind_socket(host, port)
         self.url = address_of(self.sock)
-        self.server = make_server(engine, settings, limits or ConnectionLimits())
+        self.async_engine = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
+        self.server = make_server(self.async_engine, settings, limits or ConnectionLimits())
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="graphrt-server", daemon=True)
 
     def start(self, timeout: float = 30.0) -> ServerThread:
@@ -263,6 +276,8 @@ class ServerThread:
         self.server.should_exit = True
         self._thread.join(timeout)
         self.sock.close()
+        if isinstance(self.async_engine, EngineClient):
+            stop_engine(self.server)
         if self._thread.is_alive():
             raise RuntimeError(f"the server at {self.url} did not stop within {timeout} s")
 

@@ -1,0 +1,547 @@
+"""The engine in a process of its own, as `graphrt serve` runs it by default.
+
+    front process: HTTP server, tokenizing, detokenizing  <-- ZMQ -->  engine process: scheduler, ring, stages
+
+In one process the asyncio server, the detokenizer and the engine loop share one interpreter and
+its GIL, so a burst of HTTP work delays the next micro-batch launch (vLLM's API server and
+EngineCore, SGLang's tokenizer manager, scheduler and detokenizer are split the same way). Here
+the engine process runs an `EngineCore` in a loop: it takes the commands waiting, steps the
+engine, and sends the new token ids of every sequence that got one, one message per step. The
+front (`EngineClient`) keeps a mirror of each sequence, turns token ids into text with the
+`OutputProcessor` and ends a choice at a stop string by telling the engine.
+
+Messages are typed msgspec structs over msgpack (never pickle): `AddJob`, `AbortJob`,
+`StopChoice`, `Shutdown` one way; `Ready`, `JobAdmitted`, `JobRejected`, `JobFailed`, `Outputs`,
+`Fatal` the other, on two ZMQ PUSH/PULL pairs over IPC sockets in a private folder.
+
+If the engine process dies, every request in flight gets a 503 and the server stops with a
+non-zero exit; if the front dies, the engine process notices its parent gone and exits. With
+cores to spare (4 or more usable), the front is pinned to the first and the engine process, its
+stage threads and torch's threads to the rest; on fewer cores both float over all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Union
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from graphrt.errors import GraphrtError
+from graphrt.logprobs import TokenLogprob
+from graphrt.output_processor import OutputProcessor
+from graphrt.sampling import SamplingParams
+from graphrt.scheduler import check_lengths
+from graphrt.sequence import FinishReason, Sequence
+from graphrt.server.async_engine import GenerationJob, PromptPreparer, choice_update, heap_trimmer
+from graphrt.server.engine_core import Admitted, EngineCore, EngineSnapshot, Failed, Rejected
+
+logger = logging.getLogger("graphrt.server")
+
+STARTUP_TIMEOUT_S = 900.0  # loading and capturing a large model can take minutes
+PARENT_CHECK_S = 1.0  # how often an idle engine process checks that the front is still there
+WATCH_INTERVAL_S = 0.1  # how often the front checks that the engine process is still there
+MIN_CORES_TO_PIN = 4
+
+
+# -- the wire ------------------------------------------------------------------------------------
+
+
+class AddJob(msgspec.Struct, tag=True):
+    job: int
+    prompt_ids: list[list[int]]
+    params: list[SamplingParams]  # one per choice; choice i continues prompt i * len(prompt_ids) // len(params)
+
+
+class AbortJob(msgspec.Struct, tag=True):
+    job: int
+
+
+class StopChoice(msgspec.Struct, tag=True):
+    """The front found a stop string in the choice's text."""
+
+    job: int
+    choice: int
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class EngineFacts(msgspec.Struct):
+    """What the front needs of the engine: to check prompts, answer /v1/models and print the banner."""
+
+    model_dir: str
+    max_model_len: int
+    capacity_tokens: int  # what the whole KV cache holds for one sequence
+    has_tokenizer: bool
+    banner: list[str]
+
+
+class Ready(msgspec.Struct, tag=True):
+    facts: EngineFacts
+
+
+class JobAdmitted(msgspec.Struct, tag=True):
+    job: int
+    prompt_tokens: int
+
+
+class JobRejected(msgspec.Struct, tag=True):
+    job: int
+    message: str
+
+
+class JobFailed(msgspec.Struct, tag=True):
+    job: int
+    status: int
+    message: str
+
+
+class ChoiceOutput(msgspec.Struct):
+    """A choice's new tokens from one step (its logprobs too, if it asked)."""
+
+    job: int
+    choice: int
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with its first token
+
+
+class Outputs(msgspec.Struct, tag=True):
+    outputs: list[ChoiceOutput]
+    snapshot: EngineSnapshot
+
+
+class Fatal(msgspec.Struct, tag=True):
+    """The engine cannot go on (a stage process died, a bug); the process exits after sending it."""
+
+    message: str
+
+
+ToEngine = Union[AddJob, AbortJob, StopChoice, Shutdown]
+ToFront = Union[Ready, JobAdmitted, JobRejected, JobFailed, Outputs, Fatal]
+
+
+def usable_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+# -- the engine process ----------------------------------------------------------------------------
+
+
+class EngineLoop:
+    """The engine process's main loop (see the module docstring)."""
+
+    def __init__(self, engine, commands: zmq.Socket, results: zmq.Socket, stopping: threading.Event):
+        self.engine, self.commands, self.results = engine, commands, results
+        self.stopping = stopping  # set by SIGTERM
+        self.core = EngineCore(engine)
+        self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToEngine)
+        self._sent: dict[int, int] = {}  # request id -> output tokens sent to the front
+        self._parent = os.getppid()
+        self._trim_heap = heap_trimmer()
+
+    def send(self, message) -> None:
+        self.results.send(self.encoder.encode(message))
+
+    def run(self) -> int:
+        stepped = False
+        while True:
+            idle = not self.engine.has_work()
+            if idle and stepped:
+                self._trim_heap()
+                self.send(Outputs([], self.core.snapshot()))  # /metrics sees the engine at rest
+                stepped = False
+            if self.commands.poll(PARENT_CHECK_S * 1000 if idle else 0):
+                for message in self._drain():
+                    if isinstance(message, Shutdown):
+                        self.stopping.set()
+                        break
+                    self._handle(message)
+            if self.stopping.is_set():
+                for key, failed in self.core.stop():
+                    self.send(JobFailed(key, failed.status, failed.message))
+                return 0
+            if idle and os.getppid() != self._parent:
+                logger.error("the front process is gone; the engine process stops")
+                return 1
+            if self.engine.has_work():
+                self._step()
+                stepped = True
+            if self.engine.failure is not None:
+                self.send(Fatal(str(self.engine.failure)))
+                return 1
+
+    def _drain(self) -> list:
+        messages = []
+        while True:
+            try:
+                messages.append(self.decoder.decode(self.commands.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return messages
+
+    def _handle(self, message) -> None:
+        if isinstance(message, AddJob):
+            answer = self.core.add(message.job, message.prompt_ids, message.params)
+            if isinstance(answer, Admitted):
+                self.send(JobAdmitted(message.job, answer.prompt_tokens))
+            elif isinstance(answer, Rejected):
+                self.send(JobRejected(message.job, answer.message))
+            else:
+                self.send(JobFailed(message.job, answer.status, answer.message))
+        elif isinstance(message, AbortJob):
+            for seq in self.core.abort(message.job):
+                self._sent.pop(seq.request_id, None)
+        elif isinstance(message, StopChoice):
+            self.core.finish(message.job, message.choice, FinishReason.STOP)
+            self.core.forget_finished([message.job])
+
+    def _step(self) -> None:
+        updated, failed = self.core.step()
+        outputs = []
+        for key, choice, seq in updated:
+            sent = self._sent.get(seq.request_id, 0)
+            params = seq.params
+            outputs.append(ChoiceOutput(
+                key, choice, seq.output_ids[sent:], seq.finish_reason.value if seq.finished else None,
+                seq.logprobs[sent : len(seq.output_ids)] if params.logprobs is not None else None,
+                seq.prompt_logprobs if params.prompt_logprobs is not None and sent == 0 else None,
+            ))
+            if seq.finished:
+                self._sent.pop(seq.request_id, None)
+            else:
+                self._sent[seq.request_id] = len(seq.output_ids)
+        self.core.forget_finished({key for key, _, _ in updated})
+        self.send(Outputs(outputs, self.core.snapshot()))
+        for key, answer in failed:
+            self.send(JobFailed(key, answer.status, answer.message))
+
+
+# What the engine process runs (not `-m`: this module is already imported with the graphrt.server
+# package, and running it again as __main__ would make two copies of its classes).
+ENGINE_PROCESS_MAIN = "import sys; from graphrt.server.engine_process import engine_process_main; sys.exit(engine_process_main())"
+
+
+def engine_process_main() -> int:
+    """The engine process: `python -c ENGINE_PROCESS_MAIN COMMANDS RESULTS pin|float`, with the LLM
+    options as JSON on stdin."""
+    logging.basicConfig(level=logging.WARNING, format="[graphrt engine] %(message)s")
+    from graphrt.server.runner import warm_up  # the runner imports this module
+
+    commands_address, results_address, placement = sys.argv[1:4]
+    llm_kwargs = json.loads(sys.stdin.read())
+    # Ctrl+C reaches the whole process group; the front decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())  # as a Shutdown from the front
+    context = zmq.Context()
+    commands, results = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    commands.connect(commands_address)
+    results.connect(results_address)
+    results.setsockopt(zmq.LINGER, 5000)  # the last answers go out before the process exits
+    encoder = msgspec.msgpack.Encoder()
+    cores = usable_cores()
+    if placement == "pin":
+        os.sched_setaffinity(0, set(cores[1:]))  # the first core is the front's
+    try:
+        import torch
+
+        from graphrt.llm import LLM
+
+        if placement == "pin" and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(len(cores) - 1)
+        start = time.perf_counter()
+        engine = LLM(**llm_kwargs).engine
+        banner = [
+            f"[graphrt] load and capture {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, {engine.describe()}, "
+            f"buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "
+            f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks, engine in its own process",
+        ]
+        start = time.perf_counter()
+        warm_up(engine)
+        banner.append(f"[graphrt] warm-up {time.perf_counter() - start:.1f} s")
+    except Exception as exc:  # noqa: BLE001 - the front prints it as the reason start-up failed
+        results.send(encoder.encode(Fatal(str(exc) if isinstance(exc, GraphrtError) else f"{type(exc).__name__}: {exc}")))
+        return 1
+    facts = EngineFacts(
+        str(engine.model_dir), engine.max_model_len, engine.allocator.capacity_tokens, engine.tokenizer is not None, banner,
+    )
+    results.send(encoder.encode(Ready(facts)))
+    try:
+        return EngineLoop(engine, commands, results, stopping).run()
+    except BaseException as exc:  # noqa: BLE001 - say why before the process ends
+        logger.error("the engine process failed", exc_info=exc)
+        results.send(encoder.encode(Fatal(f"internal error in the engine process ({type(exc).__name__}: {exc}); see its log")))
+        return 1
+    finally:
+        engine.close()
+
+
+# -- the front -------------------------------------------------------------------------------------
+
+
+class _FrontJob:
+    """A job as the front tracks it: the HTTP side's job and a mirror sequence per choice."""
+
+    def __init__(self, job: GenerationJob, mirrors: list[Sequence]):
+        self.job, self.mirrors = job, mirrors
+
+
+class EngineClient:
+    """The front's handle on the engine process: the same interface as `AsyncEngine`."""
+
+    def __init__(self, llm_kwargs: dict, echo=print, pin: bool = False):
+        """Start the engine process and wait until it is loaded and warmed up. `pin`: with cores to
+        spare, this process takes the first and the engine process the rest (`graphrt serve`)."""
+        self._folder = tempfile.TemporaryDirectory(prefix="graphrt-engine-")
+        commands_address = f"ipc://{self._folder.name}/commands"
+        results_address = f"ipc://{self._folder.name}/results"
+        # Commands go out from whichever thread stops the server; results come in on the event loop.
+        self._context, self._async_context = zmq.Context(), zmq.asyncio.Context()
+        self._commands = self._context.socket(zmq.PUSH)
+        self._commands.bind(commands_address)
+        self._results = self._async_context.socket(zmq.PULL)
+        self._results.bind(results_address)
+        self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToFront)
+        cores = usable_cores()
+        pin = pin and len(cores) >= MIN_CORES_TO_PIN
+        if pin:
+            os.sched_setaffinity(0, {cores[0]})
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", ENGINE_PROCESS_MAIN, commands_address, results_address, "pin" if pin else "float"],
+            stdin=subprocess.PIPE,
+        )
+        self.process.stdin.write(json.dumps(llm_kwargs, default=str).encode())
+        self.process.stdin.close()
+        self.facts = self._wait_ready()
+        for line in self.facts.banner:
+            echo(line)
+        self.tokenizer = self._load_tokenizer()
+        self.max_model_len = self.facts.max_model_len
+        self._prompts = PromptPreparer(
+            self.tokenizer, self.max_model_len,
+            lambda prompt_len, max_tokens: check_lengths(prompt_len, max_tokens, self.max_model_len, self.facts.capacity_tokens),
+            Path(self.facts.model_dir).name,
+        )
+        self._outputs = OutputProcessor(self)  # detokenizing; calls self.finish at a stop string
+        self._jobs: dict[int, _FrontJob] = {}
+        self._ids = iter(range(1 << 62))
+        self._job_ids: dict[GenerationJob, int] = {}
+        self._request_ids = iter(range(1 << 62))
+        self._owners: dict[int, tuple[int, int]] = {}  # mirror request id -> (job id, choice)
+        self.snapshot = EngineSnapshot(0, 0, 0, 0, 0)
+        self.accepting = False
+        self.failure: GraphrtError | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._send_lock = threading.Lock()
+        self._shutdown_sent = False
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.facts.model_dir)
+
+    def _wait_ready(self) -> EngineFacts:
+        """Block until the engine process is loaded and warmed up (it prints its own progress)."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        socket = zmq.Socket.shadow(self._results.underlying)  # a blocking view of the same socket
+        try:
+            while time.monotonic() < deadline:
+                if socket.poll(100):
+                    message = self._decoder.decode(socket.recv())
+                    if isinstance(message, Ready):
+                        return message.facts
+                    if isinstance(message, Fatal):
+                        self._reap()
+                        raise GraphrtError(message.message)
+                if self.process.poll() is not None:
+                    raise GraphrtError(f"the engine process exited with code {self.process.returncode} while starting; its output says why")
+            raise GraphrtError(f"the engine process did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        except BaseException:  # including Ctrl+C during start-up
+            self._reap()
+            self._close_sockets()
+            raise
+
+    def _load_tokenizer(self):
+        if not self.facts.has_tokenizer:
+            return None
+        from graphrt.tokenizer import Tokenizer
+
+        return Tokenizer.from_dir(Path(self.facts.model_dir))
+
+    # -- the AsyncEngine interface ----------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.accepting = True
+        self._tasks = [loop.create_task(self._receive()), loop.create_task(self._watch())]
+
+    @property
+    def healthy(self) -> bool:
+        return self.accepting and self.failure is None and self.process.poll() is None
+
+    async def prepare(self, job: GenerationJob) -> None:
+        job.prompt_ids = await asyncio.to_thread(self._prompts.prompt_ids, job)
+
+    def submit(self, job: GenerationJob) -> bool:
+        if job.prompt_ids is None:
+            raise ValueError("prepare the job before submitting it: the engine takes only token ids")
+        if not self.healthy:
+            return False
+        job_id = next(self._ids)
+        mirrors = []
+        for choice, params in enumerate(job.params):
+            mirror = Sequence(next(self._request_ids), job.prompt_ids[job.prompt_index(choice)], params, max_tokens=0)
+            self._owners[mirror.request_id] = (job_id, choice)
+            mirrors.append(mirror)
+        self._jobs[job_id] = _FrontJob(job, mirrors)
+        self._job_ids[job] = job_id
+        self._send(AddJob(job_id, job.prompt_ids, job.params))
+        return True
+
+    def abort(self, job: GenerationJob) -> None:
+        job_id = self._job_ids.get(job)
+        if job_id is not None:
+            self._forget(job_id)
+            self._send(AbortJob(job_id))
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """The OutputProcessor found a stop string: end the choice here and in the engine."""
+        seq.finish_reason = reason
+        job_id, choice = self._owners[seq.request_id]
+        self._send(StopChoice(job_id, choice))
+
+    def stop(self) -> None:
+        """Stop admitting; the engine answers every job in flight with a 503, then exits."""
+        self.accepting = False
+        if not self._shutdown_sent and self.process.poll() is None:
+            self._shutdown_sent = True
+            self._send(Shutdown())
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.error("the engine process did not stop within %s s; killing it", timeout)
+            self._reap()
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._reap()
+        self._close_sockets()
+        self._folder.cleanup()
+
+    # -- the event loop's tasks --------------------------------------------------------------------
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            try:
+                self._commands.send(self._encoder.encode(message), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the engine process is gone; the watcher fails what is in flight
+
+    async def _receive(self) -> None:
+        while True:
+            message = self._decoder.decode(await self._results.recv())
+            if isinstance(message, Outputs):
+                self.snapshot = message.snapshot
+                self._apply(message.outputs)
+            elif isinstance(message, JobAdmitted):
+                self._deliver(message.job, Admitted(message.prompt_tokens))
+            elif isinstance(message, (JobRejected, JobFailed)):
+                answer = Rejected(message.message) if isinstance(message, JobRejected) else Failed(message.status, message.message)
+                self._deliver(message.job, answer)
+                self._forget(message.job)
+            elif isinstance(message, Fatal):
+                self._fail(message.message)
+
+    def _apply(self, outputs: list[ChoiceOutput]) -> None:
+        now = time.perf_counter()
+        touched: list[tuple[int, int, Sequence]] = []
+        for output in outputs:
+            front = self._jobs.get(output.job)
+            if front is None:
+                continue  # aborted here since
+            mirror = front.mirrors[output.choice]
+            if mirror.finished:
+                continue  # ended at a stop string here; the engine's next tokens are dropped
+            mirror.output_ids += output.token_ids
+            if output.logprobs is not None:
+                mirror.logprobs += output.logprobs
+            if output.prompt_logprobs is not None:
+                mirror.prompt_logprobs = output.prompt_logprobs
+            if output.finish_reason is not None:
+                mirror.finish_reason = FinishReason(output.finish_reason)
+            touched.append((output.job, output.choice, mirror))
+        texts = self._outputs.process([mirror for _, _, mirror in touched])
+        for (job_id, choice, mirror), (_, text) in zip(touched, texts):
+            self._jobs[job_id].job.updates.put_nowait(choice_update(choice, mirror, text, now))
+        for job_id in {job_id for job_id, _, _ in touched}:
+            front = self._jobs.get(job_id)
+            if front is not None and all(mirror.finished for mirror in front.mirrors):
+                self._forget(job_id)
+
+    async def _watch(self) -> None:
+        while self.process.poll() is None:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+        await asyncio.sleep(WATCH_INTERVAL_S)  # the last messages it sent, first
+        if self._shutdown_sent and self.process.returncode == 0:
+            for job_id in list(self._jobs):  # anything the engine had not yet heard of
+                self._deliver(job_id, Failed(503, "the server is shutting down; retry on another server"))
+                self._forget(job_id)
+            return
+        self._fail(f"the engine process exited with code {self.process.returncode}")
+
+    def _fail(self, message: str) -> None:
+        if self.failure is None:
+            self.failure = GraphrtError(f"{message}; restart graphrt")
+            logger.error("%s; failing %d requests in flight", self.failure, len(self._jobs))
+        self.accepting = False
+        for job_id in list(self._jobs):
+            self._deliver(job_id, Failed(503, str(self.failure)))
+            self._forget(job_id)
+
+    def _deliver(self, job_id: int, update) -> None:
+        front = self._jobs.get(job_id)
+        if front is not None:
+            front.job.updates.put_nowait(update)
+
+    def _forget(self, job_id: int) -> None:
+        front = self._jobs.pop(job_id, None)
+        if front is None:
+            return
+        self._job_ids.pop(front.job, None)
+        for mirror in front.mirrors:
+            self._owners.pop(mirror.request_id, None)
+            self._outputs.forget(mirror)
+
+    # -- clean-up ----------------------------------------------------------------------------------
+
+    def _reap(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def _close_sockets(self) -> None:
+        self._commands.close(linger=0)
+        self._results.close(linger=0)
+        self._context.term()
+        self._async_context.term()
+

@@ -1,0 +1,97 @@
+"""The engine in a process of its own (`graphrt serve`'s default): the engine process dying
+mid-stream is a 503 to every request in flight and a prompt non-zero exit, never a hang; the wire
+carries every message type as itself. The server tests run against this mode too
+(tests/test_server_api.py, test_server_logprobs.py, test_server_clients.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+for package in ("fastapi", "uvicorn", "httpx", "zmq", "msgspec"):  # the server stack: not on every GPU image
+    pytest.importorskip(package)
+
+import httpx  # noqa: E402
+import msgspec  # noqa: E402
+
+from graphrt.logprobs import TokenLogprob  # noqa: E402
+from graphrt.sampling import SamplingParams  # noqa: E402
+from graphrt.server.engine_core import EngineSnapshot  # noqa: E402
+from graphrt.server.engine_process import (  # noqa: E402
+    AbortJob, AddJob, ChoiceOutput, Fatal, JobAdmitted, JobFailed, JobRejected, Outputs, Shutdown, StopChoice, ToEngine, ToFront,
+)
+from test_server_shutdown import API_KEY, start_server  # noqa: E402
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.slow
+def test_engine_process_dying_mid_stream_is_a_503_and_a_prompt_nonzero_exit():
+    proc, url, _ = start_server()
+    try:
+        (engine_pid,) = children_of(proc.pid)
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True}
+        events, statuses, first_event = [], [], threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line:
+                        events.append(line)
+                        first_event.set()
+
+        def whole() -> None:
+            response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+            statuses.append((response.status_code, response.json()["error"]["message"]))
+
+        clients = [threading.Thread(target=stream), threading.Thread(target=whole)]
+        for client in clients:
+            client.start()
+        assert first_event.wait(30)
+        killed_at = time.monotonic()
+        os.kill(engine_pid, signal.SIGKILL)
+        for client in clients:
+            client.join(20)
+            assert not client.is_alive(), "a request hung after the engine process died"
+        assert statuses == [(503, "the engine process exited with code -9; restart graphrt")]
+        assert "the engine process exited with code -9" in events[-2] and events[-1] == "data: [DONE]"
+        assert proc.wait(timeout=20) != 0
+        assert time.monotonic() - killed_at < 15
+        assert "engine process exited with code -9" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_every_message_crosses_the_wire_as_itself():
+    encoder = msgspec.msgpack.Encoder()
+    entry = TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.5)))
+    to_engine = [
+        AddJob(3, [[1, 2, 3], [4]], [SamplingParams(max_tokens=4, temperature=0.5, top_k=7, seed=11, stop=["x"], logprobs=2)]),
+        AbortJob(3), StopChoice(3, 1), Shutdown(),
+    ]
+    to_front = [
+        JobAdmitted(3, 4), JobRejected(3, "too long"), JobFailed(3, 503, "bye"), Fatal("stage 1 died"),
+        Outputs([ChoiceOutput(3, 0, [5, 6], "stop", [entry], [None, entry])], EngineSnapshot(1, 2, 3, 4, 5, stage_busy_s=(0.5,))),
+    ]
+    for messages, kind in ((to_engine, ToEngine), (to_front, ToFront)):
+        decoder = msgspec.msgpack.Decoder(kind)
+        for message in messages:
+            assert decoder.decode(encoder.encode(message)) == message
+
+
+def test_bad_sampling_params_are_refused_on_arrival():
+    """The engine process checks what it receives as the front does (SamplingParams' own checks)."""
+    bad = msgspec.msgpack.encode({"type": "AddJob", "job": 1, "prompt_ids": [[1]], "params": [{"top_p": 5.0}]})
+    decoder = msgspec.msgpack.Decoder(ToEngine)
+    with pytest.raises(ValueError, match="top_p"):
+        decoder.decode(bad)
