@@ -503,11 +503,13 @@ class EngineClient:
                 self._deliver(job_id, Failed(503, "the server is shutting down; retry on another server"))
                 self._forget(job_id)
             return
-        self._fail(f"the engine process exited with code {self.process.returncode}")
+        self._fail(f"the engine process exited with code {self.process.returncode}; restart graphrt")
 
     def _fail(self, message: str) -> None:
+        """The engine is gone (`message` says why and what to do): every job in flight gets a 503,
+        and the server stops."""
         if self.failure is None:
-            self.failure = GraphrtError(f"{message}; restart graphrt")
+            self.failure = GraphrtError(message)
             logger.error("%s; failing %d requests in flight", self.failure, len(self._jobs))
         self.accepting = False
         for job_id in list(self._jobs):
