@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from graphrt.engine import Engine
@@ -44,3 +46,14 @@ def engine_for_server(mode: str, **llm_kwargs):
     from graphrt.llm import LLM
 
     return LLM(**llm_kwargs).engine
+
+
+@contextlib.contextmanager
+def running_server(mode: str, settings: dict | None = None, **llm_kwargs):
+    """A server on a free port of this host, its engine as `engine_for_server(mode)` makes it;
+    `settings`: ServerSettings fields besides the model id (the model folder's name)."""
+    from graphrt.server import ServerSettings, ServerThread
+
+    engine = engine_for_server(mode, **llm_kwargs)
+    with ServerThread(engine, ServerSettings(model_id=engine.model_dir.name, **(settings or {}))) as running:
+        yield running

@@ -12,8 +12,7 @@ for package in ("fastapi", "uvicorn", "httpx"):  # the server stack: not on ever
 
 import httpx  # noqa: E402
 
-from helpers import SERVER_MODES, engine_for_server  # noqa: E402
-from graphrt.server import ServerSettings, ServerThread  # noqa: E402
+from helpers import SERVER_MODES, running_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -99,9 +98,8 @@ BAD_REQUESTS = [
 
 @pytest.fixture(scope="module", params=SERVER_MODES)
 def server(default_model, request):
-    engine = engine_for_server(request.param, model=default_model, max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
-    settings = ServerSettings(model_id=engine.model_dir.name, max_body_bytes=MAX_BODY_BYTES)
-    with ServerThread(engine, settings) as running:
+    settings = dict(max_body_bytes=MAX_BODY_BYTES)
+    with running_server(request.param, settings, model=default_model, max_num_seqs=8, max_model_len=MAX_MODEL_LEN) as running:
         yield running
 
 

@@ -17,8 +17,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import tool  # noqa: E402
 from langchain_openai import ChatOpenAI, OpenAI  # noqa: E402
 
-from helpers import SERVER_MODES, engine_for_server  # noqa: E402
-from graphrt.server import ServerSettings, ServerThread  # noqa: E402
+from helpers import SERVER_MODES, running_server  # noqa: E402
 from graphrt.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -47,8 +46,7 @@ HISTORY_DICTS = [
 
 @pytest.fixture(scope="module", params=SERVER_MODES)
 def server(default_model, request):
-    engine = engine_for_server(request.param, model=default_model, max_num_seqs=16)
-    with ServerThread(engine, ServerSettings(model_id=engine.model_dir.name, api_key=API_KEY)) as running:
+    with running_server(request.param, dict(api_key=API_KEY), model=default_model, max_num_seqs=16) as running:
         yield running
 
 

@@ -13,20 +13,19 @@ import openai  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from helpers import SERVER_MODES, engine_for_server  # noqa: E402
-from graphrt.server import ServerSettings, ServerThread  # noqa: E402
+from helpers import SERVER_MODES, running_server  # noqa: E402
 from graphrt.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+MODEL = "SmolLM2-135M-Instruct"  # the served name: the model folder's
 PROMPTS = ["The capital of France is", "Water boils at a temperature of"]
 ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=SERVER_MODES)
 def server(default_model, request):
-    engine = engine_for_server(request.param, model=default_model, dtype="float32", max_num_seqs=16)
-    with ServerThread(engine, ServerSettings(model_id="smol")) as running:
+    with running_server(request.param, model=default_model, dtype="float32", max_num_seqs=16) as running:
         yield running
 
 
@@ -63,7 +62,7 @@ def greedy_ids(reference, prompt_ids: list[int], num_tokens: int) -> list[int]:
 def test_echo_with_logprobs_scores_prompt_and_completion(client, tokenizer, reference):
     """What lm-eval's loglikelihood tasks send: token-id prompts in a batch, echo, logprobs, greedy."""
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    response = client.completions.create(model="smol", prompt=prompts, max_tokens=4, temperature=0, logprobs=3, echo=True, n=2)
+    response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0, logprobs=3, echo=True, n=2)
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
     assert response.usage.prompt_tokens == sum(map(len, prompts))
     assert response.usage.completion_tokens == 4 * 4
@@ -92,7 +91,7 @@ def test_echo_with_logprobs_scores_prompt_and_completion(client, tokenizer, refe
 
 
 def test_completion_logprobs_stream_equals_non_stream(client):
-    kwargs = dict(model="smol", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2)
+    kwargs = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2)
     whole = client.completions.create(**kwargs).choices[0]
     chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
     streamed = [lp for chunk in chunks if chunk.logprobs for lp in chunk.logprobs.token_logprobs]
@@ -103,7 +102,7 @@ def test_completion_logprobs_stream_equals_non_stream(client):
 
 def test_chat_logprobs_equal_transformers_streamed_or_not(client, tokenizer, reference):
     messages = [{"role": "user", "content": "Name a color."}]
-    kwargs = dict(model="smol", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
     whole = client.chat.completions.create(**kwargs).choices[0]
     content = whole.logprobs.content
     prompt_ids = tokenizer.encode_chat(messages)
@@ -126,25 +125,25 @@ def test_chat_logprobs_equal_transformers_streamed_or_not(client, tokenizer, ref
 
 
 def test_without_logprobs_there_are_none(client):
-    completion = client.completions.create(model="smol", prompt=PROMPTS, max_tokens=3, temperature=0)
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=3, temperature=0)
     assert [c.logprobs for c in completion.choices] == [None, None]
-    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
     assert chat.choices[0].logprobs is None
 
 
 def test_batched_prompts_answer_as_single_requests(client):
     """Each prompt of a batch gets what it gets alone; streamed, each choice keeps its own text."""
-    single = [client.completions.create(model="smol", prompt=p, max_tokens=8, temperature=0).choices[0].text for p in PROMPTS]
-    batched = client.completions.create(model="smol", prompt=PROMPTS, max_tokens=8, temperature=0)
+    single = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text for p in PROMPTS]
+    batched = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=8, temperature=0)
     assert [c.text for c in sorted(batched.choices, key=lambda c: c.index)] == single
     texts = ["", ""]
-    for chunk in client.completions.create(model="smol", prompt=PROMPTS, max_tokens=8, temperature=0, stream=True):
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=8, temperature=0, stream=True):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
     assert texts == single
 
 
 def test_echo_without_logprobs_prefixes_the_prompt(client):
-    plain = client.completions.create(model="smol", prompt=PROMPTS[1], max_tokens=5, temperature=0).choices[0]
-    echoed = client.completions.create(model="smol", prompt=PROMPTS[1], max_tokens=5, temperature=0, echo=True).choices[0]
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0).choices[0]
+    echoed = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0, echo=True).choices[0]
     assert echoed.text == PROMPTS[1] + plain.text and echoed.logprobs is None
