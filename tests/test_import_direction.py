@@ -76,7 +76,8 @@ def test_the_scheduler_emits_plain_data():
 
 
 def test_one_place_frees_kv_blocks_and_one_place_grows_an_output():
-    """What a newcomer's grep finds: the scheduler frees blocks and appends tokens, nobody else."""
+    """What a newcomer's grep finds: the scheduler frees blocks and appends tokens, nobody else
+    (but the front's mirror of what the engine process appended)."""
     frees, appends = [], []
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -86,4 +87,6 @@ def test_one_place_frees_kv_blocks_and_one_place_grows_an_output():
             if "output_ids.append(" in line or "output_ids +=" in line or "output_ids.extend(" in line:
                 appends.append(where)
     assert len(frees) == 1 and frees[0].startswith("scheduler.py:"), frees
-    assert len(appends) == 1 and appends[0].startswith("scheduler.py:"), appends
+    # Besides the scheduler, only the server's front copies into its mirror of each sequence the
+    # tokens the engine process appended (graphrt/server/engine_process.py).
+    assert sorted(where.split(":")[0] for where in appends) == ["scheduler.py", "server/engine_process.py"], appends
