@@ -159,6 +159,7 @@ class EngineLoop:
         self.results.send(self.encoder.encode(message))
 
     def run(self) -> int:
+        self.send(Outputs([], self.core.snapshot()))  # /metrics has the engine's figures from the start
         stepped = False
         while True:
             idle = not self.engine.has_work()
@@ -204,11 +205,16 @@ class EngineLoop:
             else:
                 self.send(JobFailed(message.job, answer.status, answer.message))
         elif isinstance(message, AbortJob):
-            for seq in self.core.abort(message.job):
-                self._sent.pop(seq.request_id, None)
+            self.core.abort(message.job)
         elif isinstance(message, StopChoice):
             self.core.finish(message.job, message.choice, FinishReason.STOP)
             self.core.forget_finished([message.job])
+        self._drop_sent_counts()
+
+    def _drop_sent_counts(self) -> None:
+        """Forget the counts of sequences whose job the core has forgotten (ended or aborted)."""
+        for request_id in [r for r in self._sent if r not in self.core.owners]:
+            del self._sent[request_id]
 
     def _step(self) -> None:
         updated, failed = self.core.step()
@@ -221,11 +227,9 @@ class EngineLoop:
                 seq.logprobs[sent : len(seq.output_ids)] if params.logprobs is not None else None,
                 seq.prompt_logprobs if params.prompt_logprobs is not None and sent == 0 else None,
             ))
-            if seq.finished:
-                self._sent.pop(seq.request_id, None)
-            else:
-                self._sent[seq.request_id] = len(seq.output_ids)
+            self._sent[seq.request_id] = len(seq.output_ids)
         self.core.forget_finished({key for key, _, _ in updated})
+        self._drop_sent_counts()
         self.send(Outputs(outputs, self.core.snapshot()))
         for key, answer in failed:
             self.send(JobFailed(key, answer.status, answer.message))
