@@ -2,7 +2,7 @@
 
     python benchmarks/serve_bench.py [--url http://127.0.0.1:8000] [--concurrency 1,8,32]
                                      [--requests N] [--max-tokens 64] [--api-key KEY]
-                                     [--model DIR] [--pp N] [--baseline]
+                                     [--model DIR] [--pp N] [--baseline] [--serve-args '...']
 
 Without --url it starts `graphrt serve --model DIR --pp N` in a subprocess on a free port and
 stops it at the end; the load generator runs in this process, so it does not share the server's
@@ -11,7 +11,8 @@ that many concurrent clients, each a greedy stream of exactly `--max-tokens` tok
 ignored). Reported per level: output tokens/s over the level's wall time, and the p50/p90/p99
 time to first token (TTFT) and time per output token after the first (TPOT).
 
-`--baseline` then runs the same requests through `LLM.generate` in this process, with at most
+`--serve-args` adds options to the server started here (e.g. '--no-engine-process' to step the
+engine on a thread of the server's process). `--baseline` then runs the same requests through `LLM.generate` in this process, with at most
 `concurrency` sequences at once, after the server has stopped: the engine alone, the reference
 the server's throughput is read against.
 """
@@ -23,6 +24,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -116,8 +118,8 @@ def engine_tok_s(model: str | None, pp: int, concurrency: int, num_requests: int
     return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
 
 
-def start_server(model: str | None, pp: int) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "graphrt", "serve", "--port", "0", "--pp", str(pp)] + (["--model", model] if model else [])
+def start_server(model: str | None, pp: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-m", "graphrt", "serve", "--port", "0", "--pp", str(pp)] + (["--model", model] if model else []) + extra
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         print(line, end="", file=sys.stderr)
@@ -153,11 +155,12 @@ def main() -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--model", default=None, help="Model folder for the server started here and the baseline [default model].")
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--serve-args", default="", help="More options for the server started here, e.g. '--no-engine-process'.")
     parser.add_argument("--baseline", action="store_true", help="Also run the same requests through the engine alone.")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    proc, url = (None, args.url) if args.url else start_server(args.model, args.pp)
+    proc, url = (None, args.url) if args.url else start_server(args.model, args.pp, shlex.split(args.serve_args))
     rows = []
     try:
         asyncio.run(run_level(url, headers, 1, 2, 4))  # warm the server and the client's connections
