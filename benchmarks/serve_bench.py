@@ -2,7 +2,7 @@
 
     python benchmarks/serve_bench.py [--url http://127.0.0.1:8000] [--concurrency 1,8,32]
                                      [--requests N] [--max-tokens 64] [--api-key KEY]
-                                     [--model DIR] [--pp N] [--baseline] [--serve-args '...']
+                                     [--model DIR] [--pp N] [--baseline] [--serve-args='...']
 
 Without --url it starts `graphrt serve --model DIR --pp N` in a subprocess on a free port and
 stops it at the end; the load generator runs in this process, so it does not share the server's
@@ -11,7 +11,7 @@ that many concurrent clients, each a greedy stream of exactly `--max-tokens` tok
 ignored). Reported per level: output tokens/s over the level's wall time, and the p50/p90/p99
 time to first token (TTFT) and time per output token after the first (TPOT).
 
-`--serve-args` adds options to the server started here (e.g. '--no-engine-process' to step the
+`--serve-args` adds options to the server started here (e.g. --serve-args=--no-engine-process to step the
 engine on a thread of the server's process). `--baseline` then runs the same requests through `LLM.generate` in this process, with at most
 `concurrency` sequences at once, after the server has stopped: the engine alone, the reference
 the server's throughput is read against.
