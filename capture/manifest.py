@@ -1,9 +1,10 @@
 """The graph cache's manifest: what was captured, for which model and machine, and how well.
 
 CUDA graphs hold raw device addresses and cannot be written to disk. What the cache keeps is the
-plan (stages, buckets, which (stage, bucket) pairs must stay eager), the measurements, the compiled
-Triton kernels, and an identity of model + machine that a later start checks field by field
-before it re-records the graphs from the plan.
+plan (stages, buckets, which (stage, bucket) pairs must stay eager), the measurements, the CPU
+matmul path each stage measured fastest per weight shape, the compiled Triton kernels, and an
+identity of model + machine that a later start checks field by field before it re-records the
+graphs from the plan.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from graphrt.errors import GraphrtError
+from graphrt.kernels.matmul_choice import MatmulPlan
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -78,9 +80,25 @@ def software_versions() -> dict:
 
 
 def device_name(device: torch.device) -> str:
+    """The GPU's name, or "cpu (<model name>)": a cache records matmul paths measured on one CPU."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        from graphrt.cpu_info import cpu_model_name
+
+        return f"cpu ({cpu_model_name()})"
     return device.type
+
+
+def cached_matmul_plans(manifest: dict) -> list[MatmulPlan] | None:
+    """The matmul paths a cache recorded per stage (Stage.choose_matmuls), or None for a cache
+    written before they were recorded (the stages then measure again)."""
+    if "matmuls" not in manifest:
+        return None
+    try:
+        return [MatmulPlan.from_json(plan) for plan in manifest["matmuls"]]
+    except (TypeError, ValueError) as exc:
+        raise StaleCacheError(f"the graph cache's matmul plans cannot be read ({exc}); rebuild it with `graphrt capture`") from None
 
 
 def write_manifest(out_dir: Path, manifest: dict) -> Path:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from graphrt.cpu_info import cpu_bf16_support
 from graphrt.errors import ModelLoadError
 
 # architectures value -> what differs from plain Llama
@@ -163,7 +164,7 @@ class EngineConfig:
 
     pp: int = 1
     devices: list[str] | None = None  # one per stage; None: chosen from the machine
-    dtype: str | torch.dtype = "auto"  # auto: float32 on CPU, the model's dtype (bf16/fp16) on CUDA
+    dtype: str | torch.dtype = "auto"  # auto: see resolve_dtype
     block_size: int = 16
     kv_cache_tokens: int | None = None  # None: sized from memory (see kv_cache.default_num_blocks)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -229,8 +230,11 @@ class EngineConfig:
         return 1 if self.pp > 1 and on_cuda else 0
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
+        """auto: on CUDA the model's half dtype (bfloat16 unless it is float16); on a CPU bfloat16
+        where the CPU has bfloat16 matmul instructions (AMX or AVX512-BF16: half the bytes per
+        weight, and matmuls accumulate in float32), float32 where it would emulate them."""
         if self.dtype != "auto":
             return self.dtype
         if device.type == "cpu":
-            return torch.float32  # bf16 matmuls on CPU are slow and less exact
+            return torch.bfloat16 if cpu_bf16_support() is not None else torch.float32
         return {"float16": torch.float16}.get(model.torch_dtype or "", torch.bfloat16)

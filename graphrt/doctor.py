@@ -1,8 +1,10 @@
 """`graphrt doctor`: what this machine offers graphrt, in one screen.
 
-Versions (torch, triton, CUDA, driver), each GPU with its memory, which GPU pairs can read each
-other's memory directly (peer-to-peer) and over what link (NVLink, or how far apart on PCIe),
-and whether Nsight Systems is installed. A machine without a GPU is a normal answer, not an error.
+Versions (torch, triton, CUDA, driver), the CPU (its bfloat16 instructions, the dtype `--dtype
+auto` gives a CPU stage, and which matmul path a CPU stage would measure fastest per weight shape),
+each GPU with its memory, which GPU pairs can read each other's memory directly (peer-to-peer) and
+over what link (NVLink, or how far apart on PCIe), and whether Nsight Systems is installed. A
+machine without a GPU is a normal answer, not an error.
 """
 
 from __future__ import annotations
@@ -15,10 +17,22 @@ from typing import Callable
 
 import torch
 
+from graphrt.capture.buckets import CPU_DEFAULT_MAX_BATCH
 from graphrt.capture.cuda_info import driver_version
+from graphrt.cpu_info import cpu_bf16_support, cpu_model_name
+from graphrt.kernels.matmul_choice import measure_shapes
 from graphrt.profiling.nvtx import find_backend
 
 GIB = 1 << 30
+
+# The default model's (SmolLM2-135M-Instruct) matmul weights: name -> (out_features, in_features, how many).
+DEFAULT_MODEL_MATMULS = {
+    "qkv_proj": (960, 576, 30),
+    "o_proj": (576, 576, 30),
+    "gate_up_proj": (3072, 576, 30),
+    "down_proj": (576, 1536, 30),
+    "lm_head": (49152, 576, 1),
+}
 
 # NVML topology levels as `nvidia-smi topo -m` names them, nearest first.
 PCIE_LEVELS = {
@@ -126,6 +140,22 @@ def peer_table(gpus: list[Gpu], access: dict[tuple[int, int], bool], links: dict
     return lines
 
 
+def cpu_report() -> list[str]:
+    """The CPU, what `--dtype auto` gives a CPU stage, and the matmul paths a CPU stage of the
+    default model would choose in each dtype worth running here (measured now, on random weights)."""
+    bf16 = cpu_bf16_support()
+    auto = "bfloat16" if bf16 else "float32"
+    lines = [
+        f"  CPU: {cpu_model_name()}, {torch.get_num_threads()} torch threads, bfloat16 matmul instructions: "
+        f"{bf16 or 'none (emulated: slow)'}; --dtype auto on the CPU gives {auto}",
+        f"  CPU matmul paths for the default model's weight shapes (random weights, measured now):",
+    ]
+    for dtype in (torch.float32, torch.bfloat16) if bf16 else (torch.float32,):
+        plan = measure_shapes(DEFAULT_MODEL_MATMULS, dtype, (1, CPU_DEFAULT_MAX_BATCH))
+        lines.append(f"    {str(dtype).removeprefix('torch.')}: {plan.summary()}")
+    return lines
+
+
 def run_doctor(echo: Callable[[str], None] = print) -> int:
     """Print the report; always 0 (a CPU-only machine is a valid place to run graphrt)."""
     cuda_build = torch.version.cuda or "none (CPU build)"
@@ -139,6 +169,8 @@ def run_doctor(echo: Callable[[str], None] = print) -> int:
     echo(f"  CUDA driver: {'supports CUDA ' + driver if driver else 'none found'}")
     nsys = shutil.which("nsys")
     nsys_line = f"  nsys: {nsys}" if nsys else "  nsys: not on PATH (install Nsight Systems to take traces; see docs/profiling.md)"
+    for line in cpu_report():
+        echo(line)
     if not torch.cuda.is_available():
         echo("  GPUs: no CUDA GPU is visible to torch, so graphrt runs on the CPU (one worker thread per stage)")
         echo(nsys_line)

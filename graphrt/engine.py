@@ -14,6 +14,7 @@ from graphrt.capture.buckets import BucketPlan, default_buckets, default_max_bat
 from graphrt.capture.capture import capture_stage
 from graphrt.capture.manifest import (
     StaleCacheError,
+    cached_matmul_plans,
     device_name,
     model_fingerprint,
     read_manifest,
@@ -80,6 +81,8 @@ class Engine:
         self.backend = "cuda" if config.use_graphs and all(d.type == "cuda" for d in self.devices) else "eager"
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         forced_eager = self._check_graph_cache() if self.cache_dir is not None else set()
+        cached_matmuls = cached_matmul_plans(read_manifest(self.cache_dir)) if self.cache_dir is not None else None
+        self.pipeline.choose_matmuls(self.plan.max_batch, cached_matmuls)  # before capture: graphs read the weights
         self.ranges = Ranges()
         self._capture_graphs(forced_eager, show_progress)
         self.eos_ids = set(self.model_config.eos_token_ids)

@@ -7,12 +7,16 @@ q/k/v, Qwen3 an RMSNorm on each head of q and k. q/k/v and gate/up are fused int
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from graphrt.kernels import KernelSet, rotary_cos_sin
 from graphrt.kernels.linear import can_pack, linear, pack_weight
+from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, choose_path
 from graphrt.batch import StepMetadata
 from graphrt.config import ModelConfig
 from graphrt.kv_cache import StageKVCache
@@ -117,6 +121,7 @@ class Stage(nn.Module):
         self.layer_ids = layers
         self.device = device
         self.dtype = dtype
+        self.matmul_plan: MatmulPlan | None = None  # set by choose_matmuls
         meta = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         self.embed_tokens = meta(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in layers)
@@ -150,20 +155,48 @@ class Stage(nn.Module):
             for ours, theirs in names.items()
         }
         self.load_state_dict(state, strict=True, assign=True)
-        del tensors, state  # each dense weight is freed as soon as its packed copy replaces it
-        if can_pack(self.device, self.dtype):
-            self.pack_matmul_weights()
+        # Weights stay dense until choose_matmuls, which needs the largest decode bucket.
 
-    def pack_matmul_weights(self) -> None:
-        """Reorder every matmul weight once for oneDNN (see graphrt/kernels/linear.py); the
-        embedding stays dense, it is a gather."""
-        matmuls = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
-        owners = [(layer, name) for layer in self.layers for name in matmuls]
+    def matmul_owners(self) -> dict[str, list[tuple[nn.Module, str]]]:
+        """Weight shape name -> where each weight of that shape lives (one per layer; the LM head
+        on the last stage). The embedding is not a matmul, it is a gather."""
+        owners = {name: [(layer, name) for layer in self.layers] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+        owners = {name: places for name, places in owners.items() if places}
         if self.is_last:
-            owners.append((self, "lm_head"))
-        for owner, name in owners:
-            packed = pack_weight(getattr(owner, name))
-            setattr(owner, name, nn.Parameter(packed, requires_grad=False))
+            owners["lm_head"] = [(self, "lm_head")]
+        return owners
+
+    def choose_matmuls(
+        self,
+        max_rows: int,
+        mode: str = "auto",
+        previous: dict[str, MatmulChoice] | None = None,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> MatmulPlan:
+        """Run each weight shape on F.linear or packed oneDNN, whichever this machine runs faster
+        at one row and at `max_rows` (graphrt/kernels/matmul_choice.py), and reorder the weights of
+        the shapes that pack. `previous`: choices to reuse by shape name (the graph cache's, or
+        another stage's on the same device). Runs once; the result is `self.matmul_plan`."""
+        if self.matmul_plan is not None:
+            return self.matmul_plan
+        start = timer()
+        rows = tuple(sorted({1, max_rows}))
+        packable = can_pack(self.device, self.dtype)
+        choices = []
+        for name, owners in self.matmul_owners().items():
+            choice, trial = choose_path(
+                name, [getattr(o, a) for o, a in owners], rows, mode, packable, (previous or {}).get(name), timer
+            )
+            if choice.path == "packed":
+                for index, (owner, attr) in enumerate(owners):
+                    # Each dense weight is freed as soon as its packed copy replaces it.
+                    packed = trial[index] if index < len(trial) else pack_weight(getattr(owner, attr))
+                    setattr(owner, attr, nn.Parameter(packed, requires_grad=False))
+            del trial
+            choices.append(choice)
+        measured = any(c.source == "measured" and c.seconds for c in choices)
+        self.matmul_plan = MatmulPlan(tuple(choices), rows, timer() - start if measured else 0.0)
+        return self.matmul_plan
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the embedding is a gather, so it is not counted)."""

@@ -8,6 +8,7 @@ from graphrt.batch import StepMetadata
 from graphrt.config import ModelConfig
 from graphrt.errors import GraphrtError
 from graphrt.kernels import kernel_set
+from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, mode_from_env, summarize
 from graphrt.kv_cache import StageKVCache
 from graphrt.model import Stage
 from graphrt.weights import WeightFiles
@@ -82,6 +83,29 @@ class Pipeline:
             stage.load(files)
             stages.append(stage)
         return Pipeline(stages, [])
+
+    def choose_matmuls(self, max_rows: int, cached: list[MatmulPlan] | None = None, mode: str | None = None) -> None:
+        """Each stage runs each weight shape on F.linear or packed oneDNN, whichever is faster here
+        at one row and at `max_rows` (Stage.choose_matmuls). A stage reuses what `cached` (the
+        graph cache's plans, by stage) or an earlier stage on the same device chose for a shape, so
+        a shape is timed once per device. `mode`: auto, dense or packed; None reads GRAPHRT_MATMUL."""
+        mode = mode_from_env() if mode is None else mode
+        known: dict[torch.device, dict[str, MatmulChoice]] = {}
+        for position, stage in enumerate(self.stages):
+            previous = dict(known.get(stage.device, {}))
+            if cached is not None and position < len(cached):
+                previous.update(cached[position].by_name())
+            plan = stage.choose_matmuls(max_rows, mode, previous)
+            known.setdefault(stage.device, {}).update(plan.by_name())
+
+    def matmul_plans(self) -> list[MatmulPlan]:
+        """What each stage chose (what a graph cache records), in stage order."""
+        return [s.matmul_plan for s in self.stages if s.matmul_plan is not None]
+
+    def matmul_summary(self) -> str:
+        """One line for the start-up banner: which weight shapes run packed, which on F.linear."""
+        plans = self.matmul_plans()
+        return summarize(plans) if plans else "matmuls: not chosen yet"
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         self.caches = [

@@ -30,6 +30,7 @@ from graphrt.config import ModelConfig, parse_dtype
 from graphrt.errors import GraphrtError
 from graphrt.handshake import StagePlan, WorkerView, report_ready, worker_handshake
 from graphrt.kernels import kernel_set
+from graphrt.kernels.matmul_choice import mode_from_env
 from graphrt.kv_cache import StageKVCache
 from graphrt.model import Stage
 from graphrt.pipeline import partition_layers
@@ -92,6 +93,7 @@ class StageWorker:
         layers = plan.layers[rank]
         self.stage = Stage(cfg, rank, plan.pp, layers, device, dtype, plan.max_model_len, kernel_set(plan.kernels, device.type))
         self.stage.load(WeightFiles(options.model))
+        self.stage.choose_matmuls(max(plan.buckets), mode_from_env())
         self.cache = StageKVCache.allocate(cfg, len(layers), plan.num_blocks, plan.block_size, device, dtype)
         max_blocks = -(-plan.max_model_len // plan.block_size)
         self.graphs, _ = capture_stage(

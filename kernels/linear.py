@@ -1,10 +1,12 @@
 """Matmuls against weights reordered once for oneDNN, on the CPU.
 
-For float32, `F.linear` calls MKL's sgemm, which on the 2-core AMD EPYC we measure on runs a decode
-step's skinny matmuls (32 rows by 576 to 49152 columns) at about 100 GFLOP/s; oneDNN, with each
-weight reordered once into its blocked layout, runs them at about 300. A whole decode step:
-`python benchmarks/decode_step_profile.py --dense`. A packed weight is an opaque mkldnn tensor:
-only `linear` here reads it, and `F.linear` on the dense weight is its reference.
+For float32, `F.linear` calls MKL's sgemm; oneDNN, with each weight reordered once into its blocked
+layout, runs a decode step's skinny matmuls (1 to 32 rows by 576 to 49152 columns) up to three
+times faster on the 2-core AMD EPYC we measure on, and slower on some other CPUs and shapes. For
+bfloat16 both go through oneDNN, the packed weight skipping a reorder on every call. Which one a
+stage uses is measured per weight shape at load (kernels/matmul_choice.py). A packed weight is an
+opaque mkldnn tensor: only `linear` here reads it, and `F.linear` on the dense weight is its
+reference.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ MIN_ROWS = 2
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """float32 on a CPU whose torch has oneDNN (bfloat16 F.linear already goes through oneDNN)."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
+    """float32, or bfloat16 where oneDNN computes it, on a CPU whose torch has oneDNN."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not (
+        torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    bf16_supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return dtype == torch.float32 or (bf16_supported is not None and bool(bf16_supported()))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ def test_default_buckets():
 @pytest.fixture(scope="module")
 def default_cache(default_model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("graphs") / "cache"
-    result = run_cli("capture", "--pp", "2", "--max-batch", "8", "--out", out)
+    result = run_cli("capture", "--pp", "2", "--max-batch", "8", "--dtype", "float32", "--out", out)
     assert result.exit_code == 0, result.output
     assert "wrote" in result.output
     return out
@@ -69,7 +69,7 @@ def test_capture_writes_every_manifest_field(default_cache):
 def test_generate_with_cache_matches_without(default_cache):
     args = ["generate", "--chat", "--prompt", "Name a color.", "--max-tokens", "16"]
     with_cache = run_cli(*args, "--cache", default_cache)
-    without = run_cli(*args, "--pp", "2")
+    without = run_cli(*args, "--pp", "2", "--dtype", "float32")
     assert with_cache.exit_code == 0 and without.exit_code == 0
     assert with_cache.output.splitlines()[0] == without.output.splitlines()[0] != ""
     assert "pp=2 depth=0" in with_cache.stderr  # the cache's pp was applied, not the default 1

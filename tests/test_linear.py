@@ -12,9 +12,11 @@ from graphrt.kernels.linear import can_pack, linear, pack_weight
 needs_onednn = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="this torch has no oneDNN")
 
 
-def test_only_float32_on_a_cpu_is_packed():
+def test_float32_and_bfloat16_on_a_cpu_can_be_packed():
     assert not can_pack(torch.device("cpu"), torch.float64)
-    assert not can_pack(torch.device("cpu"), torch.bfloat16)
+    assert can_pack(torch.device("cpu"), torch.bfloat16) == (
+        can_pack(torch.device("cpu"), torch.float32) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
     assert not can_pack(torch.device("cuda"), torch.float32)
 
 
@@ -36,7 +38,8 @@ def test_packed_matches_dense(rows, with_bias):
 
 
 @needs_onednn
-def test_a_float32_cpu_stage_packs_its_matmuls_and_float64_does_not(tiny_model_factory):
+def test_a_float32_cpu_stage_packs_its_matmuls_and_float64_does_not(tiny_model_factory, monkeypatch):
+    monkeypatch.setenv("GRAPHRT_MATMUL", "packed")  # not what this machine measures fastest (tests/test_matmul_choice.py)
     model = tiny_model_factory("qwen2-qkv-bias")  # biases on q/k/v go through the packed path too
     packed_stage = LLM(model=model, pp=2, dtype="float32").engine.pipeline.stages[1]
     dense_stage = LLM(model=model, pp=2, dtype="float64").engine.pipeline.stages[1]

@@ -55,7 +55,7 @@ def test_allocator_never_hands_out_the_scratch_block():
 
 def test_requests_wait_for_blocks_and_all_finish(tiny_model_factory):
     # Room for two requests at a time (3 blocks each); six requests queue and all complete.
-    llm = LLM(model=tiny_model_factory(), kv_cache_tokens=6 * 16, prefill_chunk_size=7)
+    llm = LLM(model=tiny_model_factory(), dtype="float32", kv_cache_tokens=6 * 16, prefill_chunk_size=7)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     prompts = [[i + 1] * (5 + i) for i in range(6)]
     together = llm.generate(prompts, params)

@@ -54,7 +54,7 @@ def test_greedy_rows_and_sampled_rows_share_a_batch():
 
 @pytest.mark.parametrize("pp, depth", [(1, 0), (2, 1), (3, 2)])
 def test_a_seed_gives_the_same_tokens_whatever_shares_the_batch(tiny_model_factory, pp, depth):
-    llm = LLM(model=tiny_model_factory(), pp=pp, depth=depth, kv_cache_tokens=512)
+    llm = LLM(model=tiny_model_factory(), pp=pp, depth=depth, dtype="float32", kv_cache_tokens=512)
     seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
     alone = llm.generate([[3, 4, 5]], seeded)[0].token_ids
     crowd = llm.generate([[9, 9], [3, 4, 5], [1, 2, 3, 4]], seeded)

@@ -32,9 +32,10 @@ def test_last_position_logits_match_transformers(tiny_model_factory, variant, pp
 def test_prefill_chunk_size_does_not_change_logits(tiny_model_factory, chunk):
     model_dir = tiny_model_factory("qwen3-qk-norm")
     prompt = list(range(3, 40))
-    whole = prompt_logits(LLM(model=model_dir, pp=2, kv_cache_tokens=256, prefill_chunk_size=512).engine, prompt)
-    chunked = prompt_logits(LLM(model=model_dir, pp=2, kv_cache_tokens=256, prefill_chunk_size=chunk).engine, prompt)
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+    whole = prompt_logits(LLM(model=model_dir, pp=2, dtype="float32", kv_cache_tokens=256, prefill_chunk_size=512).engine, prompt)
+    chunked = prompt_logits(LLM(model=model_dir, pp=2, dtype="float32", kv_cache_tokens=256, prefill_chunk_size=chunk).engine, prompt)
+    # F.linear (MKL) rounds differently for other row counts (1.6e-5 here); packed oneDNN does not.
+    torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))

@@ -1,0 +1,247 @@
+"""Each CPU matmul's path, chosen by timing the candidates on this machine.
+
+A CPU stage can run a matmul two ways (kernels/linear.py): `F.linear` on the weight as loaded
+("dense": MKL's sgemm for float32; oneDNN for bfloat16, on AMX tiles where the CPU has them), or
+oneDNN on the weight reordered once into its blocked layout ("packed"). Which is faster depends on
+the CPU, the shape and the rows: on the 2-core AMD EPYC build machine packed wins most float32
+shapes by 1.3 to 2x, on an Intel machine plain `F.linear` streams float32 faster at one row. So a
+stage times both on its own weights, at one row and at its largest decode bucket, and keeps the
+faster for each weight shape (each layer's q/k/v, o, gate/up and down, and the LM head).
+
+What keeps the timing honest:
+- Each timed call sweeps several layers' weights, at least the L3 cache's size in all, and the
+  paths alternate, so each call reads its weights from memory as a decode step does, not from a
+  cache that holds one of them (that flatters the small shapes: 4x for float32 q/k/v at one row).
+- Paths and row counts are interleaved round by round, so load elsewhere on the machine slows them
+  alike, and each keeps the median of its rounds. A test asserts no winner: that is the machine's.
+- A weight is kept in one form (two would double its memory), so a shape's path must serve one row
+  and a full batch: each path scores its time over the fastest at each row count, summed, so both
+  regimes weigh the same; packed must beat `F.linear` by MARGIN, so noise does not flip a tie.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Hashable, Mapping
+
+import torch
+
+from graphrt.cpu_info import cpu_l3_bytes
+from graphrt.kernels.linear import can_pack, linear, pack_weight
+
+PATH_NAMES = {"dense": "F.linear", "packed": "packed oneDNN"}  # dense is the reference, listed first
+MODES = ("auto", "dense", "packed")
+MODE_ENV = "GRAPHRT_MATMUL"  # forces a path for tests and benchmarks; auto (measure) by default
+
+MIN_ROUNDS, MAX_ROUNDS = 3, 5
+SHAPE_BUDGET_S = 0.1  # after MIN_ROUNDS, stop timing a shape once this is spent on it
+MARGIN = 0.03
+
+
+def mode_from_env(environ: Mapping[str, str] = os.environ) -> str:
+    mode = environ.get(MODE_ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {environ[MODE_ENV]!r}")
+    return mode
+
+
+@dataclass(frozen=True)
+class MatmulChoice:
+    """The path one weight shape of a stage runs on, and why."""
+
+    name: str  # qkv_proj, o_proj, gate_up_proj, down_proj, lm_head
+    shape: tuple[int, int]  # (out_features, in_features)
+    path: str  # dense | packed
+    source: str  # measured | cached (the graph cache) | forced (GRAPHRT_MATMUL) | only (no other path here)
+    seconds: dict[str, dict[int, float]] = field(default_factory=dict)  # path -> rows -> median s per matmul
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "path": self.path,
+            "seconds": {path: {str(rows): s for rows, s in by_rows.items()} for path, by_rows in self.seconds.items()},
+        }
+
+    @staticmethod
+    def from_json(raw: dict) -> MatmulChoice:
+        """A choice a graph cache recorded; raises ValueError if it is malformed."""
+        try:
+            choice = MatmulChoice(
+                name=str(raw["name"]),
+                shape=(int(raw["shape"][0]), int(raw["shape"][1])),
+                path=str(raw["path"]),
+                source="cached",
+                seconds={p: {int(r): float(s) for r, s in by_rows.items()} for p, by_rows in raw.get("seconds", {}).items()},
+            )
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"a matmul choice in the graph cache is malformed ({exc!r}): {raw!r}") from None
+        if choice.path not in PATH_NAMES:
+            raise ValueError(f"a matmul choice in the graph cache names the path {choice.path!r}, not one of {list(PATH_NAMES)}")
+        return choice
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """One stage's choices, the row counts they were timed at, and the seconds measuring took."""
+
+    choices: tuple[MatmulChoice, ...]
+    rows: tuple[int, ...]
+    measure_s: float = 0.0
+
+    def path(self, name: str) -> str:
+        return next(c.path for c in self.choices if c.name == name)
+
+    def by_name(self) -> dict[str, MatmulChoice]:
+        return {c.name: c for c in self.choices}
+
+    def to_json(self) -> dict:
+        return {"rows": list(self.rows), "measure_s": round(self.measure_s, 4), "choices": [c.to_json() for c in self.choices]}
+
+    @staticmethod
+    def from_json(raw: dict) -> MatmulPlan:
+        try:
+            return MatmulPlan(tuple(MatmulChoice.from_json(c) for c in raw["choices"]), tuple(int(r) for r in raw["rows"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"the graph cache's matmul plan is malformed ({exc})") from None
+
+    def summary(self) -> str:
+        return summarize([self])
+
+
+def summarize(plans: list[MatmulPlan]) -> str:
+    """One line for a start-up banner, e.g. "matmuls: packed oneDNN for qkv_proj, gate_up_proj;
+    F.linear for o_proj, down_proj, lm_head (measured at 1 and 32 rows in 0.41 s)".
+
+    A shape whose path differs between stages is named once per stage (o_proj@1)."""
+    paths_of: dict[str, set[str]] = {}
+    for plan in plans:
+        for c in plan.choices:
+            paths_of.setdefault(c.name, set()).add(c.path)
+    names: dict[str, list[str]] = {path: [] for path in PATH_NAMES}
+    for stage, plan in enumerate(plans):
+        for c in plan.choices:
+            label = c.name if len(paths_of[c.name]) == 1 else f"{c.name}@{stage}"
+            if label not in names[c.path]:
+                names[c.path].append(label)
+    if not any(names.values()):
+        return "matmuls: none on this stage"
+    parts = [f"{PATH_NAMES[path]} for {', '.join(labels)}" for path, labels in names.items() if labels]
+    sources = {c.source for plan in plans for c in plan.choices}
+    why = []
+    if "measured" in sources:
+        rows = sorted({r for plan in plans for r in plan.rows})
+        why.append(f"measured at {' and '.join(map(str, rows))} rows in {sum(p.measure_s for p in plans):.2f} s")
+    if "cached" in sources:
+        why.append("from the graph cache")
+    if "forced" in sources:
+        why.append(f"forced by {MODE_ENV}")
+    if "only" in sources:
+        why.append("F.linear is the only path for this device and dtype" if len(sources) == 1 else "some have one path")
+    return f"matmuls: {'; '.join(parts)} ({'; '.join(why)})"
+
+
+def median_seconds(
+    runs: Mapping[Hashable, Callable[[], object]],
+    timer: Callable[[], float] = time.perf_counter,
+    min_rounds: int = MIN_ROUNDS,
+    max_rounds: int = MAX_ROUNDS,
+    budget_s: float = SHAPE_BUDGET_S,
+) -> dict[Hashable, float]:
+    """The median time of each run, the runs interleaved round by round (in the order given).
+    Stops after `min_rounds` once `budget_s` is spent, at `max_rounds` in any case."""
+    samples: dict[Hashable, list[float]] = {key: [] for key in runs}
+    start = timer()
+    for done in range(1, max_rounds + 1):
+        for key, run in runs.items():
+            began = timer()
+            run()
+            samples[key].append(timer() - began)
+        if done >= min_rounds and timer() - start > budget_s:
+            break
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def pick_path(seconds: Mapping[str, Mapping[int, float]], margin: float = MARGIN) -> str:
+    """The path with the lowest time relative to the fastest at each row count, summed over the row
+    counts; a path other than dense must beat dense's score by `margin`."""
+    rows = sorted(next(iter(seconds.values())))
+    best = {r: max(min(by_rows[r] for by_rows in seconds.values()), 1e-12) for r in rows}
+    score = {path: sum(by_rows[r] / best[r] for r in rows) for path, by_rows in seconds.items()}
+    fastest = min(score, key=score.get)
+    if "dense" in score and fastest != "dense" and score[fastest] > score["dense"] * (1 - margin):
+        return "dense"
+    return fastest
+
+
+def sweep_length(weight_bytes: int, num_weights: int, sweep_bytes: int) -> int:
+    """How many of a shape's weights one timed call reads: `sweep_bytes` worth, at least one."""
+    return max(1, min(num_weights, -(-sweep_bytes // weight_bytes)))
+
+
+def time_paths(
+    dense: list[torch.Tensor], packed: list[torch.Tensor], rows: tuple[int, ...], timer: Callable[[], float] = time.perf_counter
+) -> dict[str, dict[int, float]]:
+    """Median seconds per matmul of each path at each row count; a call sweeps all of `dense`
+    (or of `packed`, the same weights reordered)."""
+    in_features = dense[0].shape[1]
+    inputs = {r: torch.randn(r, in_features, dtype=dense[0].dtype, device=dense[0].device) for r in rows}
+    paths = {"dense": dense, "packed": packed}
+    for weights in paths.values():  # oneDNN builds its primitive for a shape and row count on the first call
+        for x in inputs.values():
+            linear(x, weights[0])
+
+    def sweep(weights: list[torch.Tensor], x: torch.Tensor) -> Callable[[], None]:
+        return lambda: [linear(x, w) for w in weights]
+
+    # Paths alternate, so each sweep follows one over other memory and finds none of its weights cached.
+    runs = {(path, r): sweep(weights, inputs[r]) for r in rows for path, weights in paths.items()}
+    medians = median_seconds(runs, timer)
+    return {path: {r: medians[path, r] / len(dense) for r in rows} for path in paths}
+
+
+def choose_path(
+    name: str,
+    weights: list[torch.Tensor],
+    rows: tuple[int, ...],
+    mode: str,
+    packable: bool,
+    previous: MatmulChoice | None = None,
+    timer: Callable[[], float] = time.perf_counter,
+) -> tuple[MatmulChoice, list[torch.Tensor]]:
+    """The path for the weights of one shape (one per layer, dense), and the packed copies made
+    while timing (the first few weights; empty unless packed won): reuse them when packing.
+
+    Forced `mode` comes first, then a `previous` choice for the same shape (the graph cache's, or
+    another stage's on the same device), then a measurement."""
+    shape = (int(weights[0].shape[0]), int(weights[0].shape[1]))
+    if not packable:
+        return MatmulChoice(name, shape, "dense", "only"), []
+    if mode != "auto":
+        return MatmulChoice(name, shape, mode, "forced"), []
+    if previous is not None and previous.shape == shape:
+        return replace(previous, name=name), []
+    sweep = weights[: sweep_length(weights[0].numel() * weights[0].element_size(), len(weights), cpu_l3_bytes())]
+    trial = [pack_weight(w) for w in sweep]
+    seconds = time_paths(sweep, trial, rows, timer)
+    path = pick_path(seconds)
+    return MatmulChoice(name, shape, path, "measured", seconds), trial if path == "packed" else []
+
+
+def measure_shapes(
+    shapes: Mapping[str, tuple[int, int, int]], dtype: torch.dtype, rows: tuple[int, ...], timer: Callable[[], float] = time.perf_counter
+) -> MatmulPlan:
+    """The choice a CPU stage would make for weights of these shapes, name -> (out_features,
+    in_features, how many), on random weights (what `graphrt doctor` and benchmarks show without
+    loading a model). Only the weights one timed call sweeps are made."""
+    start = timer()
+    choices = []
+    for name, (out_features, in_features, count) in shapes.items():
+        weight_bytes = out_features * in_features * torch.empty(0, dtype=dtype).element_size()
+        num_weights = sweep_length(weight_bytes, count, cpu_l3_bytes())
+        weights = [torch.empty(out_features, in_features, dtype=dtype).uniform_(-0.05, 0.05) for _ in range(num_weights)]
+        choices.append(choose_path(name, weights, rows, "auto", can_pack(torch.device("cpu"), dtype), timer=timer)[0])
+    return MatmulPlan(tuple(choices), rows, timer() - start)

@@ -1,0 +1,204 @@
+"""CPU matmul paths chosen by measurement (graphrt/kernels/matmul_choice.py).
+
+Which path wins is this machine's business, so no test asserts a winner: they assert that the
+timing logic picks what a controlled clock says, that every path computes what F.linear does, that
+the weights are in the form chosen, and that the choice is reported, forced and cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphrt import LLM
+from graphrt.capture.manifest import StaleCacheError, cached_matmul_plans, read_manifest, write_manifest
+from graphrt.cli import build_manifest
+from graphrt.doctor import run_doctor
+from graphrt.kernels.linear import can_pack, linear
+from graphrt.kernels.matmul_choice import (
+    MatmulChoice,
+    MatmulPlan,
+    choose_path,
+    median_seconds,
+    mode_from_env,
+    pick_path,
+    summarize,
+)
+from helpers import prompt_logits
+
+needs_onednn = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="this torch has no oneDNN")
+SHAPES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+class Clock:
+    """A clock the test moves: each run advances it by the time the test says that run takes."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run_taking(self, durations: list[float], calls: list[str], name: str):
+        """A run that takes durations[0], then durations[1], ... and logs its name in `calls`."""
+        durations = list(durations)
+
+        def run():
+            calls.append(name)
+            self.now += durations.pop(0)
+
+        return run
+
+
+def test_runs_interleave_round_by_round_and_keep_their_median():
+    clock, calls = Clock(), []
+    runs = {
+        "dense": clock.run_taking([1.0, 9.0, 1.0, 1.0, 1.0], calls, "dense"),  # one burst of load elsewhere
+        "packed": clock.run_taking([2.0, 2.0, 2.0, 2.0, 2.0], calls, "packed"),
+    }
+    seconds = median_seconds(runs, clock, min_rounds=5, max_rounds=5, budget_s=100.0)
+    assert seconds == {"dense": 1.0, "packed": 2.0}
+    assert calls == ["dense", "packed"] * 5
+
+
+def test_timing_stops_at_the_budget_but_not_before_the_minimum_rounds():
+    clock, calls = Clock(), []
+    runs = {"dense": clock.run_taking([0.3] * 9, calls, "dense"), "packed": clock.run_taking([0.3] * 9, calls, "packed")}
+    median_seconds(runs, clock, min_rounds=3, max_rounds=9, budget_s=0.5)  # the budget is gone after round 1
+    assert len(calls) == 2 * 3
+    clock, calls = Clock(), []
+    runs = {"dense": clock.run_taking([0.001] * 9, calls, "dense"), "packed": clock.run_taking([0.001] * 9, calls, "packed")}
+    median_seconds(runs, clock, min_rounds=3, max_rounds=9, budget_s=0.5)  # never spent: stops at the maximum
+    assert len(calls) == 2 * 9
+
+
+def test_a_shape_keeps_the_path_that_loses_least_over_both_row_counts():
+    # packed is 2x faster at 32 rows and 1.5x slower at one row: 1.5 + 1 < 1 + 2.
+    assert pick_path({"dense": {1: 1.0, 32: 10.0}, "packed": {1: 1.5, 32: 5.0}}) == "packed"
+    # packed 3x slower at one row outweighs 1.5x faster at 32: 3 + 1 > 1 + 1.5.
+    assert pick_path({"dense": {1: 1.0, 32: 10.0}, "packed": {1: 3.0, 32: 6.7}}) == "dense"
+    # Within the margin F.linear, the reference, stays.
+    assert pick_path({"dense": {1: 1.0, 32: 10.0}, "packed": {1: 0.99, 32: 9.9}}) == "dense"
+    assert pick_path({"dense": {1: 1.0}, "packed": {1: 0.5}}) == "packed"
+
+
+def test_forcing_a_path_comes_before_any_measurement_and_a_bad_value_is_named():
+    weights = [torch.randn(64, 32) for _ in range(3)]
+    choice, trial = choose_path("o_proj", weights, (1, 8), "packed", packable=True)
+    assert (choice.path, choice.source, choice.seconds, trial) == ("packed", "forced", {}, [])
+    choice, _ = choose_path("o_proj", weights, (1, 8), "dense", packable=True)
+    assert (choice.path, choice.source) == ("dense", "forced")
+    choice, _ = choose_path("o_proj", weights, (1, 8), "packed", packable=False)  # float64, or not a CPU
+    assert (choice.path, choice.source) == ("dense", "only")
+    assert mode_from_env({"GRAPHRT_MATMUL": "Packed"}) == "packed"
+    assert mode_from_env({}) == "auto"
+    with pytest.raises(ValueError, match="GRAPHRT_MATMUL must be one of auto, dense, packed, got 'fast'"):
+        mode_from_env({"GRAPHRT_MATMUL": "fast"})
+
+
+@needs_onednn
+def test_a_previous_choice_is_reused_for_the_same_shape_only():
+    weights = [torch.randn(64, 32) for _ in range(3)]
+    previous = MatmulChoice("o_proj", (64, 32), "packed", "cached")
+    assert choose_path("o_proj", weights, (1, 8), "auto", True, previous)[0] == previous
+    other_shape = MatmulChoice("o_proj", (32, 32), "packed", "cached")
+    measured, _ = choose_path("o_proj", weights, (1, 8), "auto", True, other_shape)
+    assert measured.source == "measured"
+    assert set(measured.seconds) == {"dense", "packed"} and set(measured.seconds["dense"]) == {1, 8}
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_measured_stage_holds_each_weight_in_the_form_chosen_and_computes_what_f_linear_does(tiny_model_factory, monkeypatch, dtype):
+    if not can_pack(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN does not compute {dtype} here")
+    monkeypatch.setenv("GRAPHRT_MATMUL", "auto")
+    llm = LLM(model=tiny_model_factory("qwen2-qkv-bias"), pp=2, dtype=dtype, max_batch=8)
+    generator = torch.Generator().manual_seed(0)
+    for stage in llm.engine.pipeline.stages:
+        plan = stage.matmul_plan
+        assert plan.rows == (1, 8)  # one row and the largest decode bucket
+        for name, owners in stage.matmul_owners().items():
+            choice = plan.by_name()[name]
+            assert choice.source == "measured"
+            for owner, attr in owners:
+                weight = getattr(owner, attr)
+                assert weight.is_mkldnn == (choice.path == "packed"), f"{name} on stage {stage.index}"
+                dense = weight.to_dense() if weight.is_mkldnn else weight
+                x = torch.randn(3, dense.shape[1], generator=generator).to(dtype)
+                tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(linear(x, weight), F.linear(x, dense), rtol=tolerance, atol=tolerance)
+    summary = llm.engine.pipeline.matmul_summary()
+    assert summary.startswith("matmuls: ") and "measured at 1 and 8 rows in" in summary
+    assert all(name in summary for name in SHAPES)
+
+
+@needs_onednn
+def test_every_forced_path_gives_the_logits_of_the_others(tiny_model_factory, monkeypatch):
+    model = tiny_model_factory("llama-gqa-tied")
+    prompt = list(range(3, 40))
+    logits = {}
+    for mode in ("dense", "packed", "auto"):
+        monkeypatch.setenv("GRAPHRT_MATMUL", mode)
+        engine = LLM(model=model, pp=2, dtype="float32", kv_cache_tokens=256).engine
+        if mode != "auto":
+            assert {c.path for s in engine.pipeline.stages for c in s.matmul_plan.choices} == {mode}
+            assert "forced by GRAPHRT_MATMUL" in engine.pipeline.matmul_summary()
+        logits[mode] = prompt_logits(engine, prompt)
+    torch.testing.assert_close(logits["packed"], logits["dense"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits["auto"], logits["dense"], atol=1e-4, rtol=0)
+
+
+def test_a_stage_without_a_second_path_says_so(tiny_model_factory):
+    engine = LLM(model=tiny_model_factory("llama-gqa-tied"), dtype="float64").engine
+    assert engine.pipeline.matmul_summary() == (
+        "matmuls: F.linear for qkv_proj, o_proj, gate_up_proj, down_proj, lm_head "
+        "(F.linear is the only path for this device and dtype)"
+    )
+
+
+def test_the_summary_names_shapes_whose_path_differs_between_stages():
+    plans = [
+        MatmulPlan((MatmulChoice("o_proj", (8, 8), "packed", "measured"),), (1, 32), 0.25),
+        MatmulPlan((MatmulChoice("o_proj", (8, 8), "dense", "measured"), MatmulChoice("lm_head", (9, 8), "packed", "measured")), (1, 32), 0.5),
+    ]
+    assert summarize(plans) == "matmuls: F.linear for o_proj@1; packed oneDNN for o_proj@0, lm_head (measured at 1 and 32 rows in 0.75 s)"
+
+
+def test_a_plan_survives_the_graph_cache_as_json():
+    plan = MatmulPlan((MatmulChoice("down_proj", (576, 1536), "packed", "measured", {"dense": {1: 2e-4, 32: 5e-4}, "packed": {1: 1e-4, 32: 3e-4}}),), (1, 32), 0.3)
+    again = MatmulPlan.from_json(plan.to_json())
+    assert again.choices[0].source == "cached"
+    assert again.choices[0].seconds == plan.choices[0].seconds and again.rows == plan.rows
+    with pytest.raises(StaleCacheError, match="matmul plans cannot be read"):
+        cached_matmul_plans({"matmuls": [{"rows": [1], "choices": [{"name": "o_proj", "shape": [1, 2], "path": "fast"}]}]})
+    assert cached_matmul_plans({}) is None  # a cache written before matmul paths were recorded
+
+
+@needs_onednn
+def test_a_start_with_the_graph_cache_takes_its_matmul_paths_without_measuring(tiny_model_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHRT_MATMUL", "auto")
+    model = tiny_model_factory("llama-gqa-tied")
+    engine = LLM(model=model, pp=2, dtype="float32", kv_cache_tokens=256).engine
+    manifest = build_manifest(engine)
+    # Paths no measurement would be asked for: every shape the opposite of what was measured.
+    flipped = [MatmulPlan(tuple(MatmulChoice(c.name, c.shape, "dense" if c.path == "packed" else "packed", "measured") for c in s.matmul_plan.choices), s.matmul_plan.rows)
+               for s in engine.pipeline.stages]
+    manifest["matmuls"] = [plan.to_json() for plan in flipped]
+    write_manifest(tmp_path, manifest)
+    cached = LLM(model=model, cache=tmp_path, kv_cache_tokens=256).engine
+    assert cached.pipeline.matmul_summary().endswith("(from the graph cache)")
+    for stage, plan in zip(cached.pipeline.stages, flipped):
+        assert stage.matmul_plan.measure_s == 0.0
+        for choice in plan.choices:
+            owner, attr = stage.matmul_owners()[choice.name][0]
+            assert getattr(owner, attr).is_mkldnn == (choice.path == "packed")
+    assert "matmuls" in read_manifest(tmp_path)
+
+
+def test_doctor_reports_the_cpu_and_its_matmul_paths():
+    lines = []
+    assert run_doctor(echo=lines.append) == 0
+    text = "\n".join(lines)
+    assert "--dtype auto on the CPU gives " in text
+    assert "    float32: matmuls: " in text
