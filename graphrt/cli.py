@@ -43,7 +43,7 @@ def model_options(command):
         click.option("--model", type=click.Path(path_type=Path), default=None, help="Hugging Face style model folder [default: SmolLM2-135M-Instruct]."),
         click.option("--pp", type=click.IntRange(min=1), default=None, help="Pipeline stages [default: 1, or the graph cache's]."),
         click.option("--devices", default=None, help="Comma-separated device per stage, e.g. cuda:0,cuda:1 [default: from the machine]."),
-        click.option("--dtype", default=None, help="float32, bfloat16, float16 or float64 [default: float32 on CPU, the model's dtype on CUDA]."),
+        click.option("--dtype", default=None, help="float32, bfloat16, float16 or float64 [default: bfloat16 on CPUs with AMX or AVX512-BF16, else float32; the model's dtype on CUDA]."),
         click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default=None, help="Decode kernels [default: triton on CUDA, torch elsewhere]."),
         click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest decode bucket [default: 32 on CPU; on CUDA from KV cache memory, 8 to 256]."),
         click.option("--buckets", default=None, help="Decode bucket sizes, e.g. 1,2,4,8,16 [default: 1, 2, 4, 8, then every 8 up to --max-batch]."),
