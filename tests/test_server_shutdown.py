@@ -49,7 +49,7 @@ def test_signal_cancels_streams_and_exits_0(sig):
         assert re.match(r"\[graphrt\] load and capture \d+\.\d s: SmolLM2-135M-Instruct", banner[0])
         assert re.match(r"\[graphrt\] matmuls: ", banner[1])  # the path each weight shape runs on, as measured
         assert re.match(r"\[graphrt\] warm-up \d+\.\d s", banner[2])
-        assert banner[4].startswith(f"try: curl {url}/v1/chat/completions") and "Authorization: Bearer $GRAPHRT_API_KEY" in banner[3]
+        assert banner[4].startswith(f"try: curl {url}/v1/chat/completions") and "Authorization: Bearer $GRAPHRT_API_KEY" in banner[4]
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 401  # the key came from the env
         events, first_event = [], threading.Event()
 
