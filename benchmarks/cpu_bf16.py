@@ -7,7 +7,9 @@ bfloat16 engine (each with its matmul paths measured at load). Agreement per pro
 the tokens before the first that differs, and whether the whole sequence is the same. Since one
 near-tie sends the rest of a greedy sequence elsewhere, also per token: the share of float32's
 tokens that bfloat16 ranks first when fed float32's text (its prompt logprobs). Speed: decode tok/s
-at batch 1 and at --batch, the two engines interleaved, the median of --rounds rounds.
+at batch 1 and at --batch, the two engines interleaved, the median of --rounds rounds. `--hf`
+adds the same agreement for transformers' `generate` in bfloat16 against float32, one prompt at a
+time: how much of the difference is bfloat16's, not graphrt's.
 """
 
 from __future__ import annotations
@@ -45,6 +47,26 @@ def agreement(reference: list[int], other: list[int]) -> float:
     return same / len(reference)
 
 
+def hf_greedy(model_dir, prompts: list[list[int]], tokens: int, dtype: torch.dtype) -> list[list[int]]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # EOS ignored, as graphrt's ignore_eos
+    outputs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, pad_token_id=0)
+        outputs.append(ids[0, len(prompt):].tolist())
+    return outputs
+
+
+def report_agreement(who: str, reference: list[list[int]], other: list[list[int]]) -> None:
+    shares = [agreement(a, b) for a, b in zip(reference, other)]
+    identical = sum(a == b for a, b in zip(reference, other))
+    print(f"  {who}: tokens before the first difference " + ", ".join(f"{s:.0%}" for s in shares)
+          + f" (mean {statistics.mean(shares):.0%}); whole sequences identical: {identical} of {len(reference)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model folder [default: SmolLM2-135M-Instruct]")
@@ -52,6 +74,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--no-speed", action="store_true", help="agreement only")
+    parser.add_argument("--hf", action="store_true", help="also transformers' bfloat16 against its float32")
     args = parser.parse_args()
 
     engines = {dtype: LLM(model=args.model, dtype=dtype, max_batch=args.batch) for dtype in ("float32", "bfloat16")}
@@ -59,8 +82,6 @@ def main() -> None:
     prompts = [reference.chat_prompt(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)
     outputs = {dtype: [o.token_ids for o in llm.generate(prompts, params)] for dtype, llm in engines.items()}
-    shares = [agreement(a, b) for a, b in zip(outputs["float32"], outputs["bfloat16"])]
-    identical = sum(a == b for a, b in zip(outputs["float32"], outputs["bfloat16"]))
     forced = engines["bfloat16"].generate(
         [p + out for p, out in zip(prompts, outputs["float32"])], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
     )
@@ -72,10 +93,11 @@ def main() -> None:
 
     print(f"{cpu_model_name()}, bfloat16 instructions: {cpu_bf16_support()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"greedy agreement, bfloat16 against float32, {len(PROMPTS)} chat prompts x {args.tokens} tokens:")
-    print("  tokens before the first difference: " + ", ".join(f"{s:.0%}" for s in shares) + f" (mean {statistics.mean(shares):.0%})")
-    print(f"  whole sequences identical: {identical} of {len(PROMPTS)}")
+    report_agreement("graphrt", outputs["float32"], outputs["bfloat16"])
     print(f"  float32's tokens that bfloat16 ranks first on float32's text: {sum(ranked_first)} of {len(ranked_first)} "
           f"({sum(ranked_first) / len(ranked_first):.1%})")
+    if args.hf:
+        report_agreement("transformers", *(hf_greedy(reference.model_dir, prompts, args.tokens, d) for d in (torch.float32, torch.bfloat16)))
     if args.no_speed:
         return
     batches = {1: prompts[1:2], args.batch: [prompts[i % len(prompts)] for i in range(args.batch)]}
@@ -92,6 +114,7 @@ def main() -> None:
     for dtype, llm in engines.items():
         cells = [f"{statistics.median(rates[dtype, b]):.1f}" for b in batches]
         print(f"| {dtype} | {' | '.join(cells)} | {llm.engine.weight_bytes / 1e6:.0f} | {llm.engine.pipeline.matmul_summary()} |")
+
 
 if __name__ == "__main__":
     main()

@@ -244,6 +244,7 @@ def build_manifest(engine) -> dict:
         "kv_cache_blocks": engine.allocator.num_blocks,
         "kv_cache_bytes": sum(c.k.nbytes + c.v.nbytes for c in engine.pipeline.caches),
         "null_reasons": null_reasons,
+        "matmuls": [plan.to_json() for plan in engine.pipeline.matmul_plans()],  # a start with --cache reuses them
     }
     return new_manifest(engine.identity(), extra, [r.to_json() for r in engine.graph_records])
 

@@ -3,17 +3,18 @@
 A CPU stage can run a matmul two ways (kernels/linear.py): `F.linear` on the weight as loaded
 ("dense": MKL's sgemm for float32; oneDNN for bfloat16, on AMX tiles where the CPU has them), or
 oneDNN on the weight reordered once into its blocked layout ("packed"). Which is faster depends on
-the CPU, the shape and the rows: on the 2-core AMD EPYC build machine packed wins most float32
-shapes by 1.3 to 2x, on an Intel machine plain `F.linear` streams float32 faster at one row. So a
+the CPU, the shape and the rows: on the 2-core AMD EPYC build machine packed wins every float32
+shape by 1.1 to 2.5x, on an Intel machine plain `F.linear` streams float32 faster at one row. So a
 stage times both on its own weights, at one row and at its largest decode bucket, and keeps the
 faster for each weight shape (each layer's q/k/v, o, gate/up and down, and the LM head).
 
 What keeps the timing honest:
-- Each timed call sweeps several layers' weights, at least the L3 cache's size in all, and the
-  paths alternate, so each call reads its weights from memory as a decode step does, not from a
-  cache that holds one of them (that flatters the small shapes: 4x for float32 q/k/v at one row).
+- Each timing run sweeps several layers' weights, at least the L3 cache's size in all, and the
+  paths alternate, so each matmul reads its weight from memory as a decode step does, not from a
+  cache that holds it (that flatters the small shapes: 4x for float32 q/k/v at one row).
 - Paths and row counts are interleaved round by round, so load elsewhere on the machine slows them
-  alike, and each keeps the median of its rounds. A test asserts no winner: that is the machine's.
+  alike, and each keeps the median of all its calls (each matmul timed on its own: one stalled
+  by another process then moves the median, not a whole sweep). No test asserts a winner.
 - A weight is kept in one form (two would double its memory), so a shape's path must serve one row
   and a full batch: each path scores its time over the fastest at each row count, summed, so both
   regimes weigh the same; packed must beat `F.linear` by MARGIN, so noise does not flip a tie.
@@ -36,8 +37,11 @@ PATH_NAMES = {"dense": "F.linear", "packed": "packed oneDNN"}  # dense is the re
 MODES = ("auto", "dense", "packed")
 MODE_ENV = "GRAPHRT_MATMUL"  # forces a path for tests and benchmarks; auto (measure) by default
 
-MIN_ROUNDS, MAX_ROUNDS = 3, 5
-SHAPE_BUDGET_S = 0.1  # after MIN_ROUNDS, stop timing a shape once this is spent on it
+# Timing one weight shape: rounds until SHAPE_BUDGET_S is spent and every path and row count has
+# MIN_SAMPLES calls timed, never past SHAPE_LIMIT_S. For the default model 0.45 to 0.95 s in all,
+# packing included; on a busy machine the limit keeps it near 5 x SHAPE_LIMIT_S.
+MIN_SAMPLES, MAX_ROUNDS = 5, 5
+SHAPE_BUDGET_S, SHAPE_LIMIT_S = 0.1, 0.3
 MARGIN = 0.03
 
 
@@ -145,22 +149,27 @@ def summarize(plans: list[MatmulPlan]) -> str:
 
 
 def median_seconds(
-    runs: Mapping[Hashable, Callable[[], object]],
+    runs: Mapping[Hashable, Callable[[float], list[float]]],
     timer: Callable[[], float] = time.perf_counter,
-    min_rounds: int = MIN_ROUNDS,
+    min_samples: int = MIN_SAMPLES,
     max_rounds: int = MAX_ROUNDS,
     budget_s: float = SHAPE_BUDGET_S,
+    limit_s: float = SHAPE_LIMIT_S,
 ) -> dict[Hashable, float]:
-    """The median time of each run, the runs interleaved round by round (in the order given).
-    Stops after `min_rounds` once `budget_s` is spent, at `max_rounds` in any case."""
+    """Per run, the median of the seconds its calls took, over all rounds.
+
+    Runs are interleaved round by round (in the order given); each is given the `timer` value at
+    which the `limit_s` is spent, makes at least one call and stops there, and returns each call's
+    seconds. Rounds stop once `budget_s` is spent and every run has `min_samples` calls, at the
+    limit in any case (a busy machine then gets fewer samples, not a slower start), or after
+    `max_rounds`."""
     samples: dict[Hashable, list[float]] = {key: [] for key in runs}
     start = timer()
-    for done in range(1, max_rounds + 1):
+    for _ in range(max_rounds):
         for key, run in runs.items():
-            began = timer()
-            run()
-            samples[key].append(timer() - began)
-        if done >= min_rounds and timer() - start > budget_s:
+            samples[key] += run(start + limit_s)
+        spent = timer() - start
+        if spent >= limit_s or (spent >= budget_s and min(map(len, samples.values())) >= min_samples):
             break
     return {key: statistics.median(values) for key, values in samples.items()}
 
@@ -185,8 +194,9 @@ def sweep_length(weight_bytes: int, num_weights: int, sweep_bytes: int) -> int:
 def time_paths(
     dense: list[torch.Tensor], packed: list[torch.Tensor], rows: tuple[int, ...], timer: Callable[[], float] = time.perf_counter
 ) -> dict[str, dict[int, float]]:
-    """Median seconds per matmul of each path at each row count; a call sweeps all of `dense`
-    (or of `packed`, the same weights reordered)."""
+    """Median seconds per matmul of each path at each row count. A run sweeps all of `dense` (or
+    of `packed`, the same weights reordered), timing each matmul: on a busy machine the median call
+    is one the other processes left alone, where the median sweep of 30 calls may not be."""
     in_features = dense[0].shape[1]
     inputs = {r: torch.randn(r, in_features, dtype=dense[0].dtype, device=dense[0].device) for r in rows}
     paths = {"dense": dense, "packed": packed}
@@ -194,13 +204,24 @@ def time_paths(
         for x in inputs.values():
             linear(x, weights[0])
 
-    def sweep(weights: list[torch.Tensor], x: torch.Tensor) -> Callable[[], None]:
-        return lambda: [linear(x, w) for w in weights]
+    def sweep(weights: list[torch.Tensor], x: torch.Tensor) -> Callable[[float], list[float]]:
+        def run(stop_at: float) -> list[float]:
+            seconds = []
+            for weight in weights:
+                began = timer()
+                linear(x, weight)
+                ended = timer()
+                seconds.append(ended - began)
+                if ended >= stop_at:
+                    break
+            return seconds
+
+        return run
 
     # Paths alternate, so each sweep follows one over other memory and finds none of its weights cached.
     runs = {(path, r): sweep(weights, inputs[r]) for r in rows for path, weights in paths.items()}
     medians = median_seconds(runs, timer)
-    return {path: {r: medians[path, r] / len(dense) for r in rows} for path in paths}
+    return {path: {r: medians[path, r] for r in rows} for path in paths}
 
 
 def choose_path(
@@ -236,12 +257,14 @@ def measure_shapes(
 ) -> MatmulPlan:
     """The choice a CPU stage would make for weights of these shapes, name -> (out_features,
     in_features, how many), on random weights (what `graphrt doctor` and benchmarks show without
-    loading a model). Only the weights one timed call sweeps are made."""
-    start = timer()
-    choices = []
+    loading a model). Only the weights one timing run sweeps are made, and making them is not
+    counted in the plan's seconds."""
+    choices, measure_s = [], 0.0
     for name, (out_features, in_features, count) in shapes.items():
         weight_bytes = out_features * in_features * torch.empty(0, dtype=dtype).element_size()
         num_weights = sweep_length(weight_bytes, count, cpu_l3_bytes())
         weights = [torch.empty(out_features, in_features, dtype=dtype).uniform_(-0.05, 0.05) for _ in range(num_weights)]
+        start = timer()
         choices.append(choose_path(name, weights, rows, "auto", can_pack(torch.device("cpu"), dtype), timer=timer)[0])
-    return MatmulPlan(tuple(choices), rows, timer() - start)
+        measure_s += timer() - start
+    return MatmulPlan(tuple(choices), rows, measure_s)

@@ -31,7 +31,7 @@ SHAPES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 
 class Clock:
-    """A clock the test moves: each run advances it by the time the test says that run takes."""
+    """A clock the test moves: a run advances it by the seconds the test says its calls take."""
 
     def __init__(self):
         self.now = 0.0
@@ -39,37 +39,55 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
-    def run_taking(self, durations: list[float], calls: list[str], name: str):
-        """A run that takes durations[0], then durations[1], ... and logs its name in `calls`."""
-        durations = list(durations)
+    def run_taking(self, rounds: list[list[float]], calls: list[str], name: str):
+        """A run whose calls take rounds[0] (a list of seconds), then rounds[1], ...; logs its
+        name. Like a real sweep it makes one call at least and none after the limit."""
+        rounds = list(rounds)
 
-        def run():
+        def run(stop_at: float) -> list[float]:
             calls.append(name)
-            self.now += durations.pop(0)
+            seconds = []
+            for call in rounds.pop(0):
+                self.now += call
+                seconds.append(call)
+                if self.now >= stop_at:
+                    break
+            return seconds
 
         return run
 
 
-def test_runs_interleave_round_by_round_and_keep_their_median():
+def test_runs_interleave_round_by_round_and_keep_their_median_call():
     clock, calls = Clock(), []
     runs = {
-        "dense": clock.run_taking([1.0, 9.0, 1.0, 1.0, 1.0], calls, "dense"),  # one burst of load elsewhere
-        "packed": clock.run_taking([2.0, 2.0, 2.0, 2.0, 2.0], calls, "packed"),
+        # Two calls of ten stalled by another process: the median call is a clean one (the median
+        # sweep, 10 or 2, would not be).
+        "dense": clock.run_taking([[1.0, 9.0], [1.0, 1.0], [1.0, 9.0], [1.0, 1.0], [1.0, 1.0]], calls, "dense"),
+        "packed": clock.run_taking([[2.0, 2.0]] * 5, calls, "packed"),
     }
-    seconds = median_seconds(runs, clock, min_rounds=5, max_rounds=5, budget_s=100.0)
+    seconds = median_seconds(runs, clock, min_samples=10, max_rounds=5, budget_s=0.0, limit_s=100.0)
     assert seconds == {"dense": 1.0, "packed": 2.0}
     assert calls == ["dense", "packed"] * 5
 
 
-def test_timing_stops_at_the_budget_but_not_before_the_minimum_rounds():
+def test_timing_stops_once_the_budget_is_spent_and_each_run_has_its_samples():
     clock, calls = Clock(), []
-    runs = {"dense": clock.run_taking([0.3] * 9, calls, "dense"), "packed": clock.run_taking([0.3] * 9, calls, "packed")}
-    median_seconds(runs, clock, min_rounds=3, max_rounds=9, budget_s=0.5)  # the budget is gone after round 1
-    assert len(calls) == 2 * 3
+    runs = {key: clock.run_taking([[0.01] * 2] * 9, calls, key) for key in ("dense", "packed")}
+    median_seconds(runs, clock, min_samples=5, max_rounds=9, budget_s=0.01, limit_s=10.0)
+    assert len(calls) == 2 * 3  # the budget went in round 1; 5 calls each took 3 rounds
     clock, calls = Clock(), []
-    runs = {"dense": clock.run_taking([0.001] * 9, calls, "dense"), "packed": clock.run_taking([0.001] * 9, calls, "packed")}
-    median_seconds(runs, clock, min_rounds=3, max_rounds=9, budget_s=0.5)  # never spent: stops at the maximum
-    assert len(calls) == 2 * 9
+    runs = {key: clock.run_taking([[0.001] * 2] * 9, calls, key) for key in ("dense", "packed")}
+    median_seconds(runs, clock, min_samples=5, max_rounds=9, budget_s=0.5, limit_s=10.0)
+    assert len(calls) == 2 * 9  # never spent: stops at the maximum
+
+
+def test_a_busy_machine_gets_fewer_samples_not_a_slower_start():
+    clock, calls = Clock(), []
+    runs = {key: clock.run_taking([[0.2] * 30] * 5, calls, key) for key in ("dense", "packed")}
+    seconds = median_seconds(runs, clock, min_samples=5, max_rounds=5, budget_s=0.1, limit_s=0.3)
+    assert calls == ["dense", "packed"]  # one round: each sweep stopped at the limit after its first calls
+    assert clock.now <= 0.3 + 0.2 + 0.2  # the limit, plus the call in flight and the other run's one call
+    assert seconds == {"dense": 0.2, "packed": 0.2}
 
 
 def test_a_shape_keeps_the_path_that_loses_least_over_both_row_counts():
