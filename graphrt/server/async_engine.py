@@ -32,7 +32,7 @@ from graphrt.logprobs import TokenLogprob
 from graphrt.output_processor import OutputProcessor
 from graphrt.sampling import SamplingParams
 from graphrt.sequence import Sequence
-from graphrt.server.engine_core import Admitted, EngineCore, EngineSnapshot, Failed, Rejected  # noqa: F401 (re-exported)
+from graphrt.server.engine_core import Admitted, EngineCore, EngineSnapshot, Failed, Rejected, prompt_of  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from graphrt.engine import Engine
@@ -81,7 +81,7 @@ class GenerationJob:
 
     def prompt_index(self, choice: int) -> int:
         """Which prompt a choice continues."""
-        return choice * self.num_prompts // len(self.params)
+        return prompt_of(choice, self.num_prompts, len(self.params))
 
 
 class AsyncEngine:
@@ -89,7 +89,6 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.failure_exit = None  # never set: the engine thread dies with the process
         self._commands: queue.Queue = queue.Queue()
         self._core = EngineCore(engine)  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -64,6 +64,11 @@ class EngineSnapshot:
     prefix_hit_tokens: int = 0
 
 
+def prompt_of(choice: int, num_prompts: int, num_choices: int) -> int:
+    """Which prompt a choice continues: the choices go prompt by prompt, as OpenAI numbers them."""
+    return choice * num_prompts // num_choices
+
+
 class EngineCore:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -72,11 +77,11 @@ class EngineCore:
         self._started: set[Hashable] = set()  # jobs that have produced a token
 
     def add(self, key: Hashable, prompt_ids: list[list[int]], params: list[SamplingParams]) -> Admitted | Rejected | Failed:
-        """Admit a job: choice i continues prompt `i * len(prompt_ids) // len(params)`."""
+        """Admit a job: one sequence per choice, each on its prompt (`prompt_of`)."""
         seqs: list[Sequence] = []
         try:
             for choice, choice_params in enumerate(params):
-                seqs.append(self.engine.add_request(prompt_ids[choice * len(prompt_ids) // len(params)], choice_params))
+                seqs.append(self.engine.add_request(prompt_ids[prompt_of(choice, len(prompt_ids), len(params))], choice_params))
         except Exception as exc:
             for seq in seqs:
                 self.engine.abort(seq)

@@ -23,6 +23,7 @@ stage threads and torch's threads to the rest; on fewer cores both float over al
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -62,7 +63,7 @@ MIN_CORES_TO_PIN = 4
 class AddJob(msgspec.Struct, tag=True):
     job: int
     prompt_ids: list[list[int]]
-    params: list[SamplingParams]  # one per choice; choice i continues prompt i * len(prompt_ids) // len(params)
+    params: list[SamplingParams]  # one per choice; choice i continues prompt engine_core.prompt_of(i, ...)
 
 
 class AbortJob(msgspec.Struct, tag=True):
@@ -344,9 +345,9 @@ class EngineClient:
         )
         self._outputs = OutputProcessor(self)  # detokenizing; calls self.finish at a stop string
         self._jobs: dict[int, _FrontJob] = {}
-        self._ids = iter(range(1 << 62))
+        self._ids = itertools.count()
         self._job_ids: dict[GenerationJob, int] = {}
-        self._request_ids = iter(range(1 << 62))
+        self._request_ids = itertools.count()
         self._owners: dict[int, tuple[int, int]] = {}  # mirror request id -> (job id, choice)
         self.snapshot = EngineSnapshot(0, 0, 0, 0, 0)
         self.accepting = False
