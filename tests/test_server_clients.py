@@ -46,7 +46,7 @@ HISTORY_DICTS = [
 
 @pytest.fixture(scope="module", params=SERVER_MODES)
 def server(default_model, request):
-    with running_server(request.param, dict(api_key=API_KEY), model=default_model, max_num_seqs=16) as running:
+    with running_server(request.param, dict(api_key=API_KEY), model=default_model, dtype="float32", max_num_seqs=16) as running:
         yield running
 
 
