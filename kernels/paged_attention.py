@@ -7,6 +7,8 @@ as real context, so a padded batch can never corrupt another sequence's blocks.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -71,17 +73,28 @@ def paged_prefill_attention(
     query_lens: list[int],
     seq_lens: list[int],
     scale: float,
+    decode_attention: Callable = paged_decode_attention,
 ) -> torch.Tensor:
     """A chunk of prompt tokens from several sequences, each attending causally to its context.
 
     q: (tokens, heads, head_dim), the sequences' query tokens back to back; `query_lens[i]` of them
     belong to sequence i, whose context (already written to the cache) is `seq_lens[i]` tokens long
     and ends with those queries. Returns (tokens, heads, head_dim).
+
+    The leading rows with one query token (the decode rows riding along with a chunk, which the
+    scheduler puts first) attend as one decode batch through `decode_attention`: one call instead
+    of a gather and an attention call per row, in every layer.
     """
     block_size = k_cache.shape[1]
+    num_single = next((row for row, query_len in enumerate(query_lens) if query_len != 1), len(query_lens))
+    if num_single == len(query_lens):
+        return _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, decode_attention)
     outputs = []
-    start = 0
-    for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+    if num_single:
+        outputs.append(_decode_rows(q[:num_single], k_cache, v_cache, block_tables[:num_single], seq_lens[:num_single], scale, decode_attention))
+    start = num_single
+    for row in range(num_single, len(query_lens)):
+        query_len, seq_len = query_lens[row], seq_lens[row]
         q_seq = q[start : start + query_len].transpose(0, 1).unsqueeze(0)  # (1, heads, q_len, head_dim)
         start += query_len
         block_ids = block_tables[row, : -(-seq_len // block_size)]
@@ -97,3 +110,9 @@ def paged_prefill_attention(
             )
         outputs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outputs, dim=0)
+
+
+def _decode_rows(q, k_cache, v_cache, block_tables, seq_lens: list[int], scale: float, decode_attention: Callable) -> torch.Tensor:
+    """Rows with one query token each: (rows, heads, head_dim) -> the same, as a decode batch."""
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=q.device)
+    return decode_attention(q, k_cache, v_cache, block_tables, lens, scale, max(seq_lens))
