@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -53,7 +54,10 @@ class Engine:
             raise ModelLoadError(f"model folder {self.model_dir} does not exist; pass --model DIR of a Hugging Face style model")
         self.config = config
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        # The tokenizer (mostly importing transformers) loads on a thread beside the weights.
+        loader = ThreadPoolExecutor(1, thread_name_prefix="graphrt-tokenizer")
+        tokenizer = loader.submit(Tokenizer.from_dir, self.model_dir)
+        loader.shutdown(wait=False)
         files = WeightFiles(self.model_dir)
         self.devices = [torch.device(d) for d in (config.devices or default_devices(config.pp))]
         self.dtype = config.resolve_dtype(self.model_config, self.devices[0])
@@ -61,14 +65,14 @@ class Engine:
         # With procs, stages 1..pp-1 live in worker processes (started now, so they boot meanwhile).
         self.cluster = Cluster.start(self.model_dir, config) if config.procs else None
         try:
-            self._start(files, cache_dir, show_progress)
+            self._start(files, cache_dir, show_progress, tokenizer)
         except BaseException as exc:
             if self.cluster is not None:  # workers must not wait out their timeouts for a dead engine
                 self.cluster.fail(f"the engine (rank 0) failed to start: {exc}")
                 self.cluster.close()
             raise
 
-    def _start(self, files: WeightFiles, cache_dir: Path | None, show_progress: bool) -> None:
+    def _start(self, files: WeightFiles, cache_dir: Path | None, show_progress: bool, tokenizer: Future) -> None:
         """Load the stages, size the KV cache, capture the graphs, and build the ring."""
         config = self.config
         self.pipeline = (load_first_stage if self.cluster else Pipeline.load)(
@@ -81,6 +85,7 @@ class Engine:
         self.backend = "cuda" if config.use_graphs and all(d.type == "cuda" for d in self.devices) else "eager"
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         forced_eager = self._check_graph_cache() if self.cache_dir is not None else set()
+        self.tokenizer = tokenizer.result()  # before timing the matmuls, which its thread would disturb
         cached_matmuls = cached_matmul_plans(read_manifest(self.cache_dir)) if self.cache_dir is not None else None
         self.pipeline.choose_matmuls(self.plan.max_batch, cached_matmuls)  # before capture: graphs read the weights
         self.ranges = Ranges()

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Union
 
@@ -40,6 +41,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from graphrt.default_model import default_model_dir
 from graphrt.errors import GraphrtError
 from graphrt.logprobs import TokenLogprob
 from graphrt.output_processor import OutputProcessor
@@ -48,6 +50,7 @@ from graphrt.scheduler import check_lengths
 from graphrt.sequence import FinishReason, Sequence
 from graphrt.server.async_engine import GenerationJob, PromptPreparer, choice_update, heap_trimmer
 from graphrt.server.engine_core import Admitted, EngineCore, EngineSnapshot, Failed, Rejected
+from graphrt.tokenizer import Tokenizer
 
 logger = logging.getLogger("graphrt.server")
 
@@ -87,7 +90,6 @@ class EngineFacts(msgspec.Struct):
     model_dir: str
     max_model_len: int
     capacity_tokens: int  # what the whole KV cache holds for one sequence
-    has_tokenizer: bool
     banner: list[str]
 
 
@@ -284,7 +286,7 @@ def engine_process_main() -> int:
         results.send(encoder.encode(Fatal(str(exc) if isinstance(exc, GraphrtError) else f"{type(exc).__name__}: {exc}")))
         return 1
     facts = EngineFacts(
-        str(engine.model_dir), engine.max_model_len, engine.allocator.capacity_tokens, engine.tokenizer is not None, banner,
+        str(engine.model_dir), engine.max_model_len, engine.allocator.capacity_tokens, banner,
     )
     results.send(encoder.encode(Ready(facts)))
     try:
@@ -327,16 +329,22 @@ class EngineClient:
         pin = pin and len(cores) >= MIN_CORES_TO_PIN
         if pin:
             os.sched_setaffinity(0, {cores[0]})
+        # The model folder is settled here (the default model converted, once) so that this process
+        # can load its tokenizer while the engine process loads the weights.
+        model_dir = Path(llm_kwargs["model"]) if llm_kwargs.get("model") is not None else default_model_dir()
         self.process = subprocess.Popen(
             [sys.executable, "-c", ENGINE_PROCESS_MAIN, commands_address, results_address, "pin" if pin else "float"],
             stdin=subprocess.PIPE,
         )
-        self.process.stdin.write(json.dumps(llm_kwargs, default=str).encode())
+        self.process.stdin.write(json.dumps({**llm_kwargs, "model": model_dir}, default=str).encode())
         self.process.stdin.close()
-        self.facts = self._wait_ready()
+        loader = ThreadPoolExecutor(1, thread_name_prefix="graphrt-tokenizer")
+        tokenizer = loader.submit(Tokenizer.from_dir, model_dir)
+        loader.shutdown(wait=False)
+        self.facts = self._wait_ready()  # the engine's errors first: a bad folder fails both, the engine says it better
         for line in self.facts.banner:
             echo(line)
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = tokenizer.result()
         self.max_model_len = self.facts.max_model_len
         self._prompts = PromptPreparer(
             self.tokenizer, self.max_model_len,
@@ -380,13 +388,6 @@ class EngineClient:
             self._reap()
             self._close_sockets()
             raise
-
-    def _load_tokenizer(self):
-        if not self.facts.has_tokenizer:
-            return None
-        from graphrt.tokenizer import Tokenizer
-
-        return Tokenizer.from_dir(Path(self.facts.model_dir))
 
     # -- the AsyncEngine interface ----------------------------------------------------------------
 
