@@ -1,0 +1,441 @@
+// Paged decode attention on the CPU: a compiled twin of the torch reference
+// `paged_decode_attention` in kernels/paged_attention.py, which tests/test_paged_attention_cpu.py
+// compares it with. kernels/paged_attention_cpu.py builds this file and calls it as
+// torch.ops.graphrt.paged_decode_attention.
+//
+// One task is one (sequence, kv head) and serves every query head of that GQA group, so each K/V
+// row is read once per group, straight from the cache through the block table: the reference
+// gathers the blocks into a new tensor first, copying every K/V byte once more. A task scores the
+// whole context into a scratch row, takes the softmax, then sums V weighted by it: two passes, one
+// over K and one over V. Arithmetic is in float (double for float64 inputs), as in the reference.
+//
+// Vector code is ATen's Vectorized<T>, the type torch's own CPU kernels and inductor's generated
+// C++ use, rather than intrinsics: one source for AVX2 and AVX-512, a vector exp (exp_u20, as in
+// torch's CPU flash attention) and bfloat16 loads come with it. The build defines the
+// CPU_CAPABILITY_* macro of the capability torch picked for its own kernels (AVX512 or AVX2, with
+// the matching -m flags; the loader refuses other CPUs, where ATen's scalar fallback measured
+// 10-20x slower). The one intrinsic function, sum_lanes_of_rows, is AVX-512 with a fallback.
+//
+// Threads: at::parallel_for over tasks, on torch's intra-op pool (torch.set_num_threads). With
+// torch's OpenMP backend, parallel_for is an inline `#pragma omp parallel` (ATen/ParallelOpenMP.h),
+// so the build passes -fopenmp to the compiler (without it the pragma is dropped and everything
+// runs on one thread) but not to the linker: the GOMP_* calls stay undefined in this library and
+// resolve, at load, to the OpenMP runtime libtorch_cpu already loaded (torch/lib/libgomp.so.1),
+// so the process never holds a second OpenMP runtime with its own threads.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using at::vec::Vectorized;
+
+// The type a task computes in: float for float32 and bfloat16 inputs, double for float64.
+template <typename scalar_t>
+using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+// `Vectorized<Acc>::size()` elements from `src`, widened to Acc (bfloat16 -> float on load).
+template <typename Acc, typename scalar_t>
+inline Vectorized<Acc> load_as(const scalar_t* src) {
+  if constexpr (std::is_same_v<scalar_t, Acc>) {
+    return Vectorized<Acc>::loadu(src);
+  } else {
+    Vectorized<float> out;
+    at::vec::load_to_float(src, out);
+    return out;
+  }
+}
+
+template <typename Acc>
+inline Acc sum_lanes(const Vectorized<Acc>& v) {
+  return at::vec::vec_reduce_all<Acc>([](Vectorized<Acc>& a, Vectorized<Acc>& b) { return a + b; }, v);
+}
+
+template <typename Acc>
+inline Acc max_lanes(const Vectorized<Acc>& v) {
+  return at::vec::vec_reduce_all<Acc>(
+      [](Vectorized<Acc>& a, Vectorized<Acc>& b) { return at::vec::maximum(a, b); }, v);
+}
+
+// sums[r] = the sum of acc[r]'s lanes, for kRows <= 4 vectors. The score pass needs one such sum
+// per token and query head, and one at a time they were half its time in bfloat16; with AVX-512
+// one shuffle tree halves four vectors together (14 instructions where four sums take 32).
+template <int kRows, typename Acc>
+inline void sum_lanes_of_rows(const Vectorized<Acc> (&acc)[kRows], Acc* sums) {
+  static_assert(kRows >= 1 && kRows <= 4);
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<Acc, float> && kRows > 1) {
+    __m512 v[4];
+    for (int r = 0; r < 4; ++r) {
+      v[r] = r < kRows ? __m512(acc[r]) : _mm512_setzero_ps();
+    }
+    // 128-bit lanes: [a0+a2, a1+a3, b0+b2, b1+b3] and the same for c, d.
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(v[2], v[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    // One 128-bit lane per row: four partial sums of a, of b, of c, of d.
+    __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));  // every float: its lane's sum
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, x);
+    for (int r = 0; r < kRows; ++r) {
+      sums[r] = lanes[4 * r];
+    }
+    return;
+  }
+#endif
+  for (int r = 0; r < kRows; ++r) {
+    sums[r] = sum_lanes(acc[r]);
+  }
+}
+
+// Where a task's data lives, in elements. K and V caches share one layout with a unit-stride
+// head_dim; block_tables rows are `table_stride` apart, unit stride within a row.
+struct Layout {
+  int64_t group_size, head_dim, block_size;
+  int64_t q_batch_stride, q_head_stride;
+  int64_t cache_block_stride, cache_token_stride, cache_head_stride;
+  int64_t table_stride;
+};
+
+// One task's context: the first `length` tokens of one sequence, one KV head of each.
+struct Context {
+  const int64_t* block_ids;  // the sequence's block table row
+  int64_t length;
+  int64_t head_offset;  // elements from the start of a cache row (one token) to this KV head
+};
+
+// Calls visit(row, t) for t = 0 .. length-1 in order, row pointing at token t's (head_dim,) K or V
+// of the context's KV head. Each row's [first_dim, first_dim + num_dims) is prefetched a block
+// ahead: blocks are scattered through the cache, so the hardware prefetcher, which extrapolates
+// addresses, can't find the next one (prefetching made 120-382 token contexts ~25% faster).
+template <typename scalar_t, typename Visit>
+inline void for_each_context_row(const scalar_t* cache, const Context& context, const Layout& layout,
+                                 int64_t first_dim, int64_t num_dims, Visit&& visit) {
+  constexpr int64_t kCacheLine = 64;
+  const int64_t first_byte = first_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t end_byte = (first_dim + num_dims) * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t num_blocks = (context.length + layout.block_size - 1) / layout.block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const scalar_t* rows = cache + context.block_ids[b] * layout.cache_block_stride + context.head_offset;
+    const scalar_t* next_rows = b + 1 < num_blocks
+                                    ? cache + context.block_ids[b + 1] * layout.cache_block_stride + context.head_offset
+                                    : nullptr;
+    const int64_t start = b * layout.block_size;
+    const int64_t tokens = std::min(layout.block_size, context.length - start);
+    for (int64_t i = 0; i < tokens; ++i) {
+      if (next_rows != nullptr) {
+        const char* ahead = reinterpret_cast<const char*>(next_rows + i * layout.cache_token_stride);
+        for (int64_t byte = first_byte; byte < end_byte; byte += kCacheLine) {
+          __builtin_prefetch(ahead + byte);
+        }
+      }
+      visit(rows + i * layout.cache_token_stride, start + i);
+    }
+  }
+}
+
+// Query heads are taken kMaxRows at a time, and V's head_dim kValueChunks vectors at a time, so
+// that a tile's accumulators stay in registers (4 x 4 of the 32 zmm registers with AVX-512,
+// 4 x 2 of the 16 ymm ones otherwise). A GQA group wider than kMaxRows reads its K/V once per
+// tile; the second time it comes from L2.
+constexpr int64_t kMaxRows = 4;
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kValueChunks = 4;
+#else
+constexpr int kValueChunks = 2;
+#endif
+
+// Calls f(std::integral_constant<int, rows>{}) for rows in 1..kMaxRows, so f can size register
+// tiles by it.
+template <typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// scores[r * score_stride + t] = queries[r] . key_t for kRows query heads and every token t of the
+// context: each key is loaded (and widened) once for all kRows heads.
+// queries: (kRows, head_dim), already scaled.
+template <int kRows, typename scalar_t, typename Acc>
+void score_context(const Acc* queries, const scalar_t* k_cache, const Context& context, const Layout& layout,
+                   Acc* scores, int64_t score_stride) {
+  using Vec = Vectorized<Acc>;
+  const int64_t head_dim = layout.head_dim;
+  const int64_t vector_end = head_dim - head_dim % Vec::size();
+  for_each_context_row(k_cache, context, layout, 0, head_dim, [&](const scalar_t* key, int64_t t) {
+    Vec acc[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      acc[r] = Vec(Acc(0));
+    }
+    for (int64_t d = 0; d < vector_end; d += Vec::size()) {
+      const Vec k = load_as<Acc>(key + d);
+      for (int r = 0; r < kRows; ++r) {
+        acc[r] = at::vec::fmadd(Vec::loadu(queries + r * head_dim + d), k, acc[r]);
+      }
+    }
+    Acc sums[kRows];
+    sum_lanes_of_rows<kRows>(acc, sums);
+    for (int r = 0; r < kRows; ++r) {
+      for (int64_t d = vector_end; d < head_dim; ++d) {
+        sums[r] += queries[r * head_dim + d] * static_cast<Acc>(key[d]);
+      }
+      scores[r * score_stride + t] = sums[r];
+    }
+  });
+}
+
+// outputs[r, first : first + kChunks vectors] = the sum over the context's tokens t of
+// weights[r * weight_stride + t] * value_t, for kRows query heads: one slice of head_dim, whose
+// accumulators stay in registers for the whole context. outputs: (kRows, head_dim).
+template <int kRows, int kChunks, typename scalar_t, typename Acc>
+void sum_value_slice(const Acc* weights, int64_t weight_stride, const scalar_t* v_cache, const Context& context,
+                     const Layout& layout, int64_t first, Acc* outputs) {
+  using Vec = Vectorized<Acc>;
+  Vec acc[kRows][kChunks];
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kChunks; ++c) {
+      acc[r][c] = Vec(Acc(0));
+    }
+  }
+  for_each_context_row(v_cache, context, layout, first, kChunks * Vec::size(), [&](const scalar_t* value, int64_t t) {
+    Vec v[kChunks];
+    for (int c = 0; c < kChunks; ++c) {
+      v[c] = load_as<Acc>(value + first + c * Vec::size());
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const Vec weight(weights[r * weight_stride + t]);
+      for (int c = 0; c < kChunks; ++c) {
+        acc[r][c] = at::vec::fmadd(weight, v[c], acc[r][c]);
+      }
+    }
+  });
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kChunks; ++c) {
+      acc[r][c].store(outputs + r * layout.head_dim + first + c * Vec::size());
+    }
+  }
+}
+
+// outputs[r] = the sum over the context's tokens t of weights[r * weight_stride + t] * value_t,
+// for kRows query heads. outputs: (kRows, head_dim).
+template <int kRows, typename scalar_t, typename Acc>
+void sum_values(const Acc* weights, int64_t weight_stride, const scalar_t* v_cache, const Context& context,
+                const Layout& layout, Acc* outputs) {
+  using Vec = Vectorized<Acc>;
+  const int64_t head_dim = layout.head_dim;
+  const int64_t vector_end = head_dim - head_dim % Vec::size();
+  int64_t first = 0;
+  for (; first + kValueChunks * Vec::size() <= vector_end; first += kValueChunks * Vec::size()) {
+    sum_value_slice<kRows, kValueChunks>(weights, weight_stride, v_cache, context, layout, first, outputs);
+  }
+  for (; first < vector_end; first += Vec::size()) {
+    sum_value_slice<kRows, 1>(weights, weight_stride, v_cache, context, layout, first, outputs);
+  }
+  if (vector_end == head_dim) {
+    return;
+  }
+  // head_dim is not a whole number of vectors: the last few dims one at a time.
+  for (int r = 0; r < kRows; ++r) {
+    std::fill(outputs + r * head_dim + vector_end, outputs + (r + 1) * head_dim, Acc(0));
+  }
+  const int64_t tail_dims = head_dim - vector_end;
+  for_each_context_row(v_cache, context, layout, vector_end, tail_dims, [&](const scalar_t* value, int64_t t) {
+    for (int r = 0; r < kRows; ++r) {
+      for (int64_t d = vector_end; d < head_dim; ++d) {
+        outputs[r * head_dim + d] += weights[r * weight_stride + t] * static_cast<Acc>(value[d]);
+      }
+    }
+  });
+}
+
+// Softmax in place over one row of scores, padded with -inf to whole vectors (exp takes those to
+// 0); returns the sum of the weights, which the caller divides by at the end.
+template <typename Acc>
+inline Acc softmax_unnormalized(Acc* row, int64_t padded_length) {
+  using Vec = Vectorized<Acc>;
+  Vec running_max(-std::numeric_limits<Acc>::infinity());
+  for (int64_t t = 0; t < padded_length; t += Vec::size()) {
+    running_max = at::vec::maximum(running_max, Vec::loadu(row + t));
+  }
+  const Vec row_max(max_lanes(running_max));  // finite: every row has at least one real score
+  Vec running_sum(Acc(0));
+  for (int64_t t = 0; t < padded_length; t += Vec::size()) {
+    const Vec weight = (Vec::loadu(row + t) - row_max).exp_u20();
+    weight.store(row + t);
+    running_sum = running_sum + weight;
+  }
+  return sum_lanes(running_sum);
+}
+
+// One thread's working memory, sized for the longest context in the batch and reused across
+// that thread's tasks.
+template <typename Acc>
+struct Scratch {
+  int64_t score_stride;      // the longest context padded to whole vectors
+  std::vector<Acc> queries;  // (group, head_dim), scaled
+  std::vector<Acc> scores;   // (group, score_stride): scores, then softmax weights
+  std::vector<Acc> outputs;  // (group, head_dim): the unnormalized weighted sums of V
+  std::vector<Acc> weight_sums;  // (group,)
+
+  Scratch(const Layout& layout, int64_t max_context)
+      : score_stride(round_up(max_context, Vectorized<Acc>::size())),
+        queries(layout.group_size * layout.head_dim),
+        scores(layout.group_size * score_stride),
+        outputs(layout.group_size * layout.head_dim),
+        weight_sums(layout.group_size) {}
+
+  static int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+};
+
+// Attention of one sequence's query heads in one GQA group over its context.
+// q_group: (group, head_dim), rows `q_head_stride` apart; out_group: (group, head_dim) contiguous.
+template <typename scalar_t>
+void attend_group(const scalar_t* q_group, const scalar_t* k_cache, const scalar_t* v_cache, const Context& context,
+                  acc_type<scalar_t> scale, const Layout& layout, Scratch<acc_type<scalar_t>>& scratch,
+                  scalar_t* out_group) {
+  using Acc = acc_type<scalar_t>;
+  const int64_t group_size = layout.group_size, head_dim = layout.head_dim;
+  const int64_t score_stride = scratch.score_stride;
+  const int64_t padded_length = Scratch<Acc>::round_up(context.length, Vectorized<Acc>::size());
+  Acc* queries = scratch.queries.data();
+  Acc* scores = scratch.scores.data();
+  Acc* outputs = scratch.outputs.data();
+
+  for (int64_t g = 0; g < group_size; ++g) {
+    for (int64_t d = 0; d < head_dim; ++d) {
+      queries[g * head_dim + d] = static_cast<Acc>(q_group[g * layout.q_head_stride + d]) * scale;
+    }
+    std::fill(scores + g * score_stride + context.length, scores + g * score_stride + padded_length,
+              -std::numeric_limits<Acc>::infinity());
+  }
+  for (int64_t g = 0; g < group_size; g += kMaxRows) {
+    with_rows(std::min(kMaxRows, group_size - g), [&](auto rows) {
+      score_context<rows.value>(queries + g * head_dim, k_cache, context, layout, scores + g * score_stride,
+                                score_stride);
+    });
+  }
+  for (int64_t g = 0; g < group_size; ++g) {
+    scratch.weight_sums[g] = softmax_unnormalized(scores + g * score_stride, padded_length);
+  }
+  for (int64_t g = 0; g < group_size; g += kMaxRows) {
+    with_rows(std::min(kMaxRows, group_size - g), [&](auto rows) {
+      sum_values<rows.value>(scores + g * score_stride, score_stride, v_cache, context, layout,
+                             outputs + g * head_dim);
+    });
+  }
+  for (int64_t g = 0; g < group_size; ++g) {
+    const Acc inverse_sum = Acc(1) / scratch.weight_sums[g];
+    for (int64_t d = 0; d < head_dim; ++d) {
+      out_group[g * head_dim + d] = static_cast<scalar_t>(outputs[g * head_dim + d] * inverse_sum);
+    }
+  }
+}
+
+// Checks what the Python wrapper can't see without reading every row: each context fits its
+// block table and names only blocks that exist. Returns the longest context.
+int64_t check_rows(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
+                   int64_t num_blocks) {
+  const int64_t batch = block_tables.size(0), max_blocks = block_tables.size(1);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t row = 0; row < batch; ++row) {
+    const int64_t context = lens[row];
+    TORCH_CHECK(context >= 1 && context <= max_blocks * block_size, "paged_decode_attention: seq_lens[", row,
+                "] is ", context, "; it must be between 1 and the block table's ", max_blocks, " blocks x ",
+                block_size, " tokens");
+    for (int64_t b = 0; b < (context + block_size - 1) / block_size; ++b) {
+      const int64_t block = tables[row * block_tables.stride(0) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block_tables[", row, ", ", b,
+                  "] is ", block, ", not a block of the ", num_blocks, "-block cache");
+    }
+    longest = std::max(longest, context);
+  }
+  return longest;
+}
+
+// q: (batch, heads, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim);
+// block_tables: (batch, max_blocks) int; seq_lens: (batch,) int. Returns (batch, heads, head_dim).
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "paged_decode_attention: q must be (batch, heads, head_dim) and the caches "
+              "(num_blocks, block_size, kv_heads, head_dim), both of one shape");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: q and the caches must have one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && k_cache.strides() == v_cache.strides(),
+              "paged_decode_attention: needs unit-stride head_dim and k, v caches of one layout");
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "paged_decode_attention: head_dim differs between q and the caches, or heads (", num_heads,
+              ") is not a multiple of kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK(block_tables_in.dim() == 2 && block_tables_in.size(0) == batch && seq_lens_in.dim() == 1 &&
+                  seq_lens_in.size(0) == batch,
+              "paged_decode_attention: block_tables must be (batch, max_blocks) and seq_lens (batch,)");
+  // The engine hands int64 tables and lengths, for which these are no-ops.
+  const at::Tensor block_tables = block_tables_in.to(at::kLong);
+  const at::Tensor seq_lens = seq_lens_in.to(at::kLong).contiguous();
+  TORCH_CHECK(block_tables.stride(1) == 1, "paged_decode_attention: block_tables rows must be unit-stride");
+
+  const int64_t max_context = check_rows(block_tables, seq_lens, block_size, num_blocks);
+  const Layout layout{num_heads / num_kv_heads, head_dim,          block_size,        q.stride(0),
+                      q.stride(1),              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                      block_tables.stride(0)};
+  at::Tensor out = at::empty({batch, num_heads, head_dim}, q.options());  // (batch, heads, head_dim)
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
+    using Acc = acc_type<scalar_t>;
+    const scalar_t* q_data = q.const_data_ptr<scalar_t>();
+    const scalar_t* k_data = k_cache.const_data_ptr<scalar_t>();
+    const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
+    scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
+    // A task takes microseconds (2-20 at the shapes we serve), more than waking the pool costs
+    // (about one), so grain 1: any two tasks may run on two threads.
+    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      Scratch<Acc> scratch(layout, max_context);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t row = task / num_kv_heads, kv_head = task % num_kv_heads;
+        const int64_t first_head = kv_head * layout.group_size;
+        const Context context{tables + row * layout.table_stride, lens[row], kv_head * layout.cache_head_stride};
+        attend_group<scalar_t>(q_data + row * layout.q_batch_stride + first_head * layout.q_head_stride, k_data,
+                               v_data, context, static_cast<Acc>(scale), layout, scratch,
+                               out_data + (row * num_heads + first_head) * head_dim);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+// A fragment, not TORCH_LIBRARY: the `graphrt` op namespace may gain ops from other files.
+TORCH_LIBRARY_FRAGMENT(graphrt, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(graphrt, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

@@ -1,0 +1,213 @@
+"""The compiled CPU paged decode attention against its torch reference (`paged_attention`).
+
+The kernel is built on first use (about 10 s, then cached under ~/.cache/graphrt/cpu_kernels);
+where it can't be built, the tests that run it skip with the reason. Caches start as NaN and only
+live context is written, so a kernel that reads past a sequence's length, a padded block-table
+column or the scratch block returns NaN; the reference gets the NaNs zeroed (its mask hides
+those positions, but NaN scores would still poison its softmax).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphrt.kernels import paged_attention, paged_attention_cpu
+
+
+@pytest.fixture(scope="module")
+def built_kernel():
+    """Builds the kernel (on first use only), or skips with why it can't be built here."""
+    reason = paged_attention_cpu.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"CPU kernel unavailable: {reason}")
+
+
+needs_kernel = pytest.mark.usefixtures("built_kernel")
+
+# heads, kv_heads, head_dim, block_size, seq_lens
+CASES = {
+    "smollm2-gqa3-one-token": (9, 3, 64, 16, [1]),
+    "smollm2-gqa3-exact-blocks": (9, 3, 64, 16, [48]),
+    "smollm2-gqa3-batch3": (9, 3, 64, 16, [1, 16, 37]),
+    "smollm2-gqa3-batch32": (9, 3, 64, 16, [1 + (7 * row) % 130 for row in range(31)] + [128]),
+    "mha4-block8": (4, 4, 64, 8, [8, 3, 41]),
+    "gqa8-one-kv-head": (8, 1, 64, 16, [75, 2]),  # two tiles of 4 query heads
+    "gqa5-head80-block5": (10, 2, 80, 5, [23, 5, 1]),  # a tile of 4 and one of 1; 5 vectors
+    "gqa2-head20": (6, 3, 20, 16, [33, 17]),  # head_dim not a whole number of vectors (AVX2 or 512)
+    "gqa2-head128": (4, 2, 128, 16, [130, 64]),  # more vectors than one register tile
+}
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def decode_inputs(case: str, dtype: torch.dtype, seed: int = 0):
+    """q, NaN-poisoned caches with context only up to seq_lens, shuffled block ids, and padded
+    table columns pointing at block 0 (scratch, NaN too)."""
+    heads, kv_heads, head_dim, block_size, seq_lens = CASES[case]
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_row = [-(-seq_len // block_size) for seq_len in seq_lens]
+    max_blocks = max(blocks_per_row) + 1  # one more column than any row needs
+    num_blocks = 1 + sum(blocks_per_row) + 3  # scratch block 0, and a few never used
+    free_ids = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int64)
+    for row, num_row_blocks in enumerate(blocks_per_row):
+        block_tables[row, :num_row_blocks] = torch.tensor([free_ids.pop() for _ in range(num_row_blocks)])
+    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.full(cache_shape, float("nan"), dtype=dtype) for _ in range(2))
+    for row, seq_len in enumerate(seq_lens):
+        positions = torch.arange(seq_len)
+        slots = block_tables[row, positions // block_size] * block_size + positions % block_size
+        for cache in (k_cache, v_cache):
+            context = torch.randn(seq_len, kv_heads, head_dim, generator=generator)
+            cache.view(-1, kv_heads, head_dim)[slots] = context.to(dtype)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=generator).to(dtype)
+    return q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), head_dim**-0.5
+
+
+def reference(q, k_cache, v_cache, block_tables, seq_lens, scale, dtype=None):
+    dtype = dtype or q.dtype
+    q, k_cache, v_cache = (t.nan_to_num(0.0).to(dtype) for t in (q, k_cache, v_cache))
+    return paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_the_reference(case, dtype):
+    inputs = decode_inputs(case, dtype)
+    got = paged_attention_cpu.paged_decode_attention(*inputs)
+    assert got.dtype == dtype and got.shape == inputs[0].shape
+    torch.testing.assert_close(got, reference(*inputs), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bfloat16_is_float32_math_rounded_once(case):
+    """bfloat16 K/V/q widened on load, float32 math, one rounding at the end: within half a
+    bfloat16 step of the float32 reference on the same (bfloat16) inputs, and close to the
+    bfloat16 reference, which rounds along the way."""
+    inputs = decode_inputs(case, torch.bfloat16)
+    got = paged_attention_cpu.paged_decode_attention(*inputs)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), reference(*inputs, dtype=torch.float32), atol=1e-6, rtol=2**-8)
+    torch.testing.assert_close(got, reference(*inputs), atol=1.6e-2, rtol=1.6e-2)
+
+
+@needs_kernel
+def test_max_seq_len_is_a_hint_the_kernel_does_not_need():
+    q, k_cache, v_cache, block_tables, seq_lens, scale = decode_inputs("smollm2-gqa3-batch3", torch.float32)
+    without = paged_attention_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    with_hint = paged_attention_cpu.paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, int(seq_lens.max())
+    )
+    torch.testing.assert_close(with_hint, without, atol=0, rtol=0)
+    expected = paged_attention.paged_decode_attention(
+        q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), block_tables, seq_lens, scale, int(seq_lens.max())
+    )
+    torch.testing.assert_close(with_hint, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_int32_tables_and_a_strided_q_as_the_model_hands_them():
+    q, k_cache, v_cache, block_tables, seq_lens, scale = decode_inputs("smollm2-gqa3-batch32", torch.float32)
+    batch, heads, head_dim = q.shape
+    qkv = torch.randn(batch, (heads + 6) * head_dim)  # q is a slice of the fused projection's rows
+    qkv[:, : heads * head_dim] = q.view(batch, -1)
+    strided_q = qkv[:, : heads * head_dim].view(batch, heads, head_dim)
+    assert not strided_q.is_contiguous()
+    got = paged_attention_cpu.paged_decode_attention(
+        strided_q, k_cache, v_cache, block_tables.int(), seq_lens.int(), scale
+    )
+    expected = paged_attention_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+@needs_kernel
+def test_two_threads_give_the_same_bits_as_one():
+    """Each (sequence, kv head) is one thread's work from start to end, so threads can't change results."""
+    inputs = decode_inputs("smollm2-gqa3-batch32", torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention_cpu.paged_decode_attention(*inputs)
+        torch.set_num_threads(2)
+        two = paged_attention_cpu.paged_decode_attention(*inputs)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(two, one, atol=0, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.skipif(not torch.backends.openmp.is_available(), reason="torch is not built with OpenMP")
+def test_runs_on_torchs_openmp_threads_and_no_other_runtime():
+    """The library calls into OpenMP (so at::parallel_for really forks) but brings no runtime of
+    its own: the only one in the process is the one torch loaded."""
+    build = paged_attention_cpu.kernel_build()
+    assert b"GOMP_parallel" in build.library.read_bytes(), "built without -fopenmp: parallel_for runs on one thread"
+    paged_attention_cpu.paged_decode_attention(*decode_inputs("smollm2-gqa3-batch3", torch.float32))
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc/self/maps to list loaded libraries")
+    runtimes = {line.split()[-1] for line in maps.read_text().splitlines() if "gomp" in line or "libomp" in line}
+    torch_lib = Path(torch.__file__).parent / "lib"
+    assert runtimes and all(Path(path).parent == torch_lib for path in runtimes), runtimes
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda inputs: inputs.update(seq_lens=torch.tensor([0, 16, 37])), "seq_lens\\[0\\] is 0"),
+        (lambda inputs: inputs.update(seq_lens=torch.tensor([1, 16, 65])), "seq_lens\\[2\\] is 65"),
+        (lambda inputs: inputs["block_tables"].__setitem__((1, 0), 10_000), "block_tables\\[1, 0\\] is 10000"),
+    ],
+    ids=["empty-context", "longer-than-the-table", "block-out-of-range"],
+)
+def test_rows_that_would_read_outside_the_cache_are_refused(change, message):
+    q, k_cache, v_cache, block_tables, seq_lens, scale = decode_inputs("smollm2-gqa3-batch3", torch.float32)
+    inputs = {"block_tables": block_tables, "seq_lens": seq_lens}
+    change(inputs)
+    with pytest.raises(RuntimeError, match=message):
+        paged_attention_cpu.paged_decode_attention(
+            q, k_cache, v_cache, inputs["block_tables"], inputs["seq_lens"], scale
+        )
+
+
+def test_inputs_it_cannot_take_are_refused_before_the_kernel_runs():
+    q, k_cache, v_cache, block_tables, seq_lens, scale = decode_inputs("smollm2-gqa3-batch3", torch.float32)
+    with pytest.raises(ValueError, match="float16"):
+        paged_attention_cpu.paged_decode_attention(
+            q.half(), k_cache.half(), v_cache.half(), block_tables, seq_lens, scale
+        )
+    with pytest.raises(ValueError, match="share one of"):
+        paged_attention_cpu.paged_decode_attention(q, k_cache.double(), v_cache, block_tables, seq_lens, scale)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        paged_attention_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables.float(), seq_lens, scale)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention_cpu.paged_decode_attention(q[0], k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def test_says_which_dtypes_and_devices_it_takes():
+    assert not paged_attention_cpu.available(torch.float16)
+    assert "float16 is not supported" in paged_attention_cpu.unavailable_reason(torch.float16)
+    assert "CPU tensors" in paged_attention_cpu.unavailable_reason(device="cuda")
+    reason = paged_attention_cpu.unavailable_reason(torch.bfloat16)
+    assert paged_attention_cpu.available(torch.bfloat16) == (reason is None)
+
+
+def test_a_missing_compiler_is_a_reason_not_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    build = paged_attention_cpu.KernelLoader(cache_root=tmp_path).get()
+    assert build.op is None and "no C++ compiler" in build.reason and "no-such-g++" in build.reason
+
+
+@needs_kernel
+def test_a_build_error_is_a_reason_with_the_log_kept(tmp_path):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text('#error "this kernel does not compile"\n')
+    build = paged_attention_cpu.KernelLoader(source_path=broken, cache_root=tmp_path / "cache").get()
+    assert build.op is None and "did not build" in build.reason and "does not compile" in build.reason
+    log = Path(build.reason.rsplit("full log: ", 1)[1].rstrip(")"))
+    assert "does not compile" in log.read_text()
