@@ -8,6 +8,8 @@ from graphrt.batch import StepMetadata
 from graphrt.config import ModelConfig
 from graphrt.errors import GraphrtError
 from graphrt.kernels import kernel_set
+from graphrt.kernels.attention_choice import AttentionChoice, choose_decode_attention
+from graphrt.kernels.attention_choice import mode_from_env as attention_mode_from_env
 from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, mode_from_env, summarize
 from graphrt.kv_cache import StageKVCache
 from graphrt.model import Stage
@@ -97,6 +99,26 @@ class Pipeline:
                 previous.update(cached[position].by_name())
             plan = stage.choose_matmuls(max_rows, mode, previous)
             known.setdefault(stage.device, {}).update(plan.by_name())
+
+    def choose_decode_attention(self, max_rows: int, block_size: int, mode: str | None = None) -> None:
+        """Each CPU stage runs decode attention on the compiled kernel or the torch reference,
+        whichever is faster here at `max_rows` (kernels/attention_choice.py); timed once per device.
+        `mode`: auto, torch or compiled; None reads GRAPHRT_ATTENTION."""
+        mode = attention_mode_from_env() if mode is None else mode
+        chosen: dict[torch.device, AttentionChoice] = {}
+        for stage in self.stages:
+            if stage.device not in chosen:
+                cfg = stage.cfg
+                chosen[stage.device] = choose_decode_attention(
+                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, stage.dtype, stage.device, max_rows, mode
+                )
+            stage.use_decode_attention(chosen[stage.device])
+
+    def attention_summary(self) -> str:
+        """One line for the start-up banner: the decode attention of the first stage (all stages of a
+        device share it; CUDA stages have no choice)."""
+        choice = self.stages[0].attention_choice
+        return choice.summary() if choice is not None else "decode attention: not chosen yet"
 
     def matmul_plans(self) -> list[MatmulPlan]:
         """What each stage chose (what a graph cache records), in stage order."""
