@@ -107,6 +107,8 @@ class Pipeline:
         mode = attention_mode_from_env() if mode is None else mode
         chosen: dict[torch.device, AttentionChoice] = {}
         for stage in self.stages:
+            if stage.device.type != "cpu":
+                continue  # a CUDA stage keeps its kernel set's decode attention (--kernels)
             if stage.device not in chosen:
                 cfg = stage.cfg
                 chosen[stage.device] = choose_decode_attention(
@@ -116,9 +118,11 @@ class Pipeline:
 
     def attention_summary(self) -> str:
         """One line for the start-up banner: the decode attention of the first stage (all stages of a
-        device share it; CUDA stages have no choice)."""
-        choice = self.stages[0].attention_choice
-        return choice.summary() if choice is not None else "decode attention: not chosen yet"
+        device share it; a CUDA stage runs its kernel set's)."""
+        stage = self.stages[0]
+        if stage.attention_choice is None:
+            return f"decode attention: the {stage.ops.name} kernels on {stage.device.type}"
+        return stage.attention_choice.summary()
 
     def matmul_plans(self) -> list[MatmulPlan]:
         """What each stage chose (what a graph cache records), in stage order."""

@@ -96,9 +96,11 @@ class StageWorker:
         self.stage = Stage(cfg, rank, plan.pp, layers, device, dtype, plan.max_model_len, kernel_set(plan.kernels, device.type))
         self.stage.load(WeightFiles(options.model))
         self.stage.choose_matmuls(max(plan.buckets), mode_from_env())
-        self.stage.use_decode_attention(choose_decode_attention(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, plan.block_size, dtype, device, max(plan.buckets), attention_mode_from_env()
-        ))
+        if device.type == "cpu":  # a CUDA stage keeps its kernel set's decode attention
+            self.stage.use_decode_attention(choose_decode_attention(
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, plan.block_size, dtype, device, max(plan.buckets),
+                attention_mode_from_env(),
+            ))
         self.cache = StageKVCache.allocate(cfg, len(layers), plan.num_blocks, plan.block_size, device, dtype)
         max_blocks = -(-plan.max_model_len // plan.block_size)
         self.graphs, _ = capture_stage(

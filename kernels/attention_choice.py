@@ -108,10 +108,10 @@ def choose_decode_attention(
     mode: str = "auto",
     timer: Callable[[], float] = time.perf_counter,
 ) -> AttentionChoice:
-    """The decode attention for a stage of these shapes on `device`, at `rows` rows (its largest
-    decode bucket). Only CPU stages have a choice; a forced `mode` comes first."""
+    """The decode attention for a CPU stage of these shapes, at `rows` rows (its largest decode
+    bucket); a forced `mode` comes first. A CUDA stage has no choice: it runs its kernel set's."""
     if device.type != "cpu":
-        return AttentionChoice("torch", "only", note=f"the compiled kernel is for the CPU; {device.type} uses --kernels")
+        raise ValueError(f"only a CPU stage chooses its decode attention; a {device.type} stage runs its kernel set's")
     if mode == "torch":
         return AttentionChoice("torch", "forced")
     from graphrt.kernels import paged_attention_cpu  # builds the kernel on first use

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from graphrt import LLM, SamplingParams
+from graphrt.pipeline import Pipeline
 from graphrt.kernels import attention_choice, paged_attention, paged_attention_cpu
 from graphrt.kernels.attention_choice import AttentionChoice, choose_decode_attention, mode_from_env, time_paths
 
@@ -71,7 +72,8 @@ def test_where_the_kernel_cannot_run_the_reference_runs_and_the_banner_says_why(
 def test_a_forced_mode_measures_nothing(monkeypatch):
     monkeypatch.setattr(attention_choice, "time_paths", lambda *_: pytest.fail("timed a forced choice"))
     assert choose_decode_attention(**SHAPES, mode="torch") == AttentionChoice("torch", "forced")
-    assert choose_decode_attention(**{**SHAPES, "device": torch.device("cuda")}).source == "only"
+    with pytest.raises(ValueError, match="only a CPU stage"):
+        choose_decode_attention(**{**SHAPES, "device": torch.device("cuda")})
     with pytest.raises(ValueError, match="GRAPHRT_ATTENTION must be one of auto, torch, compiled"):
         mode_from_env({"GRAPHRT_ATTENTION": "fast"})
 
@@ -91,3 +93,16 @@ def test_an_engine_on_the_compiled_kernel_generates_what_the_reference_does(tiny
         assert stage.layers[0].ops.paged_decode_attention is stage.attention_choice.function
         outputs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs["compiled"] == outputs["torch"]
+
+
+def test_a_cuda_stage_keeps_its_kernel_sets_decode_attention():
+    class CudaStage:  # what Pipeline reads of a stage; a real one needs a GPU
+        device, attention_choice = torch.device("cuda"), None
+        ops = type("Ops", (), {"name": "triton"})()
+
+        def use_decode_attention(self, choice):
+            pytest.fail(f"a CUDA stage was given {choice}")
+
+    pipeline = Pipeline([CudaStage()], [])
+    pipeline.choose_decode_attention(max_rows=8, block_size=16, mode="auto")
+    assert pipeline.attention_summary() == "decode attention: the triton kernels on cuda"
