@@ -20,7 +20,6 @@ from graphrt.kernels import KernelSet, rotary_cos_sin
 from graphrt.kernels.attention_choice import AttentionChoice
 from graphrt.kernels.linear import can_pack, linear, pack_weight
 from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, choose_path
-from graphrt.kernels.paged_attention import paged_prefill_attention
 from graphrt.batch import StepMetadata
 from graphrt.config import ModelConfig
 from graphrt.kv_cache import StageKVCache
@@ -207,7 +206,7 @@ class Stage(nn.Module):
         """Run decode attention (and the decode rows riding along with a prompt chunk) on the chosen
         implementation (graphrt/kernels/attention_choice.py)."""
         decode = choice.function
-        prefill = functools.partial(paged_prefill_attention, decode_attention=decode)
+        prefill = functools.partial(self.ops.paged_prefill_attention, decode_attention=decode)
         self.ops = dataclasses.replace(self.ops, paged_decode_attention=decode, paged_prefill_attention=prefill)
         for layer in self.layers:
             layer.ops = self.ops

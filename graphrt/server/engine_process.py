@@ -316,6 +316,9 @@ class EngineClient:
     def __init__(self, llm_kwargs: dict, echo=print, pin: bool = False):
         """Start the engine process and wait until it is loaded and warmed up. `pin`: with cores to
         spare, this process takes the first and the engine process the rest (`graphrt serve`)."""
+        # The model folder is settled first (the default model converted, once, on every core) so
+        # that this process can load its tokenizer while the engine process loads the weights.
+        model_dir = Path(llm_kwargs["model"]) if llm_kwargs.get("model") is not None else default_model_dir()
         self._folder = tempfile.TemporaryDirectory(prefix="graphrt-engine-")
         commands_address = f"ipc://{self._folder.name}/commands"
         results_address = f"ipc://{self._folder.name}/results"
@@ -330,9 +333,6 @@ class EngineClient:
         pin = pin and len(cores) >= MIN_CORES_TO_PIN
         if pin:
             os.sched_setaffinity(0, {cores[0]})
-        # The model folder is settled here (the default model converted, once) so that this process
-        # can load its tokenizer while the engine process loads the weights.
-        model_dir = Path(llm_kwargs["model"]) if llm_kwargs.get("model") is not None else default_model_dir()
         self.process = subprocess.Popen(
             [sys.executable, "-c", ENGINE_PROCESS_MAIN, commands_address, results_address, "pin" if pin else "float"],
             stdin=subprocess.PIPE,
@@ -345,7 +345,12 @@ class EngineClient:
         self.facts = self._wait_ready()  # the engine's errors first: a bad folder fails both, the engine says it better
         for line in self.facts.banner:
             echo(line)
-        self.tokenizer = tokenizer.result()
+        try:
+            self.tokenizer = tokenizer.result()
+        except BaseException:
+            self._reap()
+            self._close_sockets()
+            raise
         self.max_model_len = self.facts.max_model_len
         self._prompts = PromptPreparer(
             self.tokenizer, self.max_model_len,
