@@ -20,6 +20,7 @@ import torch
 from graphrt.capture.buckets import CPU_DEFAULT_MAX_BATCH
 from graphrt.capture.cuda_info import driver_version
 from graphrt.cpu_info import cpu_bf16_support, cpu_model_name
+from graphrt.config import EngineConfig
 from graphrt.kernels.attention_choice import choose_decode_attention
 from graphrt.kernels.matmul_choice import measure_shapes
 from graphrt.profiling.nvtx import find_backend
@@ -155,9 +156,9 @@ def cpu_report() -> list[str]:
     for dtype in (torch.float32, torch.bfloat16) if bf16 else (torch.float32,):
         plan = measure_shapes(DEFAULT_MODEL_MATMULS, dtype, (1, CPU_DEFAULT_MAX_BATCH))
         lines.append(f"    {str(dtype).removeprefix('torch.')}: {plan.summary()}")
-        cfg = DEFAULT_MODEL_ATTENTION
         attention = choose_decode_attention(
-            cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], 16, dtype, torch.device("cpu"), CPU_DEFAULT_MAX_BATCH
+            **DEFAULT_MODEL_ATTENTION, block_size=EngineConfig.block_size, dtype=dtype, device=torch.device("cpu"),
+            rows=CPU_DEFAULT_MAX_BATCH,
         )
         lines.append(f"    {str(dtype).removeprefix('torch.')}: {attention.summary()}")
     return lines

@@ -12,6 +12,7 @@ does (kernels/matmul_choice.py), so load elsewhere on the machine slows both ali
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -21,6 +22,8 @@ from typing import Callable, Mapping
 import torch
 
 from graphrt.kernels import paged_attention
+
+logger = logging.getLogger("graphrt")
 
 PATH_NAMES = {"torch": "torch reference", "compiled": "compiled kernel"}
 MODES = ("auto", "torch", "compiled")
@@ -112,6 +115,8 @@ def choose_decode_attention(
     bucket); a forced `mode` comes first. A CUDA stage has no choice: it runs its kernel set's."""
     if device.type != "cpu":
         raise ValueError(f"only a CPU stage chooses its decode attention; a {device.type} stage runs its kernel set's")
+    if mode not in MODES:
+        raise ValueError(f"decode attention mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "torch":
         return AttentionChoice("torch", "forced")
     from graphrt.kernels import paged_attention_cpu  # builds the kernel on first use
@@ -120,6 +125,7 @@ def choose_decode_attention(
     if reason is not None:
         if mode == "compiled":
             raise ValueError(f"{MODE_ENV}=compiled, but the compiled decode attention can't run here: {reason}")
+        logger.warning("decode attention: the torch reference, as the compiled kernel can't run here: %s", reason)
         return AttentionChoice("torch", "only", note=f"the compiled kernel can't run here: {reason}")
     if mode == "compiled":
         return AttentionChoice("compiled", "forced")

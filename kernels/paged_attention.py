@@ -91,7 +91,10 @@ def paged_prefill_attention(
         return _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, decode_attention)
     outputs = []
     if num_single:
-        outputs.append(_decode_rows(q[:num_single], k_cache, v_cache, block_tables[:num_single], seq_lens[:num_single], scale, decode_attention))
+        leading = slice(0, num_single)
+        outputs.append(
+            _decode_rows(q[leading], k_cache, v_cache, block_tables[leading], seq_lens[leading], scale, decode_attention)
+        )
     start = num_single
     for row in range(num_single, len(query_lens)):
         query_len, seq_len = query_lens[row], seq_lens[row]
@@ -112,7 +115,15 @@ def paged_prefill_attention(
     return torch.cat(outputs, dim=0)
 
 
-def _decode_rows(q, k_cache, v_cache, block_tables, seq_lens: list[int], scale: float, decode_attention: Callable) -> torch.Tensor:
-    """Rows with one query token each: (rows, heads, head_dim) -> the same, as a decode batch."""
+def _decode_rows(
+    q: torch.Tensor,  # (rows, heads, head_dim): one query token per row
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (rows, max_blocks)
+    seq_lens: list[int],
+    scale: float,
+    decode_attention: Callable,
+) -> torch.Tensor:
+    """Rows with one query token each, attended as a decode batch: (rows, heads, head_dim)."""
     lens = torch.tensor(seq_lens, dtype=torch.int64, device=q.device)
     return decode_attention(q, k_cache, v_cache, block_tables, lens, scale, max(seq_lens))

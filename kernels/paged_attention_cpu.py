@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import platform
 import shlex
@@ -27,8 +28,15 @@ from typing import Callable
 
 import torch
 
+logger = logging.getLogger("graphrt")
+
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-DEFAULT_CACHE_ROOT = Path.home() / ".cache" / "graphrt" / "cpu_kernels"
+
+
+def default_cache_root() -> Path:
+    """Under graphrt's cache folder, which GRAPHRT_CACHE moves (graphrt.default_model.cache_root,
+    which this bottom layer does not import)."""
+    return Path(os.environ.get("GRAPHRT_CACHE") or Path.home() / ".cache" / "graphrt") / "cpu_kernels"
 EXTENSION_NAME = "graphrt_paged_attention_cpu"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
@@ -105,7 +113,11 @@ def build(source_path: Path, cache_root: Path) -> Build:
     if not source_path.is_file():
         return Build(None, f"the kernel source {source_path} is missing (an install without kernels/csrc)")
     compiler = cpp_extension.get_cxx_compiler()  # $CXX, else c++
-    if not compiler.strip() or shutil.which(shlex.split(compiler)[0]) is None:
+    try:
+        program = shlex.split(compiler)[0] if compiler.strip() else ""
+    except ValueError as error:  # an unbalanced quote in $CXX
+        return Build(None, f"the C++ compiler {compiler!r} can't be read ({error}); fix CXX")
+    if not program or shutil.which(program) is None:
         return Build(None, f"no C++ compiler: {compiler!r} is not on PATH (install g++, or set CXX)")
     scripts = sysconfig.get_path("scripts")  # pip's ninja (a dependency) lands beside this Python
     if not cpp_extension.is_ninja_available() and (Path(scripts) / "ninja").is_file():
@@ -123,7 +135,13 @@ def build(source_path: Path, cache_root: Path) -> Build:
         flags = compile_flags(capability)
         key = build_key(source, flags)
         build_dir = cache_root / key
+        failed = build_dir / "build_error.log"
+        if failed.is_file():  # the same source, flags, torch and CPU failed before: don't pay for it again
+            return Build(None, f"the kernel did not build on an earlier try: {first_error_line(failed.read_text())} "
+                         f"(full log: {failed}; delete {build_dir} to try again)")
         build_dir.mkdir(parents=True, exist_ok=True)
+        if not (build_dir / f"{EXTENSION_NAME}_{key}.so").is_file():
+            logger.warning("building the compiled CPU decode attention in %s (once per machine, about 10 s)", build_dir)
         with build_lock(build_dir):
             # Build the text that was hashed, not the file in the tree, which someone may be
             # editing; rewritten only if it differs, since a newer file makes ninja rebuild.
@@ -152,16 +170,16 @@ def build(source_path: Path, cache_root: Path) -> Build:
 class KernelLoader:
     """Builds and loads the kernel at most once, whichever thread asks first."""
 
-    def __init__(self, source_path: Path = SOURCE, cache_root: Path = DEFAULT_CACHE_ROOT):
+    def __init__(self, source_path: Path = SOURCE, cache_root: Path | None = None):
         self.source_path = source_path
-        self.cache_root = cache_root
+        self.cache_root = cache_root  # None: default_cache_root() when the build happens
         self._lock = threading.Lock()
         self._build: Build | None = None
 
     def get(self) -> Build:
         with self._lock:
             if self._build is None:
-                self._build = build(self.source_path, self.cache_root)
+                self._build = build(self.source_path, self.cache_root or default_cache_root())
             return self._build
 
 

@@ -76,6 +76,8 @@ def test_a_forced_mode_measures_nothing(monkeypatch):
         choose_decode_attention(**{**SHAPES, "device": torch.device("cuda")})
     with pytest.raises(ValueError, match="GRAPHRT_ATTENTION must be one of auto, torch, compiled"):
         mode_from_env({"GRAPHRT_ATTENTION": "fast"})
+    with pytest.raises(ValueError, match="must be one of auto, torch, compiled, got 'fast'"):
+        choose_decode_attention(**SHAPES, mode="fast")
 
 
 def test_an_engine_on_the_compiled_kernel_generates_what_the_reference_does(tiny_model_factory, monkeypatch):

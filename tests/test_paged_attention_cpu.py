@@ -211,3 +211,18 @@ def test_a_build_error_is_a_reason_with_the_log_kept(tmp_path):
     assert build.op is None and "did not build" in build.reason and "does not compile" in build.reason
     log = Path(build.reason.rsplit("full log: ", 1)[1].rstrip(")"))
     assert "does not compile" in log.read_text()
+    # The next process does not pay for the same failing build again; it says how to retry.
+    again = paged_attention_cpu.KernelLoader(source_path=broken, cache_root=tmp_path / "cache").get()
+    assert again.op is None and "earlier try" in again.reason and "does not compile" in again.reason
+    assert f"delete {log.parent} to try again" in again.reason
+
+
+def test_an_unreadable_cxx_is_a_reason_not_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "g++ 'unbalanced")
+    build = paged_attention_cpu.KernelLoader(cache_root=tmp_path).get()
+    assert build.op is None and "can't be read" in build.reason and "fix CXX" in build.reason
+
+
+def test_the_build_goes_under_graphrt_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHRT_CACHE", str(tmp_path))
+    assert paged_attention_cpu.default_cache_root() == tmp_path / "cpu_kernels"
