@@ -7,7 +7,7 @@ signatures run on CUDA. A stage calls them through the `KernelSet` chosen by `--
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from graphrt.kernels import activation, paged_attention, rmsnorm, rotary
 from graphrt.kernels.rotary import rotary_cos_sin
@@ -37,6 +37,15 @@ TORCH = KernelSet(
 )
 
 
+def mode_from_env(name: str, modes: tuple[str, ...], environ: Mapping[str, str]) -> str:
+    """The mode an environment variable forces (GRAPHRT_MATMUL, GRAPHRT_ATTENTION): one of `modes`,
+    case-insensitive; unset or empty is "auto". Raises ValueError naming the variable."""
+    mode = environ.get(name, "auto").strip().lower() or "auto"
+    if mode not in modes:
+        raise ValueError(f"{name} must be one of {', '.join(modes)}, got {environ[name]!r}")
+    return mode
+
+
 def kernel_set(name: str, device_type: str) -> KernelSet:
     """`auto` is triton on CUDA and torch elsewhere."""
     if name not in KERNEL_CHOICES:
@@ -50,4 +59,4 @@ def kernel_set(name: str, device_type: str) -> KernelSet:
     return triton_ops.TRITON
 
 
-__all__ = ["KERNEL_CHOICES", "TORCH", "KernelSet", "kernel_set", "rotary_cos_sin"]
+__all__ = ["KERNEL_CHOICES", "TORCH", "KernelSet", "kernel_set", "mode_from_env", "rotary_cos_sin"]

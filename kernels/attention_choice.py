@@ -21,6 +21,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from graphrt.kernels import mode_from_env as env_mode
 from graphrt.kernels import paged_attention
 
 logger = logging.getLogger("graphrt")
@@ -34,10 +35,7 @@ MARGIN = 0.05  # the kernel must beat the reference by this much, so noise does 
 
 
 def mode_from_env(environ: Mapping[str, str] = os.environ) -> str:
-    mode = environ.get(MODE_ENV, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {environ[MODE_ENV]!r}")
-    return mode
+    return env_mode(MODE_ENV, MODES, environ)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Callable, Hashable, Mapping
 import torch
 
 from graphrt.cpu_info import cpu_l3_bytes
+from graphrt.kernels import mode_from_env as env_mode
 from graphrt.kernels.linear import can_pack, linear, pack_weight
 
 PATH_NAMES = {"dense": "F.linear", "packed": "packed oneDNN"}  # dense is the reference, listed first
@@ -46,10 +47,7 @@ MARGIN = 0.03
 
 
 def mode_from_env(environ: Mapping[str, str] = os.environ) -> str:
-    mode = environ.get(MODE_ENV, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {environ[MODE_ENV]!r}")
-    return mode
+    return env_mode(MODE_ENV, MODES, environ)
 
 
 @dataclass(frozen=True)
