@@ -238,13 +238,9 @@ def paged_decode_attention(
     scale: float,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence; same contract as `paged_attention.paged_decode_attention`.
-
-    q: (batch, heads, head_dim); block_tables: (batch, max_blocks); seq_lens: (batch,) tokens of
-    context including the current one (at least 1). `max_seq_len` is accepted and not needed: the
-    kernel reads each row's blocks up to its seq_lens entry and no further. Returns (batch, heads,
-    head_dim). Raises RuntimeError with the reason where the kernel can't be built.
-    """
+    """The contract of `paged_attention.paged_decode_attention` (shapes and semantics there).
+    `max_seq_len` is not needed: the kernel reads each row's blocks up to its seq_lens entry.
+    Raises RuntimeError with the reason where the kernel can't be built."""
     del max_seq_len
     check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     kernel = kernel_build()
