@@ -24,7 +24,7 @@ import time
 import torch
 
 from graphrt.cpu_info import cpu_model_name
-from graphrt.kernels import paged_attention, paged_attention_cpu
+from graphrt.kernels import cpu_extension, paged_attention, paged_attention_cpu
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 CONTEXTS = [(20, 200), (120, 382)]
@@ -70,8 +70,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10, help="calls per timing")
     parser.add_argument("--threads", default="1,2")
     args = parser.parse_args()
-    if not paged_attention_cpu.available():
-        raise SystemExit(f"the CPU kernel is unavailable: {paged_attention_cpu.unavailable_reason()}")
+    if not cpu_extension.available():
+        raise SystemExit(f"the CPU kernel is unavailable: {cpu_extension.unavailable_reason()}")
     keep_freed_memory()
 
     print(f"{cpu_model_name()}, torch {torch.__version__}, batch {args.batch}, heads {HEADS}/{KV_HEADS}, "

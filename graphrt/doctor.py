@@ -21,7 +21,7 @@ from graphrt.capture.buckets import CPU_DEFAULT_MAX_BATCH
 from graphrt.capture.cuda_info import driver_version
 from graphrt.cpu_info import cpu_bf16_support, cpu_model_name
 from graphrt.config import EngineConfig
-from graphrt.kernels.attention_choice import choose_decode_attention
+from graphrt.kernels.cpu_kernel_choice import LayerShapes, choose_cpu_kernels
 from graphrt.kernels.matmul_choice import measure_shapes
 from graphrt.profiling.nvtx import find_backend
 
@@ -35,7 +35,7 @@ DEFAULT_MODEL_MATMULS = {
     "down_proj": (576, 1536, 30),
     "lm_head": (49152, 576, 1),
 }
-DEFAULT_MODEL_ATTENTION = {"num_heads": 9, "num_kv_heads": 3, "head_dim": 64}
+DEFAULT_MODEL_LAYER = LayerShapes(num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576, intermediate_size=1536)
 
 # NVML topology levels as `nvidia-smi topo -m` names them, nearest first.
 PCIE_LEVELS = {
@@ -151,16 +151,15 @@ def cpu_report() -> list[str]:
     lines = [
         f"  CPU: {cpu_model_name()}, {torch.get_num_threads()} torch threads, bfloat16 matmul instructions: "
         f"{bf16 or 'none (emulated: slow)'}; --dtype auto on the CPU gives {auto}",
-        f"  CPU matmul paths and decode attention for the default model's shapes (random values, measured now):",
+        f"  CPU matmul paths and kernels for the default model's shapes (random values, measured now):",
     ]
     for dtype in (torch.float32, torch.bfloat16) if bf16 else (torch.float32,):
         plan = measure_shapes(DEFAULT_MODEL_MATMULS, dtype, (1, CPU_DEFAULT_MAX_BATCH))
         lines.append(f"    {str(dtype).removeprefix('torch.')}: {plan.summary()}")
-        attention = choose_decode_attention(
-            **DEFAULT_MODEL_ATTENTION, block_size=EngineConfig.block_size, dtype=dtype, device=torch.device("cpu"),
-            rows=CPU_DEFAULT_MAX_BATCH,
+        kernels = choose_cpu_kernels(
+            DEFAULT_MODEL_LAYER, EngineConfig.block_size, dtype, torch.device("cpu"), CPU_DEFAULT_MAX_BATCH
         )
-        lines.append(f"    {str(dtype).removeprefix('torch.')}: {attention.summary()}")
+        lines.append(f"    {str(dtype).removeprefix('torch.')}: {kernels.summary()}")
     return lines
 
 

@@ -88,7 +88,7 @@ class Engine:
         self.tokenizer = tokenizer.result()  # before timing the matmuls, which its thread would disturb
         cached_matmuls = cached_matmul_plans(read_manifest(self.cache_dir)) if self.cache_dir is not None else None
         self.pipeline.choose_matmuls(self.plan.max_batch, cached_matmuls)  # before capture: graphs read the weights
-        self.pipeline.choose_decode_attention(self.plan.max_batch, config.block_size)
+        self.pipeline.choose_cpu_kernels(self.plan.max_batch, config.block_size)
         self.ranges = Ranges()
         self._capture_graphs(forced_eager, show_progress)
         self.eos_ids = set(self.model_config.eos_token_ids)

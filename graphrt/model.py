@@ -7,8 +7,6 @@ q/k/v, Qwen3 an RMSNorm on each head of q and k. q/k/v and gate/up are fused int
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import time
 from typing import Callable
 
@@ -17,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrt.kernels import KernelSet, rotary_cos_sin
-from graphrt.kernels.attention_choice import AttentionChoice
+from graphrt.kernels.cpu_kernel_choice import CpuKernelChoice
 from graphrt.kernels.linear import can_pack, linear, pack_weight
 from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, choose_path
 from graphrt.batch import StepMetadata
@@ -125,7 +123,7 @@ class Stage(nn.Module):
         self.device = device
         self.dtype = dtype
         self.matmul_plan: MatmulPlan | None = None  # set by choose_matmuls
-        self.attention_choice: AttentionChoice | None = None  # set by use_decode_attention
+        self.cpu_kernels: CpuKernelChoice | None = None  # set by use_cpu_kernels
         meta = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         self.embed_tokens = meta(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in layers)
@@ -202,15 +200,13 @@ class Stage(nn.Module):
         self.matmul_plan = MatmulPlan(tuple(choices), rows, timer() - start if measured else 0.0)
         return self.matmul_plan
 
-    def use_decode_attention(self, choice: AttentionChoice) -> None:
-        """Run decode attention (and the decode rows riding along with a prompt chunk) on the chosen
-        implementation (graphrt/kernels/attention_choice.py)."""
-        decode = choice.function
-        prefill = functools.partial(self.ops.paged_prefill_attention, decode_attention=decode)
-        self.ops = dataclasses.replace(self.ops, paged_decode_attention=decode, paged_prefill_attention=prefill)
+    def use_cpu_kernels(self, choice: CpuKernelChoice) -> None:
+        """Run each op on the implementation chosen for it, compiled or torch reference
+        (graphrt/kernels/cpu_kernel_choice.py)."""
+        self.ops = choice.apply(self.ops)
         for layer in self.layers:
             layer.ops = self.ops
-        self.attention_choice = choice
+        self.cpu_kernels = choice
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the embedding is a gather, so it is not counted)."""

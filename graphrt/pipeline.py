@@ -8,8 +8,8 @@ from graphrt.batch import StepMetadata
 from graphrt.config import ModelConfig
 from graphrt.errors import GraphrtError
 from graphrt.kernels import kernel_set
-from graphrt.kernels.attention_choice import AttentionChoice, choose_decode_attention
-from graphrt.kernels.attention_choice import mode_from_env as attention_mode_from_env
+from graphrt.kernels.cpu_kernel_choice import CpuKernelChoice, LayerShapes, choose_cpu_kernels
+from graphrt.kernels.cpu_kernel_choice import mode_from_env as cpu_kernel_mode_from_env
 from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, mode_from_env, summarize
 from graphrt.kv_cache import StageKVCache
 from graphrt.model import Stage
@@ -100,29 +100,28 @@ class Pipeline:
             plan = stage.choose_matmuls(max_rows, mode, previous)
             known.setdefault(stage.device, {}).update(plan.by_name())
 
-    def choose_decode_attention(self, max_rows: int, block_size: int, mode: str | None = None) -> None:
-        """Each CPU stage runs decode attention on the compiled kernel or the torch reference,
-        whichever is faster here at `max_rows` (kernels/attention_choice.py); timed once per device.
-        `mode`: auto, torch or compiled; None reads GRAPHRT_ATTENTION."""
-        mode = attention_mode_from_env() if mode is None else mode
-        chosen: dict[torch.device, AttentionChoice] = {}
+    def choose_cpu_kernels(self, max_rows: int, block_size: int, mode: str | None = None) -> None:
+        """Each CPU stage runs each hot-path op on its compiled kernel or its torch reference,
+        whichever is faster here at `max_rows` (kernels/cpu_kernel_choice.py); timed once per device.
+        `mode`: auto, torch or compiled; None reads GRAPHRT_CPU_KERNELS."""
+        mode = cpu_kernel_mode_from_env() if mode is None else mode
+        chosen: dict[torch.device, CpuKernelChoice] = {}
         for stage in self.stages:
             if stage.device.type != "cpu":
-                continue  # a CUDA stage keeps its kernel set's decode attention (--kernels)
+                continue  # a CUDA stage keeps its kernel set's (--kernels)
             if stage.device not in chosen:
-                cfg = stage.cfg
-                chosen[stage.device] = choose_decode_attention(
-                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size, stage.dtype, stage.device, max_rows, mode
+                chosen[stage.device] = choose_cpu_kernels(
+                    LayerShapes.of(stage.cfg), block_size, stage.dtype, stage.device, max_rows, mode
                 )
-            stage.use_decode_attention(chosen[stage.device])
+            stage.use_cpu_kernels(chosen[stage.device])
 
-    def attention_summary(self) -> str:
-        """One line for the start-up banner: the decode attention of the first stage (all stages of a
-        device share it; a CUDA stage runs its kernel set's)."""
+    def kernel_summary(self) -> str:
+        """One line for the start-up banner: the kernels of the first stage (all stages of a device
+        share them; a CUDA stage runs its kernel set's)."""
         stage = self.stages[0]
-        if stage.attention_choice is None:
-            return f"decode attention: the {stage.ops.name} kernels on {stage.device.type}"
-        return stage.attention_choice.summary()
+        if stage.cpu_kernels is None:
+            return f"kernels: the {stage.ops.name} kernels on {stage.device.type}"
+        return stage.cpu_kernels.summary()
 
     def matmul_plans(self) -> list[MatmulPlan]:
         """What each stage chose (what a graph cache records), in stage order."""

@@ -30,8 +30,8 @@ from graphrt.config import ModelConfig, parse_dtype
 from graphrt.errors import GraphrtError
 from graphrt.handshake import StagePlan, WorkerView, report_ready, worker_handshake
 from graphrt.kernels import kernel_set
-from graphrt.kernels.attention_choice import choose_decode_attention
-from graphrt.kernels.attention_choice import mode_from_env as attention_mode_from_env
+from graphrt.kernels.cpu_kernel_choice import LayerShapes, choose_cpu_kernels
+from graphrt.kernels.cpu_kernel_choice import mode_from_env as cpu_kernel_mode_from_env
 from graphrt.kernels.matmul_choice import mode_from_env
 from graphrt.kv_cache import StageKVCache
 from graphrt.model import Stage
@@ -96,10 +96,9 @@ class StageWorker:
         self.stage = Stage(cfg, rank, plan.pp, layers, device, dtype, plan.max_model_len, kernel_set(plan.kernels, device.type))
         self.stage.load(WeightFiles(options.model))
         self.stage.choose_matmuls(max(plan.buckets), mode_from_env())
-        if device.type == "cpu":  # a CUDA stage keeps its kernel set's decode attention
-            self.stage.use_decode_attention(choose_decode_attention(
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, plan.block_size, dtype, device, max(plan.buckets),
-                attention_mode_from_env(),
+        if device.type == "cpu":  # a CUDA stage keeps its kernel set's (--kernels)
+            self.stage.use_cpu_kernels(choose_cpu_kernels(
+                LayerShapes.of(cfg), plan.block_size, dtype, device, max(plan.buckets), cpu_kernel_mode_from_env()
             ))
         self.cache = StageKVCache.allocate(cfg, len(layers), plan.num_blocks, plan.block_size, device, dtype)
         max_blocks = -(-plan.max_model_len // plan.block_size)

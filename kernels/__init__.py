@@ -38,7 +38,7 @@ TORCH = KernelSet(
 
 
 def mode_from_env(name: str, modes: tuple[str, ...], environ: Mapping[str, str]) -> str:
-    """The mode an environment variable forces (GRAPHRT_MATMUL, GRAPHRT_ATTENTION): one of `modes`,
+    """The mode an environment variable forces (GRAPHRT_MATMUL, GRAPHRT_CPU_KERNELS): one of `modes`,
     case-insensitive; unset or empty is "auto". Raises ValueError naming the variable."""
     mode = environ.get(name, "auto").strip().lower() or "auto"
     if mode not in modes:

@@ -45,3 +45,14 @@ def tiny_model_factory(tmp_path_factory):
         return made[key]
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def built_cpu_kernels():
+    """Builds the compiled CPU kernels (on first use only: ~10 s, then cached), or skips the test
+    with why they can't be built here."""
+    from graphrt.kernels import cpu_extension
+
+    reason = cpu_extension.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"compiled CPU kernels unavailable: {reason}")

@@ -1,6 +1,6 @@
 """The compiled CPU paged decode attention against its torch reference (`paged_attention`).
 
-The kernel is built on first use (about 10 s, then cached under ~/.cache/graphrt/cpu_kernels);
+The kernel is built on first use (kernels/cpu_extension.py, tested in test_cpu_extension.py);
 where it can't be built, the tests that run it skip with the reason. Caches start as NaN and only
 live context is written, so a kernel that reads past a sequence's length, a padded block-table
 column or the scratch block returns NaN; the reference gets the NaNs zeroed (its mask hides
@@ -9,23 +9,13 @@ those positions, but NaN scores would still poison its softmax).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from graphrt.kernels import paged_attention, paged_attention_cpu
 
 
-@pytest.fixture(scope="module")
-def built_kernel():
-    """Builds the kernel (on first use only), or skips with why it can't be built here."""
-    reason = paged_attention_cpu.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"CPU kernel unavailable: {reason}")
-
-
-needs_kernel = pytest.mark.usefixtures("built_kernel")
+needs_kernel = pytest.mark.usefixtures("built_cpu_kernels")  # tests/conftest.py
 
 # heads, kv_heads, head_dim, block_size, seq_lens
 CASES = {
@@ -140,22 +130,6 @@ def test_two_threads_give_the_same_bits_as_one():
 
 
 @needs_kernel
-@pytest.mark.skipif(not torch.backends.openmp.is_available(), reason="torch is not built with OpenMP")
-def test_runs_on_torchs_openmp_threads_and_no_other_runtime():
-    """The library calls into OpenMP (so at::parallel_for really forks) but brings no runtime of
-    its own: the only one in the process is the one torch loaded."""
-    build = paged_attention_cpu.kernel_build()
-    assert b"GOMP_parallel" in build.library.read_bytes(), "built without -fopenmp: parallel_for runs on one thread"
-    paged_attention_cpu.paged_decode_attention(*decode_inputs("smollm2-gqa3-batch3", torch.float32))
-    maps = Path("/proc/self/maps")
-    if not maps.exists():
-        pytest.skip("no /proc/self/maps to list loaded libraries")
-    runtimes = {line.split()[-1] for line in maps.read_text().splitlines() if "gomp" in line or "libomp" in line}
-    torch_lib = Path(torch.__file__).parent / "lib"
-    assert runtimes and all(Path(path).parent == torch_lib for path in runtimes), runtimes
-
-
-@needs_kernel
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -187,42 +161,3 @@ def test_inputs_it_cannot_take_are_refused_before_the_kernel_runs():
         paged_attention_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables.float(), seq_lens, scale)
     with pytest.raises(ValueError, match="head_dim"):
         paged_attention_cpu.paged_decode_attention(q[0], k_cache, v_cache, block_tables, seq_lens, scale)
-
-
-def test_says_which_dtypes_and_devices_it_takes():
-    assert not paged_attention_cpu.available(torch.float16)
-    assert "float16 is not supported" in paged_attention_cpu.unavailable_reason(torch.float16)
-    assert "CPU tensors" in paged_attention_cpu.unavailable_reason(device="cuda")
-    reason = paged_attention_cpu.unavailable_reason(torch.bfloat16)
-    assert paged_attention_cpu.available(torch.bfloat16) == (reason is None)
-
-
-def test_a_missing_compiler_is_a_reason_not_an_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
-    build = paged_attention_cpu.KernelLoader(cache_root=tmp_path).get()
-    assert build.op is None and "no C++ compiler" in build.reason and "no-such-g++" in build.reason
-
-
-@needs_kernel
-def test_a_build_error_is_a_reason_with_the_log_kept(tmp_path):
-    broken = tmp_path / "broken.cpp"
-    broken.write_text('#error "this kernel does not compile"\n')
-    build = paged_attention_cpu.KernelLoader(source_path=broken, cache_root=tmp_path / "cache").get()
-    assert build.op is None and "did not build" in build.reason and "does not compile" in build.reason
-    log = Path(build.reason.rsplit("full log: ", 1)[1].rstrip(")"))
-    assert "does not compile" in log.read_text()
-    # The next process does not pay for the same failing build again; it says how to retry.
-    again = paged_attention_cpu.KernelLoader(source_path=broken, cache_root=tmp_path / "cache").get()
-    assert again.op is None and "earlier try" in again.reason and "does not compile" in again.reason
-    assert f"delete {log.parent} to try again" in again.reason
-
-
-def test_an_unreadable_cxx_is_a_reason_not_an_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("CXX", "g++ 'unbalanced")
-    build = paged_attention_cpu.KernelLoader(cache_root=tmp_path).get()
-    assert build.op is None and "can't be read" in build.reason and "fix CXX" in build.reason
-
-
-def test_the_build_goes_under_graphrt_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRAPHRT_CACHE", str(tmp_path))
-    assert paged_attention_cpu.default_cache_root() == tmp_path / "cpu_kernels"

@@ -48,8 +48,8 @@ def test_signal_cancels_streams_and_exits_0(sig):
     try:
         assert re.match(r"\[graphrt\] load and capture \d+\.\d s: SmolLM2-135M-Instruct", banner[0])
         assert re.match(r"\[graphrt\] matmuls: ", banner[1])  # the path each weight shape runs on, as measured
-        # The decode attention it runs: the compiled kernel or the reference, and why (kernels/attention_choice.py).
-        assert re.match(r"\[graphrt\] decode attention: (compiled kernel|torch reference) \(", banner[2])
+        # The kernels it runs, op by op compiled or torch reference, and why (kernels/cpu_kernel_choice.py).
+        assert re.match(r"\[graphrt\] CPU kernels: (compiled|torch references).* \(", banner[2])
         assert re.match(r"\[graphrt\] warm-up \d+\.\d s", banner[3])
         assert banner[5].startswith(f"try: curl {url}/v1/chat/completions") and "Authorization: Bearer $GRAPHRT_API_KEY" in banner[5]
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 401  # the key came from the env

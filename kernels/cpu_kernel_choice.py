@@ -1,0 +1,204 @@
+"""Which kernels a CPU stage runs: compiled or torch reference, chosen op by op by timing both here.
+
+Each op of a decoder layer's hot path has two implementations with one contract: the torch
+reference (paged_attention, rmsnorm, rotary, activation) and the compiled kernel (csrc/, built on
+this machine by whatever compiler is here: paged_attention_cpu, elementwise_cpu). A stage times both
+on its own shapes at its largest decode bucket (decode attention over contexts of up to a few
+hundred tokens) and keeps, per op, the compiled kernel only where it is faster by a margin. The calls
+alternate and each keeps its median, as the matmul choice does (kernels/matmul_choice.py), so load
+elsewhere on the machine slows both alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+from graphrt.config import ModelConfig
+from graphrt.kernels import KernelSet, activation, paged_attention, rmsnorm, rotary
+from graphrt.kernels import mode_from_env as env_mode
+
+logger = logging.getLogger("graphrt")
+
+MODES = ("auto", "torch", "compiled")
+MODE_ENV = "GRAPHRT_CPU_KERNELS"  # forces a path for tests and benchmarks; auto (measure) by default
+NUM_CALLS = 7  # per path, alternating
+MAX_CONTEXT = 384  # tokens: a long chat turn; longer contexts favour the compiled attention further
+MARGIN = 0.05  # the kernel must beat the reference by this much, so noise does not flip a tie
+OPS = ("paged_decode_attention", "rms_norm", "apply_rotary", "silu_and_mul")  # KernelSet fields
+OP_NAMES = {"paged_decode_attention": "decode attention", "apply_rotary": "rotary"}  # in the banner
+
+
+def mode_from_env(environ: Mapping[str, str] = os.environ) -> str:
+    return env_mode(MODE_ENV, MODES, environ)
+
+
+@dataclass(frozen=True)
+class LayerShapes:
+    """What the timed calls are shaped by: one decoder layer's sizes."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> LayerShapes:
+        return cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
+
+
+def compiled_ops() -> dict[str, Callable]:
+    from graphrt.kernels import elementwise_cpu, paged_attention_cpu  # builds the kernels on first use
+
+    return {
+        "paged_decode_attention": paged_attention_cpu.paged_decode_attention,
+        "rms_norm": elementwise_cpu.rms_norm,
+        "apply_rotary": elementwise_cpu.apply_rotary,
+        "silu_and_mul": elementwise_cpu.silu_and_mul,
+    }
+
+
+TORCH_OPS: dict[str, Callable] = {
+    "paged_decode_attention": paged_attention.paged_decode_attention,
+    "rms_norm": rmsnorm.rms_norm,
+    "apply_rotary": rotary.apply_rotary,
+    "silu_and_mul": activation.silu_and_mul,
+}
+
+
+@dataclass(frozen=True)
+class CpuKernelChoice:
+    """The kernels of a CPU stage, op by op, and why."""
+
+    paths: dict[str, str]  # op (a KernelSet field) -> torch | compiled
+    source: str  # measured | forced (GRAPHRT_CPU_KERNELS) | only (the kernels can't run here: `note`)
+    seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # op -> path -> median s per call
+    rows: int = 0
+    note: str | None = None
+
+    @classmethod
+    def everywhere(cls, path: str, source: str, note: str | None = None) -> CpuKernelChoice:
+        return cls({op: path for op in OPS}, source, note=note)
+
+    def functions(self) -> dict[str, Callable]:
+        """op -> the function that runs it."""
+        compiled = compiled_ops() if "compiled" in self.paths.values() else {}
+        return {op: compiled[op] if path == "compiled" else TORCH_OPS[op] for op, path in self.paths.items()}
+
+    def apply(self, ops: KernelSet) -> KernelSet:
+        """`ops` with the chosen functions; a prompt chunk's riding decode rows attend through the
+        chosen decode attention too."""
+        chosen = self.functions()
+        prefill = functools.partial(ops.paged_prefill_attention, decode_attention=chosen["paged_decode_attention"])
+        return dataclasses.replace(ops, **chosen, paged_prefill_attention=prefill)
+
+    def summary(self) -> str:
+        """One line for the start-up banner."""
+        name = lambda op: OP_NAMES.get(op, op)  # noqa: E731
+        compiled = [name(op) for op in OPS if self.paths[op] == "compiled"]
+        line = "CPU kernels: " + (f"compiled {', '.join(compiled)}" if compiled else "torch references")
+        if len(compiled) not in (0, len(OPS)):
+            line += f"; torch {', '.join(name(op) for op in OPS if self.paths[op] == 'torch')}"
+        if self.source == "measured":
+            times = ", ".join(
+                f"{name(op)} {self.seconds[op]['compiled'] * 1e3:.3f} vs {self.seconds[op]['torch'] * 1e3:.3f}" for op in OPS
+            )
+            return f"{line} (ms per call at {self.rows} rows, compiled vs torch: {times})"
+        if self.source == "forced":
+            return f"{line} (forced by {MODE_ENV})"
+        return f"{line} ({self.note})"
+
+
+def timing_inputs(op: str, shapes: LayerShapes, rows: int, block_size: int, dtype: torch.dtype, seed: int = 0) -> tuple:
+    """Arguments for one call of `op` at `rows` rows of this layer's shapes (random values)."""
+    generator = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=generator).to(dtype)  # noqa: E731
+    if op == "paged_decode_attention":
+        return random_decode_inputs(rows, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, block_size, dtype, seed)
+    if op == "rms_norm":
+        return randn(rows, shapes.hidden_size), randn(shapes.hidden_size), 1e-5, randn(rows, shapes.hidden_size)
+    if op == "apply_rotary":
+        q_size, kv_size = shapes.num_heads * shapes.head_dim, shapes.num_kv_heads * shapes.head_dim
+        q, k, _ = randn(rows, q_size + 2 * kv_size).split([q_size, kv_size, kv_size], dim=-1)  # views, as in a layer
+        angles = torch.rand(rows, shapes.head_dim, generator=generator) * 6.3
+        return q.view(rows, -1, shapes.head_dim), k.view(rows, -1, shapes.head_dim), angles.cos(), angles.sin()
+    if op == "silu_and_mul":
+        return (randn(rows, 2 * shapes.intermediate_size),)
+    raise ValueError(f"no timing inputs for {op!r}")
+
+
+def random_decode_inputs(
+    rows: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, seed: int = 0
+) -> tuple:
+    """Arguments for one decode attention call: `rows` sequences of up to MAX_CONTEXT tokens, each in
+    its own blocks of a cache that holds just them."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = torch.randint(1, MAX_CONTEXT + 1, (rows,), generator=generator)
+    width = -(-MAX_CONTEXT // block_size)
+    num_blocks = 1 + rows * width
+    tables = (torch.randperm(num_blocks - 1, generator=generator) + 1).view(rows, width)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    q = torch.randn(rows, num_heads, head_dim, generator=generator).to(dtype)
+    return q, k_cache, v_cache, tables, seq_lens, head_dim**-0.5, int(seq_lens.max())
+
+
+def time_paths(
+    paths: Mapping[str, Callable], inputs: tuple, timer: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
+    """Median seconds per call of each path, the paths alternating call by call."""
+    for run in paths.values():
+        run(*inputs)  # the first call may allocate or warm a code path
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(NUM_CALLS):
+        for name, run in paths.items():
+            began = timer()
+            run(*inputs)
+            samples[name].append(timer() - began)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def choose_cpu_kernels(
+    shapes: LayerShapes,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    rows: int,
+    mode: str = "auto",
+    timer: Callable[[], float] = time.perf_counter,
+) -> CpuKernelChoice:
+    """The kernels for a CPU stage of these shapes, at `rows` rows (its largest decode bucket); a
+    forced `mode` comes first. A CUDA stage has no choice: it runs its kernel set's (--kernels)."""
+    if device.type != "cpu":
+        raise ValueError(f"only a CPU stage chooses its CPU kernels; a {device.type} stage runs its kernel set's")
+    if mode not in MODES:
+        raise ValueError(f"CPU kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "torch":
+        return CpuKernelChoice.everywhere("torch", "forced")
+    from graphrt.kernels import cpu_extension  # builds the kernels on first use
+
+    reason = cpu_extension.unavailable_reason(dtype, device)
+    if reason is not None:
+        if mode == "compiled":
+            raise ValueError(f"{MODE_ENV}=compiled, but the compiled CPU kernels can't run here: {reason}")
+        logger.warning("CPU kernels: the torch references, as the compiled kernels can't run here: %s", reason)
+        return CpuKernelChoice.everywhere("torch", "only", note=f"the compiled kernels can't run here: {reason}")
+    if mode == "compiled":
+        return CpuKernelChoice.everywhere("compiled", "forced")
+    compiled = compiled_ops()
+    seconds = {
+        op: time_paths({"compiled": compiled[op], "torch": TORCH_OPS[op]},
+                       timing_inputs(op, shapes, rows, block_size, dtype), timer)
+        for op in OPS
+    }
+    paths = {op: "compiled" if s["compiled"] < s["torch"] * (1 - MARGIN) else "torch" for op, s in seconds.items()}
+    return CpuKernelChoice(paths, "measured", seconds, rows)

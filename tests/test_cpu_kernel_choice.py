@@ -1,0 +1,129 @@
+"""A CPU stage's kernels, op by op: the compiled kernel or the torch reference, chosen by timing both
+(kernels/cpu_kernel_choice.py), forced by GRAPHRT_CPU_KERNELS, or the references where the compiled
+kernels can't run; and an engine on the compiled kernels generates what the references do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphrt import LLM, SamplingParams
+from graphrt.kernels import TORCH, cpu_extension, cpu_kernel_choice, elementwise_cpu, paged_attention_cpu
+from graphrt.kernels.cpu_kernel_choice import OPS, CpuKernelChoice, LayerShapes, choose_cpu_kernels, mode_from_env, time_paths
+from graphrt.pipeline import Pipeline
+
+CPU = torch.device("cpu")
+SHAPES = dict(
+    shapes=LayerShapes(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, intermediate_size=96),
+    block_size=16, dtype=torch.float32, device=CPU, rows=8,
+)
+
+
+class Clock:
+    """A timer the test moves: each path's call takes the seconds it is given, in turn."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def path_taking(self, seconds: list[float], calls: list[str], name: str):
+        durations = iter(seconds)
+
+        def run(*_):
+            calls.append(name)
+            self.now += next(durations)
+
+        return run
+
+
+def test_paths_alternate_and_keep_their_median_call():
+    clock, calls = Clock(), []
+    # The warm-up call, then seven timed ones; two of the kernel's stalled by another process.
+    paths = {
+        "compiled": clock.path_taking([5.0, 1.0, 9.0, 1.0, 1.0, 9.0, 1.0, 1.0], calls, "compiled"),
+        "torch": clock.path_taking([5.0] + [3.0] * 7, calls, "torch"),
+    }
+    assert time_paths(paths, (), clock) == {"compiled": 1.0, "torch": 3.0}
+    assert calls == ["compiled", "torch"] * 8
+
+
+def test_each_op_keeps_the_kernel_only_where_it_is_faster_by_the_margin(monkeypatch):
+    seconds = {
+        "paged_decode_attention": {"compiled": 1.0, "torch": 3.0},
+        "rms_norm": {"compiled": 0.97, "torch": 1.0},  # within the margin: a tie keeps the reference
+        "apply_rotary": {"compiled": 2.0, "torch": 1.0},
+        "silu_and_mul": {"compiled": 0.5, "torch": 1.0},
+    }
+    monkeypatch.setattr(cpu_extension, "unavailable_reason", lambda *_: None)
+    monkeypatch.setattr(cpu_kernel_choice, "timing_inputs", lambda op, *_: (op,))
+    monkeypatch.setattr(cpu_kernel_choice, "time_paths", lambda paths, inputs, timer: seconds[inputs[0]])
+    choice = choose_cpu_kernels(**SHAPES)
+    assert choice.paths == {"paged_decode_attention": "compiled", "rms_norm": "torch", "apply_rotary": "torch",
+                            "silu_and_mul": "compiled"}
+    assert (choice.source, choice.seconds, choice.rows) == ("measured", seconds, 8)
+    assert choice.summary().startswith(
+        "CPU kernels: compiled decode attention, silu_and_mul; torch rms_norm, rotary (ms per call at 8 rows, "
+        "compiled vs torch: decode attention 1000.000 vs 3000.000, rms_norm 970.000 vs 1000.000"
+    )
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+def test_every_op_is_timed_on_inputs_its_kernel_and_reference_take():
+    """The real timing inputs run on both paths (a shape mistake would raise)."""
+    choice = choose_cpu_kernels(**SHAPES)
+    assert set(choice.seconds) == set(OPS)
+    assert all(s["compiled"] > 0 and s["torch"] > 0 for s in choice.seconds.values())
+
+
+def test_where_the_kernels_cannot_run_the_references_run_and_the_banner_says_why(monkeypatch):
+    monkeypatch.setattr(cpu_extension, "unavailable_reason", lambda *_: "no C++ compiler: 'c++' is not on PATH")
+    choice = choose_cpu_kernels(**SHAPES)
+    assert (choice.source, set(choice.paths.values())) == ("only", {"torch"})
+    assert choice.apply(TORCH).rms_norm is TORCH.rms_norm
+    assert "no C++ compiler" in choice.summary()
+    with pytest.raises(ValueError, match="GRAPHRT_CPU_KERNELS=compiled.*no C\\+\\+ compiler"):
+        choose_cpu_kernels(**SHAPES, mode="compiled")
+
+
+def test_a_forced_mode_measures_nothing(monkeypatch):
+    monkeypatch.setattr(cpu_kernel_choice, "time_paths", lambda *_: pytest.fail("timed a forced choice"))
+    assert choose_cpu_kernels(**SHAPES, mode="torch") == CpuKernelChoice.everywhere("torch", "forced")
+    with pytest.raises(ValueError, match="only a CPU stage"):
+        choose_cpu_kernels(**{**SHAPES, "device": torch.device("cuda")})
+    with pytest.raises(ValueError, match="GRAPHRT_CPU_KERNELS must be one of auto, torch, compiled"):
+        mode_from_env({"GRAPHRT_CPU_KERNELS": "fast"})
+    with pytest.raises(ValueError, match="must be one of auto, torch, compiled, got 'fast'"):
+        choose_cpu_kernels(**SHAPES, mode="fast")
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+def test_an_engine_on_the_compiled_kernels_generates_what_the_references_do(tiny_model_factory, monkeypatch):
+    prompts = [[5, 9, 14, 2, 7] * k for k in (1, 3, 9)]  # contexts of one to several blocks
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outputs = {}
+    for mode in ("torch", "compiled"):
+        monkeypatch.setenv("GRAPHRT_CPU_KERNELS", mode)
+        llm = LLM(model=tiny_model_factory(), pp=2, dtype="float64", kv_cache_tokens=1024, block_size=16, prefill_chunk_size=16)
+        stage = llm.engine.pipeline.stages[1]
+        assert set(stage.cpu_kernels.paths.values()) == {mode}
+        expected = {"torch": cpu_kernel_choice.TORCH_OPS["rms_norm"], "compiled": elementwise_cpu.rms_norm}[mode]
+        assert stage.layers[0].ops.rms_norm is expected
+        attention = {"torch": TORCH.paged_decode_attention, "compiled": paged_attention_cpu.paged_decode_attention}[mode]
+        assert stage.layers[0].ops.paged_decode_attention is attention
+        outputs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs["compiled"] == outputs["torch"]
+
+
+def test_a_cuda_stage_keeps_its_kernel_set():
+    class CudaStage:  # what Pipeline reads of a stage; a real one needs a GPU
+        device, cpu_kernels = torch.device("cuda"), None
+        ops = type("Ops", (), {"name": "triton"})()
+
+        def use_cpu_kernels(self, choice):
+            pytest.fail(f"a CUDA stage was given {choice}")
+
+    pipeline = Pipeline([CudaStage()], [])
+    pipeline.choose_cpu_kernels(max_rows=8, block_size=16, mode="auto")
+    assert pipeline.kernel_summary() == "kernels: the triton kernels on cuda"

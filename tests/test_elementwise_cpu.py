@@ -1,0 +1,111 @@
+"""The compiled CPU elementwise ops (kernels/elementwise_cpu.py) against their torch references:
+rms_norm with and without its residual, rotary on views of a fused qkv, silu_and_mul, in the three
+dtypes a CPU stage runs, at decode and prefill sizes and sizes that leave a partial vector."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphrt.config import RopeConfig
+from graphrt.kernels import activation, elementwise_cpu, rmsnorm, rotary
+
+pytestmark = pytest.mark.usefixtures("built_cpu_kernels")  # tests/conftest.py
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+ROWS = [1, 3, 32, 257]
+
+
+def randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def assert_close_to_reference(got: torch.Tensor, expected: torch.Tensor):
+    """Equal but for the order of a sum, which can move a result by a unit or two in the last place
+    of the dtype; anything further fails."""
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    eps = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got, expected, rtol=4 * eps, atol=eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden_size", [576, 100])  # SmolLM2's, and one that is no whole number of vectors
+def test_rms_norm_with_a_residual(dtype, rows, hidden_size):
+    x, residual = randn(rows, hidden_size, dtype=dtype, seed=1), randn(rows, hidden_size, dtype=dtype, seed=2)
+    weight = 1 + randn(hidden_size, dtype=dtype, seed=3) / 10
+    out, summed = elementwise_cpu.rms_norm(x, weight, 1e-5, residual)
+    expected_out, expected_summed = rmsnorm.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(summed, expected_summed)  # one rounded add: the same bits
+    assert_close_to_reference(out, expected_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_without_a_residual_returns_x_as_the_sum(dtype):
+    x, weight = randn(5, 64, dtype=dtype), 1 + randn(64, dtype=dtype, seed=3) / 10
+    out, summed = elementwise_cpu.rms_norm(x, weight, 1e-6)
+    assert summed is x
+    assert_close_to_reference(out, rmsnorm.rms_norm(x, weight, 1e-6)[0])
+
+
+def test_rms_norm_of_heads_as_qwen3_norms_q_and_k():
+    """(tokens, heads, head_dim) views of a fused projection, normed per head."""
+    qkv = randn(7, 4 * 32 + 2 * 2 * 32, dtype=torch.float32)
+    q = qkv[:, : 4 * 32].view(7, 4, 32)
+    weight = 1 + randn(32, dtype=torch.float32, seed=3) / 10
+    out, _ = elementwise_cpu.rms_norm(q, weight, 1e-6)
+    assert out.shape == q.shape
+    assert_close_to_reference(out, rmsnorm.rms_norm(q, weight, 1e-6)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 20), (2, 1, 128)])
+def test_rotary_on_views_of_the_fused_qkv_is_the_reference_bit_for_bit(dtype, rows, heads, kv_heads, head_dim):
+    """Each product and sum rounded where the reference rounds it: the same bits, in every dtype."""
+    qkv = randn(rows, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim)
+    cos, sin = rotary.rotary_cos_sin(RopeConfig(theta=10000.0), head_dim, 4096)
+    positions = torch.randint(0, 4096, (rows,), generator=torch.Generator().manual_seed(4))
+    got_q, got_k = elementwise_cpu.apply_rotary(q, k, cos[positions], sin[positions])
+    expected_q, expected_k = rotary.apply_rotary(q, k, cos[positions], sin[positions])
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("size", [1536, 37])
+def test_silu_and_mul(dtype, rows, size):
+    gate_up = randn(rows, 2 * size, dtype=dtype) * 4  # well into both tails of the sigmoid
+    assert_close_to_reference(elementwise_cpu.silu_and_mul(gate_up), activation.silu_and_mul(gate_up))
+
+
+def test_two_threads_give_the_same_bits_as_one():
+    x, residual, weight = randn(64, 576, dtype=torch.bfloat16), randn(64, 576, dtype=torch.bfloat16, seed=1), randn(576, dtype=torch.bfloat16)
+    gate_up = randn(64, 3072, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append((*elementwise_cpu.rms_norm(x, weight, 1e-5, residual), elementwise_cpu.silu_and_mul(gate_up)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_inputs_it_cannot_take_are_refused_with_what_is_wrong():
+    x = randn(4, 64, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous \\(64,\\) tensor of x's dtype"):
+        elementwise_cpu.rms_norm(x, randn(64, dtype=torch.float64), 1e-5)
+    with pytest.raises(RuntimeError, match="residual must match x"):
+        elementwise_cpu.rms_norm(x, randn(64, dtype=torch.float32), 1e-5, randn(4, 32, dtype=torch.float32))
+    q = randn(4, 2, 64, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="cos and sin must be contiguous float32"):
+        elementwise_cpu.apply_rotary(q, q, randn(4, 64, dtype=torch.float64), randn(4, 64, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="head_dim must be even"):
+        elementwise_cpu.apply_rotary(q[..., :63], q[..., :63], randn(4, 63, dtype=torch.float32), randn(4, 63, dtype=torch.float32))
+    with pytest.raises(RuntimeError, match="gate_up must be \\(rows, 2 \\* size\\)"):
+        elementwise_cpu.silu_and_mul(randn(4, 7, dtype=torch.float32))
