@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 import torch
 
 from graphrt.config import ModelConfig
-from graphrt.kernels import KernelSet, activation, paged_attention, rmsnorm, rotary
+from graphrt.kernels import TORCH, KernelSet
 from graphrt.kernels import mode_from_env as env_mode
 
 logger = logging.getLogger("graphrt")
@@ -67,12 +67,7 @@ def compiled_ops() -> dict[str, Callable]:
     }
 
 
-TORCH_OPS: dict[str, Callable] = {
-    "paged_decode_attention": paged_attention.paged_decode_attention,
-    "rms_norm": rmsnorm.rms_norm,
-    "apply_rotary": rotary.apply_rotary,
-    "silu_and_mul": activation.silu_and_mul,
-}
+TORCH_OPS: dict[str, Callable] = {op: getattr(TORCH, op) for op in OPS}
 
 
 @dataclass(frozen=True)

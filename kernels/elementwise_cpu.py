@@ -31,9 +31,11 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (norm(x + residual) * weight, x + residual); with `residual=None` the sum is x."""
     out, summed = _ops().rms_norm(_rows(x), None if residual is None else _rows(residual), weight, eps)
-    if x.dim() != 2:
-        out, summed = out.view(x.shape), summed.view(x.shape) if residual is not None else summed
-    return out, x if residual is None else summed
+    if residual is None:
+        summed = x  # the op returns an empty sum then
+    elif x.dim() != 2:
+        summed = summed.view(x.shape)
+    return (out if x.dim() == 2 else out.view(x.shape)), summed
 
 
 def apply_rotary(
