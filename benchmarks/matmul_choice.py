@@ -2,9 +2,9 @@
 
     python benchmarks/matmul_choice.py [--dtypes float32,bfloat16] [--rounds 3] [--tokens 64] [--batch 32]
 
-For each dtype, three engines of the default model (or --model): GRAPHRT_MATMUL=dense (F.linear on
-every weight), =packed (oneDNN on every weight), and auto (each weight shape on the path the stage
-measured fastest at load). Each round runs every engine at batch 1 and at --batch (greedy, EOS
+For each dtype, four engines of the default model (or --model): GRAPHRT_MATMUL=dense (F.linear on
+every weight), =packed (oneDNN on every weight), =panel (the compiled panel kernel on every weight
+that cuts into panels), and auto (each weight shape on the path the stage measured fastest at load). Each round runs every engine at batch 1 and at --batch (greedy, EOS
 ignored, --tokens new tokens per sequence), engines interleaved, and the table gives each one's
 median decode tok/s. auto should be about as fast as the faster forced path at both batch sizes; on
 a shared machine only the interleaved medians mean anything. Also prints what each auto engine
@@ -21,6 +21,7 @@ import time
 import torch
 
 from graphrt import LLM, SamplingParams
+from graphrt.kernels.matmul_choice import MODES
 
 PROMPT = "Explain pipeline parallelism to a new engineer."
 
@@ -44,7 +45,7 @@ def main() -> None:
     engines: dict[tuple[str, str], LLM] = {}
     load_s = {}
     for dtype in args.dtypes.split(","):
-        for mode in ("dense", "packed", "auto"):
+        for mode in MODES[1:] + MODES[:1]:  # every forced path, then auto
             os.environ["GRAPHRT_MATMUL"] = mode
             start = time.perf_counter()
             engines[dtype, mode] = LLM(model=args.model, dtype=dtype, max_batch=args.batch)

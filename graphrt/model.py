@@ -16,8 +16,8 @@ from torch import nn
 
 from graphrt.kernels import KernelSet, rotary_cos_sin
 from graphrt.kernels.cpu_kernel_choice import CpuKernelChoice
-from graphrt.kernels.linear import can_pack, linear, pack_weight
-from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, choose_path
+from graphrt.kernels.linear import linear, pack
+from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, available_paths, choose_path
 from graphrt.batch import StepMetadata
 from graphrt.config import ModelConfig
 from graphrt.kv_cache import StageKVCache
@@ -175,25 +175,26 @@ class Stage(nn.Module):
         previous: dict[str, MatmulChoice] | None = None,
         timer: Callable[[], float] = time.perf_counter,
     ) -> MatmulPlan:
-        """Run each weight shape on F.linear or packed oneDNN, whichever this machine runs faster
-        at one row and at `max_rows` (graphrt/kernels/matmul_choice.py), and reorder the weights of
-        the shapes that pack. `previous`: choices to reuse by shape name (the graph cache's, or
-        another stage's on the same device). Runs once; the result is `self.matmul_plan`."""
+        """Run each weight shape on F.linear, packed oneDNN or the compiled panel kernel, whichever
+        this machine runs fastest at one row and at `max_rows` (graphrt/kernels/matmul_choice.py),
+        and convert the weights of each shape to its path's form. `previous`: choices to reuse by
+        shape name (the graph cache's, or another stage's on the same device). Runs once; the
+        result is `self.matmul_plan`."""
         if self.matmul_plan is not None:
             return self.matmul_plan
         start = timer()
         rows = tuple(sorted({1, max_rows}))
-        packable = can_pack(self.device, self.dtype)
         choices = []
         for name, owners in self.matmul_owners().items():
-            choice, trial = choose_path(
-                name, [getattr(o, a) for o, a in owners], rows, mode, packable, (previous or {}).get(name), timer
-            )
-            if choice.path == "packed":
+            weights = [getattr(o, a) for o, a in owners]
+            paths = available_paths(self.device, self.dtype, tuple(weights[0].shape), mode)
+            choice, trial = choose_path(name, weights, rows, mode, paths, (previous or {}).get(name), timer)
+            del weights
+            if choice.path != "dense":
                 for index, (owner, attr) in enumerate(owners):
-                    # Each dense weight is freed as soon as its packed copy replaces it.
-                    packed = trial[index] if index < len(trial) else pack_weight(getattr(owner, attr))
-                    setattr(owner, attr, nn.Parameter(packed, requires_grad=False))
+                    # Each dense weight is freed as soon as its converted copy replaces it.
+                    converted = trial[index] if index < len(trial) else pack(choice.path, getattr(owner, attr))
+                    setattr(owner, attr, nn.Parameter(converted, requires_grad=False))
             del trial
             choices.append(choice)
         measured = any(c.source == "measured" and c.seconds for c in choices)

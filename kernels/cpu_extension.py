@@ -1,9 +1,9 @@
 """The compiled CPU kernels (csrc/*.cpp), built on first use into one extension library.
 
 The kernels are torch ops under `torch.ops.graphrt`: paged decode attention
-(paged_attention_cpu.py) and the elementwise ops of a decoder layer (elementwise_cpu.py). They are
-built with torch.utils.cpp_extension (about 10 s with g++, once per machine) into
-$GRAPHRT_CACHE/cpu_kernels/<key>/ (default ~/.cache/graphrt), the key hashing everything the
+(paged_attention_cpu.py), the elementwise ops of a decoder layer (elementwise_cpu.py) and matmuls
+against panel-packed weights (linear.py). They are built with torch.utils.cpp_extension (about
+15 s with g++, once per machine) into $GRAPHRT_CACHE/cpu_kernels/<key>/ (default ~/.cache/graphrt), the key hashing everything the
 binary depends on: the sources, torch's version, the compiler flags, and this CPU's flags. Where
 they can't be built (no compiler, no ninja, a build error), `available()` is False and
 `unavailable_reason()` says why, so a caller can fall back to the torch references.
@@ -30,7 +30,7 @@ import torch
 logger = logging.getLogger("graphrt")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp")
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp", CSRC / "matmul_cpu.cpp")
 
 
 def default_cache_root() -> Path:

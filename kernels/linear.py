@@ -1,18 +1,23 @@
-"""Matmuls against weights reordered once for oneDNN, on the CPU.
+"""CPU matmuls three ways: F.linear, oneDNN on a reordered weight, and graphrt's panel kernel.
 
 For float32, `F.linear` calls MKL's sgemm; oneDNN, with each weight reordered once into its blocked
-layout, runs a decode step's skinny matmuls (1 to 32 rows by 576 to 49152 columns) up to three
-times faster on the 2-core AMD EPYC we measure on, and slower on some other CPUs and shapes. For
-bfloat16 both go through oneDNN, the packed weight skipping a reorder on every call. Which one a
-stage uses is measured per weight shape at load (kernels/matmul_choice.py). A packed weight is an
-opaque mkldnn tensor: only `linear` here reads it, and `F.linear` on the dense weight is its
-reference.
+layout ("packed"), runs a decode step's skinny matmuls (1 to 32 rows by 576 to 49152 columns) up
+to three times faster on the 2-core AMD EPYC we measure on, and slower on some other CPUs and
+shapes. For bfloat16 both go through oneDNN, the packed weight skipping a reorder on every call.
+The compiled panel kernel (csrc/matmul_cpu.cpp, "panel") streams a weight packed into panels of 16
+columns; at one to eight rows it reads the weight at up to twice oneDNN's rate. Which one a stage
+uses is measured per weight shape at load (kernels/matmul_choice.py). `linear` here runs all three
+forms (a dense 2-D tensor, an opaque mkldnn tensor, a 4-D panel tensor); `F.linear` on the dense
+weight is the reference.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from graphrt.cpu_info import cpu_bf16_support
+from graphrt.kernels import cpu_extension
 
 # The layout oneDNN picks depends on the rows it expects; packed for 32 it runs 2 to 512 rows at
 # full speed. One row is the exception (oneDNN switches to a layout for vectors and would reorder
@@ -40,8 +45,57 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
 
 
+# A panel is 16 output columns (one AVX-512 register of float32); along in_features it holds a
+# step of PANEL_PAIR[dtype] values per column (bfloat16 pairs feed one vdpbf16ps).
+PANEL_WIDTH = 16
+PANEL_PAIR = {torch.float32: 1, torch.bfloat16: 2}
+
+
+def can_use_panels(device: torch.device, dtype: torch.dtype, shape: tuple[int, int] | None = None) -> bool:
+    """float32 on an AVX-512 CPU, bfloat16 on one with AVX512-BF16, where the compiled kernels
+    build; for a weight `shape` (out_features, in_features) also that it cuts into whole panels."""
+    if device.type != "cpu" or dtype not in PANEL_PAIR or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    if dtype == torch.bfloat16 and cpu_bf16_support() is None:
+        return False
+    if shape is not None and (shape[0] % PANEL_WIDTH or shape[1] % PANEL_PAIR[dtype]):
+        return False
+    return cpu_extension.available(dtype)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """(out_features, in_features) -> (out_features / 16, in_features / pair, 16, pair): each panel
+    of 16 columns stored as one stream, a step of k (a pair for bfloat16) for all 16 at a time."""
+    out_features, in_features = weight.shape
+    pair = PANEL_PAIR[weight.dtype]
+    panels = weight.reshape(out_features // PANEL_WIDTH, PANEL_WIDTH, in_features // pair, pair)
+    return panels.permute(0, 2, 1, 3).contiguous()
+
+
+def pack(path: str, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in the form `path` (dense, packed or panel; kernels/matmul_choice.py) reads."""
+    if path == "packed":
+        return pack_weight(weight)
+    if path == "panel":
+        return pack_panels(weight)
+    return weight
+
+
+def form(weight: torch.Tensor) -> str:
+    """The path a weight was converted for: dense, packed or panel."""
+    return "packed" if weight.is_mkldnn else "panel" if weight.dim() == 4 else "dense"
+
+
+def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
+    """`pack_panels` undone: the dense (out_features, in_features) weight."""
+    num_panels, steps, width, pair = panels.shape
+    return panels.permute(0, 2, 1, 3).reshape(num_panels * width, steps * pair)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: (rows, in_features) -> (rows, out_features), for a dense or a packed weight."""
+    """x: (rows, in_features) -> (rows, out_features), for a dense, packed or panel weight."""
+    if weight.dim() == 4:
+        return torch.ops.graphrt.panel_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     rows = x.shape[0]

@@ -1,12 +1,14 @@
 """Each CPU matmul's path, chosen by timing the candidates on this machine.
 
-A CPU stage can run a matmul two ways (kernels/linear.py): `F.linear` on the weight as loaded
-("dense": MKL's sgemm for float32; oneDNN for bfloat16, on AMX tiles where the CPU has them), or
-oneDNN on the weight reordered once into its blocked layout ("packed"). Which is faster depends on
-the CPU, the shape and the rows: on the 2-core AMD EPYC build machine packed wins every float32
-shape by 1.1 to 2.5x, on an Intel machine plain `F.linear` streams float32 faster at one row. So a
-stage times both on its own weights, at one row and at its largest decode bucket, and keeps the
-faster for each weight shape (each layer's q/k/v, o, gate/up and down, and the LM head).
+A CPU stage can run a matmul three ways (kernels/linear.py): `F.linear` on the weight as loaded
+("dense": MKL's sgemm for float32; oneDNN for bfloat16, on AMX tiles where the CPU has them),
+oneDNN on the weight reordered once into its blocked layout ("packed"), or graphrt's compiled
+kernel on the weight cut into panels of 16 columns ("panel", AVX-512 CPUs). Which is fastest
+depends on the CPU, the shape and the rows: on the 2-core AMD EPYC build machine packed beats
+F.linear on every float32 shape by 1.1 to 2.5x and panel beats packed by 1.2 to 2.7x at one row,
+while on an Intel machine plain `F.linear` streams float32 faster at one row than packed. So a
+stage times every path it has on its own weights, at one row and at its largest decode bucket, and
+keeps the fastest for each weight shape (each layer's q/k/v, o, gate/up and down, and the LM head).
 
 What keeps the timing honest:
 - Each timing run sweeps several layers' weights, at least the L3 cache's size in all, and the
@@ -17,7 +19,7 @@ What keeps the timing honest:
   by another process then moves the median, not a whole sweep). No test asserts a winner.
 - A weight is kept in one form (two would double its memory), so a shape's path must serve one row
   and a full batch: each path scores its time over the fastest at each row count, summed, so both
-  regimes weigh the same; packed must beat `F.linear` by MARGIN, so noise does not flip a tie.
+  regimes weigh the same; another path must beat `F.linear` by MARGIN, so noise does not flip a tie.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ import torch
 
 from graphrt.cpu_info import cpu_l3_bytes
 from graphrt.kernels import mode_from_env as env_mode
-from graphrt.kernels.linear import can_pack, linear, pack_weight
+from graphrt.kernels.linear import can_pack, can_use_panels, linear, pack
 
-PATH_NAMES = {"dense": "F.linear", "packed": "packed oneDNN"}  # dense is the reference, listed first
-MODES = ("auto", "dense", "packed")
+PATH_NAMES = {"dense": "F.linear", "packed": "packed oneDNN", "panel": "compiled panels"}  # dense, the reference, first
+MODES = ("auto", *PATH_NAMES)
 MODE_ENV = "GRAPHRT_MATMUL"  # forces a path for tests and benchmarks; auto (measure) by default
 
 # Timing one weight shape: rounds until SHAPE_BUDGET_S is spent and every path and row count has
@@ -44,6 +46,9 @@ MODE_ENV = "GRAPHRT_MATMUL"  # forces a path for tests and benchmarks; auto (mea
 MIN_SAMPLES, MAX_ROUNDS = 5, 5
 SHAPE_BUDGET_S, SHAPE_LIMIT_S = 0.1, 0.3
 MARGIN = 0.03
+# A path this many times slower than the fastest at every row count after a round can't win (its
+# score would be over twice the least possible): it is not timed again, which spares the slowest calls.
+FAR_BEHIND = 2.0
 
 
 def mode_from_env(environ: Mapping[str, str] = os.environ) -> str:
@@ -56,7 +61,7 @@ class MatmulChoice:
 
     name: str  # qkv_proj, o_proj, gate_up_proj, down_proj, lm_head
     shape: tuple[int, int]  # (out_features, in_features)
-    path: str  # dense | packed
+    path: str  # dense | packed | panel
     source: str  # measured | cached (the graph cache) | forced (GRAPHRT_MATMUL) | only (no other path here)
     seconds: dict[str, dict[int, float]] = field(default_factory=dict)  # path -> rows -> median s per matmul
 
@@ -153,21 +158,26 @@ def median_seconds(
     max_rounds: int = MAX_ROUNDS,
     budget_s: float = SHAPE_BUDGET_S,
     limit_s: float = SHAPE_LIMIT_S,
+    losing: Callable[[dict[Hashable, float]], set[Hashable]] = lambda medians: set(),
 ) -> dict[Hashable, float]:
     """Per run, the median of the seconds its calls took, over all rounds.
 
     Runs are interleaved round by round (in the order given); each is given the `timer` value at
     which the `limit_s` is spent, makes at least one call and stops there, and returns each call's
-    seconds. Rounds stop once `budget_s` is spent and every run has `min_samples` calls, at the
-    limit in any case (a busy machine then gets fewer samples, not a slower start), or after
-    `max_rounds`."""
+    seconds. After each round, the runs `losing` names (given every run's median so far) are not
+    run again; they keep the median they have. Rounds stop once `budget_s` is spent and every run
+    still going has `min_samples` calls, at the limit in any case (a busy machine then gets fewer
+    samples, not a slower start), or after `max_rounds`."""
     samples: dict[Hashable, list[float]] = {key: [] for key in runs}
+    going = dict(runs)
     start = timer()
     for _ in range(max_rounds):
-        for key, run in runs.items():
+        for key, run in going.items():
             samples[key] += run(start + limit_s)
+        for key in losing({key: statistics.median(values) for key, values in samples.items()}):
+            going.pop(key, None)
         spent = timer() - start
-        if spent >= limit_s or (spent >= budget_s and min(map(len, samples.values())) >= min_samples):
+        if not going or spent >= limit_s or (spent >= budget_s and min(len(samples[key]) for key in going) >= min_samples):
             break
     return {key: statistics.median(values) for key, values in samples.items()}
 
@@ -189,15 +199,32 @@ def sweep_length(weight_bytes: int, num_weights: int, sweep_bytes: int) -> int:
     return max(1, min(num_weights, -(-sweep_bytes // weight_bytes)))
 
 
+def available_paths(device: torch.device, dtype: torch.dtype, shape: tuple[int, int], mode: str = "auto") -> tuple[str, ...]:
+    """The paths a weight of `shape` can take on `device` in `dtype`: dense always, then the others
+    this torch and CPU run; with a forced `mode`, only that one is looked for (finding out whether
+    the panel kernel runs may mean building it)."""
+    checks = {"packed": lambda: can_pack(device, dtype), "panel": lambda: can_use_panels(device, dtype, shape)}
+    return ("dense", *(path for path, can in checks.items() if mode in ("auto", path) and can()))
+
+
+def far_behind(medians: Mapping[tuple[str, int], float]) -> set[tuple[str, int]]:
+    """Of runs keyed (path, rows), those of the paths more than FAR_BEHIND times the fastest path's
+    time at every row count."""
+    paths, rows = {path for path, _ in medians}, {r for _, r in medians}
+    best = {r: min(medians[path, r] for path in paths) for r in rows}
+    behind = {path for path in paths if all(medians[path, r] > FAR_BEHIND * best[r] for r in rows)}
+    return {(path, r) for path, r in medians if path in behind}
+
+
 def time_paths(
-    dense: list[torch.Tensor], packed: list[torch.Tensor], rows: tuple[int, ...], timer: Callable[[], float] = time.perf_counter
+    paths: Mapping[str, list[torch.Tensor]], rows: tuple[int, ...], timer: Callable[[], float] = time.perf_counter
 ) -> dict[str, dict[int, float]]:
-    """Median seconds per matmul of each path at each row count. A run sweeps all of `dense` (or
-    of `packed`, the same weights reordered), timing each matmul: on a busy machine the median call
-    is one the other processes left alone, where the median sweep of 30 calls may not be."""
+    """Median seconds per matmul of each path at each row count. A run sweeps all of a path's
+    weights (the same weights in each path's form), timing each matmul: on a busy machine the
+    median call is one the other processes left alone, where the median sweep of 30 calls may not be."""
+    dense = paths["dense"]
     in_features = dense[0].shape[1]
     inputs = {r: torch.randn(r, in_features, dtype=dense[0].dtype, device=dense[0].device) for r in rows}
-    paths = {"dense": dense, "packed": packed}
     for weights in paths.values():  # oneDNN builds its primitive for a shape and row count on the first call
         for x in inputs.values():
             linear(x, weights[0])
@@ -218,7 +245,7 @@ def time_paths(
 
     # Paths alternate, so each sweep follows one over other memory and finds none of its weights cached.
     runs = {(path, r): sweep(weights, inputs[r]) for r in rows for path, weights in paths.items()}
-    medians = median_seconds(runs, timer)
+    medians = median_seconds(runs, timer, losing=far_behind)
     return {path: {r: medians[path, r] for r in rows} for path in paths}
 
 
@@ -227,27 +254,29 @@ def choose_path(
     weights: list[torch.Tensor],
     rows: tuple[int, ...],
     mode: str,
-    packable: bool,
+    paths: tuple[str, ...],
     previous: MatmulChoice | None = None,
     timer: Callable[[], float] = time.perf_counter,
 ) -> tuple[MatmulChoice, list[torch.Tensor]]:
-    """The path for the weights of one shape (one per layer, dense), and the packed copies made
-    while timing (the first few weights; empty unless packed won): reuse them when packing.
+    """The path for the weights of one shape (one per layer, dense), of the `paths` available to
+    it (`available_paths`), and the copies in that path's form made while timing (the first few
+    weights; empty if dense won): reuse them when converting.
 
-    Forced `mode` comes first, then a `previous` choice for the same shape (the graph cache's, or
-    another stage's on the same device), then a measurement."""
+    A forced `mode` comes first (where this shape can take it; else dense is the only path), then
+    a `previous` choice for the same shape (the graph cache's, or another stage's on the same
+    device), then a measurement."""
     shape = (int(weights[0].shape[0]), int(weights[0].shape[1]))
-    if not packable:
-        return MatmulChoice(name, shape, "dense", "only"), []
-    if mode != "auto":
+    if mode != "auto" and mode in paths:
         return MatmulChoice(name, shape, mode, "forced"), []
-    if previous is not None and previous.shape == shape:
+    if len(paths) == 1:
+        return MatmulChoice(name, shape, "dense", "only"), []
+    if previous is not None and previous.shape == shape and previous.path in paths:
         return replace(previous, name=name), []
     sweep = weights[: sweep_length(weights[0].numel() * weights[0].element_size(), len(weights), cpu_l3_bytes())]
-    trial = [pack_weight(w) for w in sweep]
-    seconds = time_paths(sweep, trial, rows, timer)
+    trials = {path: [pack(path, w) for w in sweep] for path in paths}
+    seconds = time_paths(trials, rows, timer)
     path = pick_path(seconds)
-    return MatmulChoice(name, shape, path, "measured", seconds), trial if path == "packed" else []
+    return MatmulChoice(name, shape, path, "measured", seconds), trials[path] if path != "dense" else []
 
 
 def measure_shapes(
@@ -263,6 +292,7 @@ def measure_shapes(
         num_weights = sweep_length(weight_bytes, count, cpu_l3_bytes())
         weights = [torch.empty(out_features, in_features, dtype=dtype).uniform_(-0.05, 0.05) for _ in range(num_weights)]
         start = timer()
-        choices.append(choose_path(name, weights, rows, "auto", can_pack(torch.device("cpu"), dtype), timer=timer)[0])
+        paths = available_paths(torch.device("cpu"), dtype, (out_features, in_features))
+        choices.append(choose_path(name, weights, rows, "auto", paths, timer=timer)[0])
         measure_s += timer() - start
     return MatmulPlan(tuple(choices), rows, measure_s)

@@ -14,11 +14,13 @@ from graphrt import LLM
 from graphrt.capture.manifest import StaleCacheError, cached_matmul_plans, read_manifest, write_manifest
 from graphrt.cli import build_manifest
 from graphrt.doctor import run_doctor
-from graphrt.kernels.linear import can_pack, linear
+from graphrt.kernels.linear import can_pack, form, linear, unpack_panels
 from graphrt.kernels.matmul_choice import (
     MatmulChoice,
     MatmulPlan,
+    available_paths,
     choose_path,
+    far_behind,
     median_seconds,
     mode_from_env,
     pick_path,
@@ -90,6 +92,21 @@ def test_a_busy_machine_gets_fewer_samples_not_a_slower_start():
     assert seconds == {"dense": 0.2, "packed": 0.2}
 
 
+def test_a_path_far_behind_after_a_round_is_not_timed_again():
+    clock, calls = Clock(), []
+    runs = {
+        ("dense", 1): clock.run_taking([[3.0]] * 5, calls, "dense"),
+        ("panel", 1): clock.run_taking([[1.0]] * 5, calls, "panel"),
+        ("packed", 1): clock.run_taking([[1.9]] * 5, calls, "packed"),
+    }
+    seconds = median_seconds(runs, clock, min_samples=3, max_rounds=5, budget_s=0.0, limit_s=100.0, losing=far_behind)
+    assert calls == ["dense", "panel", "packed"] + ["panel", "packed"] * 2  # dense, 3x behind, ran once
+    assert seconds == {("dense", 1): 3.0, ("panel", 1): 1.0, ("packed", 1): 1.9}
+    # Behind at one row count only is not far behind: that path may still win on the sum.
+    assert far_behind({("dense", 1): 3.0, ("dense", 32): 1.0, ("panel", 1): 1.0, ("panel", 32): 1.5}) == set()
+    assert far_behind({("dense", 1): 3.0, ("dense", 32): 3.5, ("panel", 1): 1.0, ("panel", 32): 1.5}) == {("dense", 1), ("dense", 32)}
+
+
 def test_a_shape_keeps_the_path_that_loses_least_over_both_row_counts():
     # packed is 2x faster at 32 rows and 1.5x slower at one row: 1.5 + 1 < 1 + 2.
     assert pick_path({"dense": {1: 1.0, 32: 10.0}, "packed": {1: 1.5, 32: 5.0}}) == "packed"
@@ -102,15 +119,15 @@ def test_a_shape_keeps_the_path_that_loses_least_over_both_row_counts():
 
 def test_forcing_a_path_comes_before_any_measurement_and_a_bad_value_is_named():
     weights = [torch.randn(64, 32) for _ in range(3)]
-    choice, trial = choose_path("o_proj", weights, (1, 8), "packed", packable=True)
+    choice, trial = choose_path("o_proj", weights, (1, 8), "packed", ("dense", "packed", "panel"))
     assert (choice.path, choice.source, choice.seconds, trial) == ("packed", "forced", {}, [])
-    choice, _ = choose_path("o_proj", weights, (1, 8), "dense", packable=True)
+    choice, _ = choose_path("o_proj", weights, (1, 8), "dense", ("dense",))
     assert (choice.path, choice.source) == ("dense", "forced")
-    choice, _ = choose_path("o_proj", weights, (1, 8), "packed", packable=False)  # float64, or not a CPU
+    choice, _ = choose_path("o_proj", weights, (1, 8), "panel", ("dense",))  # float64, not a CPU, or no whole panels
     assert (choice.path, choice.source) == ("dense", "only")
-    assert mode_from_env({"GRAPHRT_MATMUL": "Packed"}) == "packed"
+    assert mode_from_env({"GRAPHRT_MATMUL": "Panel"}) == "panel"
     assert mode_from_env({}) == "auto"
-    with pytest.raises(ValueError, match="GRAPHRT_MATMUL must be one of auto, dense, packed, got 'fast'"):
+    with pytest.raises(ValueError, match="GRAPHRT_MATMUL must be one of auto, dense, packed, panel, got 'fast'"):
         mode_from_env({"GRAPHRT_MATMUL": "fast"})
 
 
@@ -118,11 +135,22 @@ def test_forcing_a_path_comes_before_any_measurement_and_a_bad_value_is_named():
 def test_a_previous_choice_is_reused_for_the_same_shape_only():
     weights = [torch.randn(64, 32) for _ in range(3)]
     previous = MatmulChoice("o_proj", (64, 32), "packed", "cached")
-    assert choose_path("o_proj", weights, (1, 8), "auto", True, previous)[0] == previous
+    assert choose_path("o_proj", weights, (1, 8), "auto", ("dense", "packed"), previous)[0] == previous
     other_shape = MatmulChoice("o_proj", (32, 32), "packed", "cached")
-    measured, _ = choose_path("o_proj", weights, (1, 8), "auto", True, other_shape)
+    measured, _ = choose_path("o_proj", weights, (1, 8), "auto", ("dense", "packed"), other_shape)
     assert measured.source == "measured"
     assert set(measured.seconds) == {"dense", "packed"} and set(measured.seconds["dense"]) == {1, 8}
+    # A cached path this machine can't run (a cache from an AVX-512 machine, say) is measured again.
+    remeasured, _ = choose_path("o_proj", weights, (1, 8), "auto", ("dense", "packed"), MatmulChoice("o_proj", (64, 32), "panel", "cached"))
+    assert remeasured.source == "measured"
+
+
+def test_available_paths_look_only_for_a_forced_one():
+    cpu = torch.device("cpu")
+    assert available_paths(cpu, torch.float64, (64, 32)) == ("dense",)
+    assert available_paths(torch.device("cuda"), torch.float32, (64, 32)) == ("dense",)
+    assert available_paths(cpu, torch.float32, (64, 32), mode="dense") == ("dense",)
+    assert "panel" not in available_paths(cpu, torch.float32, (64, 32), mode="packed")
 
 
 @needs_onednn
@@ -141,8 +169,8 @@ def test_a_measured_stage_holds_each_weight_in_the_form_chosen_and_computes_what
             assert choice.source == "measured"
             for owner, attr in owners:
                 weight = getattr(owner, attr)
-                assert weight.is_mkldnn == (choice.path == "packed"), f"{name} on stage {stage.index}"
-                dense = weight.to_dense() if weight.is_mkldnn else weight
+                assert form(weight) == choice.path, f"{name} on stage {stage.index}"
+                dense = weight.to_dense() if weight.is_mkldnn else unpack_panels(weight) if weight.dim() == 4 else weight
                 x = torch.randn(3, dense.shape[1], generator=generator).to(dtype)
                 tolerance = 1e-4 if dtype == torch.float32 else 2e-2
                 torch.testing.assert_close(linear(x, weight), F.linear(x, dense), rtol=tolerance, atol=tolerance)
@@ -156,15 +184,18 @@ def test_every_forced_path_gives_the_logits_of_the_others(tiny_model_factory, mo
     model = tiny_model_factory("llama-gqa-tied")
     prompt = list(range(3, 40))
     logits = {}
-    for mode in ("dense", "packed", "auto"):
+    for mode in ("dense", "packed", "panel", "auto"):
         monkeypatch.setenv("GRAPHRT_MATMUL", mode)
         engine = LLM(model=model, pp=2, dtype="float32", kv_cache_tokens=256).engine
         if mode != "auto":
-            assert {c.path for s in engine.pipeline.stages for c in s.matmul_plan.choices} == {mode}
+            paths = {c.name: c.path for s in engine.pipeline.stages for c in s.matmul_plan.choices}
+            # A 97-token vocabulary does not cut into panels of 16: that LM head stays on F.linear.
+            assert set(paths.values()) <= {mode, "dense"} and paths["qkv_proj"] == (mode if mode in available_paths(
+                torch.device("cpu"), torch.float32, (128, 64)) else "dense")
             assert "forced by GRAPHRT_MATMUL" in engine.pipeline.matmul_summary()
         logits[mode] = prompt_logits(engine, prompt)
-    torch.testing.assert_close(logits["packed"], logits["dense"], atol=1e-4, rtol=0)
-    torch.testing.assert_close(logits["auto"], logits["dense"], atol=1e-4, rtol=0)
+    for mode in ("packed", "panel", "auto"):
+        torch.testing.assert_close(logits[mode], logits["dense"], atol=1e-4, rtol=0)
 
 
 def test_a_stage_without_a_second_path_says_so(tiny_model_factory):
@@ -210,7 +241,7 @@ def test_a_start_with_the_graph_cache_takes_its_matmul_paths_without_measuring(t
         assert stage.matmul_plan.measure_s == 0.0
         for choice in plan.choices:
             owner, attr = stage.matmul_owners()[choice.name][0]
-            assert getattr(owner, attr).is_mkldnn == (choice.path == "packed")
+            assert form(getattr(owner, attr)) == choice.path
     assert "matmuls" in read_manifest(tmp_path)
 
 

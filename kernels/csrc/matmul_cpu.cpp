@@ -1,0 +1,230 @@
+// Matmuls against weights packed once into column panels, for a decode step's skinny shapes
+// (1 to 32 rows) and prefill chunks alike. kernels/linear.py packs the weights (`pack_panels`) and
+// calls this file's op as torch.ops.graphrt.panel_linear; `F.linear` on the dense weight is its
+// reference (tests/test_matmul_cpu.py).
+//
+// Layout: the weight (out_features, in_features) is cut into panels of 16 output columns, one
+// AVX-512 register wide. A panel stores its columns interleaved along k, 16 values per step:
+// (panels, in_features / kPair, 16, kPair), kPair = 2 for bfloat16 (the pairs one vdpbf16ps
+// multiplies and sums: AVX512-BF16), 1 for float32 (one FMA). So every register load is one
+// step of k for 16 columns, and a whole panel is one sequential stream.
+//
+// A tile is MR rows of x by NR panels: MR * NR accumulators held in registers for all of k, each
+// step loading NR panel vectors and broadcasting MR values (pairs) of x. Tiles are 8x2, 4x4, 2x8
+// or 1x8 (16 or 8 accumulators of the 32 registers). Up to 15 rows go 8 at a time (each panel
+// read once, straight from memory, for all 8), then 4, 2, 1; 16 rows or more go 4 at a time on 4
+// panels, which then come from L2 (a chunk of 128 rows at a time keeps x there too).
+//
+// Arithmetic: float32 accumulators; bfloat16 products of pairs as the instruction computes them
+// (as oneDNN's bfloat16 matmul does on these CPUs); the bias is added in float32; the result is
+// rounded to the dtype once, to nearest even.
+//
+// Threads: at::parallel_for gives each thread an even share of the panels; see
+// paged_attention_cpu.cpp on OpenMP. Each output is one thread's sum in one order, so the result
+// does not depend on the number of threads.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;      // output columns per panel: one register of float32
+constexpr int64_t kRowChunk = 128;  // rows of x per pass over a group of panels
+// How far ahead (in elements of a panel: 16 steps of k) a bfloat16 tile asks for its panels. With
+// one to eight rows the panels come from memory and the hardware prefetcher alone left the 8-row
+// tiles waiting on it (30 GB/s where one row streams 60); 1 KB ahead brought 8 and 32 rows up to
+// oneDNN's rate or past it on the AMD EPYC we measured.
+constexpr int64_t kPrefetch = 512;
+
+#if defined(CPU_CAPABILITY_AVX512)
+
+// out[m, p * 16 + c] for m < MR, p < NR panels, c < 16 = sum over k of x[m, k] * w[p][k][c].
+// `w` points at the first panel; panels are `panel_stride` elements apart.
+template <int MR, int NR>
+void tile_f32(const float* x, int64_t ldx, const float* w, int64_t panel_stride, int64_t k_size,
+              const float* bias, float* out, int64_t ldo) {
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NR; ++p) acc[m][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_size; ++k) {
+    __m512 wv[NR];
+    for (int p = 0; p < NR; ++p) wv[p] = _mm512_loadu_ps(w + p * panel_stride + k * kPanel);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      for (int p = 0; p < NR; ++p) acc[m][p] = _mm512_fmadd_ps(xb, wv[p], acc[m][p]);
+    }
+  }
+  for (int p = 0; p < NR; ++p) {
+    const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + p * kPanel) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out + m * ldo + p * kPanel, _mm512_add_ps(acc[m][p], b));
+  }
+}
+
+__attribute__((target("avx512bf16"))) inline __m512 load_bf16_as_f32(const at::BFloat16* src) {
+  // bfloat16 is the high half of a float32: widen each to 32 bits and shift it up.
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// As tile_f32, for bfloat16: each step of k is a pair, x's pair broadcast as one 32-bit value.
+template <int MR, int NR>
+__attribute__((target("avx512bf16"))) void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
+                                                      int64_t panel_stride, int64_t k_size, const at::BFloat16* bias,
+                                                      at::BFloat16* out, int64_t ldo) {
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < NR; ++p) acc[m][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_size; k += 2) {
+    __m512bh wv[NR];
+    for (int p = 0; p < NR; ++p) {
+      const at::BFloat16* src = w + p * panel_stride + k * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetch), _MM_HINT_T0);
+      wv[p] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(src));
+    }
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + k, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int p = 0; p < NR; ++p) acc[m][p] = _mm512_dpbf16_ps(acc[m][p], xb, wv[p]);
+    }
+  }
+  for (int p = 0; p < NR; ++p) {
+    const __m512 b = bias != nullptr ? load_bf16_as_f32(bias + p * kPanel) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][p], b));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + p * kPanel), (__m256i)rounded);
+    }
+  }
+}
+
+template <typename T, int MR, int NR>
+inline void tile(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_t k_size, const T* bias, T* out,
+                 int64_t ldo) {
+  if constexpr (std::is_same_v<T, float>) {
+    tile_f32<MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo);
+  } else {
+    tile_bf16<MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo);
+  }
+}
+
+// MR rows by `panels` panels (at most NR), in tiles of NR panels and one tile for the rest.
+template <typename T, int MR, int NR>
+void row_block(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_t k_size, const T* bias,
+               int64_t panels, T* out, int64_t ldo) {
+  static_assert(NR >= 1 && NR <= 8);
+  if (panels == NR) {
+    tile<T, MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo);
+  } else if constexpr (NR > 1) {
+    row_block<T, MR, NR - 1>(x, ldx, w, panel_stride, k_size, bias, panels, out, ldo);
+  }
+}
+
+// Rows [0, rows) of x against `panels` panels (at most 8) starting at `w`.
+template <typename T>
+void rows_by_panels(const T* x, int64_t ldx, int64_t rows, const T* w, int64_t panel_stride, int64_t k_size,
+                    const T* bias, int64_t panels, T* out, int64_t ldo) {
+  int64_t m = 0;
+  auto run = [&](auto mr, auto nr) {
+    constexpr int MR = decltype(mr)::value, NR = decltype(nr)::value;
+    for (int64_t p = 0; p < panels; p += NR) {
+      const int64_t count = std::min<int64_t>(NR, panels - p);
+      row_block<T, MR, NR>(x + m * ldx, ldx, w + p * panel_stride, panel_stride, k_size,
+                           bias != nullptr ? bias + p * kPanel : nullptr, count, out + m * ldo + p * kPanel, ldo);
+    }
+  };
+  if (rows >= 16) {  // panels from L2 after the first tile: 4 loads and 4 broadcasts per 16 products
+    for (; m + 4 <= rows; m += 4) run(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{});
+  }
+  for (; m + 8 <= rows; m += 8) run(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
+  if (m + 4 <= rows) { run(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{}); m += 4; }
+  if (m + 2 <= rows) { run(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{}); m += 2; }
+  if (m + 1 <= rows) { run(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{}); m += 1; }
+}
+
+template <typename T>
+void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& out) {
+  const int64_t rows = x.size(0), k_size = x.size(1), ldx = x.stride(0);
+  const int64_t num_panels = w.size(0), panel_stride = w.stride(0);
+  const T* x_data = x.const_data_ptr<T>();
+  const T* w_data = w.const_data_ptr<T>();
+  const T* bias_data = bias != nullptr ? bias->const_data_ptr<T>() : nullptr;
+  T* out_data = out.mutable_data_ptr<T>();
+  const int64_t ldo = out.stride(0);
+  // A thread takes an even share of the panels (so shapes of few panels still split evenly) and
+  // runs them in groups of 8 (128 columns), chunk of rows by chunk.
+  constexpr int64_t kGroup = 8;
+  const int64_t work_per_panel = kPanel * k_size * std::min<int64_t>(rows, 8);
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / work_per_panel);
+  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
+      const int64_t chunk = std::min(kRowChunk, rows - r0);
+      for (int64_t p0 = begin; p0 < end; p0 += kGroup) {
+        const int64_t panels = std::min(kGroup, end - p0);
+        rows_by_panels<T>(x_data + r0 * ldx, ldx, chunk, w_data + p0 * panel_stride, panel_stride, k_size,
+                          bias_data != nullptr ? bias_data + p0 * kPanel : nullptr, panels,
+                          out_data + r0 * ldo + p0 * kPanel, ldo);
+      }
+    }
+  });
+}
+
+bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+#endif  // CPU_CAPABILITY_AVX512
+
+// x: (rows, in_features) with unit-stride rows; w: (out_features / 16, in_features / kPair, 16,
+// kPair) as kernels/linear.py packs it; bias: (out_features,) or None. Returns (rows, out_features).
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "panel_linear: x must be (rows, in_features) with unit-stride rows");
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == kPanel && w.is_contiguous(),
+              "panel_linear: the weight must be packed by graphrt.kernels.linear.pack_panels "
+              "(panels, in_features / pair, 16, pair), contiguous");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "panel_linear: x is ", x.scalar_type(), " but the weight is ",
+              w.scalar_type());
+  const int64_t pair = x.scalar_type() == at::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "panel_linear: float32 and bfloat16 only, not ", x.scalar_type());
+  TORCH_CHECK(w.size(3) == pair && w.size(1) * pair == x.size(1), "panel_linear: x has ", x.size(1),
+              " features but the weight was packed for ", w.size(1) * w.size(3));
+  const int64_t out_features = w.size(0) * kPanel;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
+                    bias->scalar_type() == x.scalar_type(),
+                "panel_linear: bias must be a contiguous (", out_features, ",) tensor of x's dtype");
+  }
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+#if defined(CPU_CAPABILITY_AVX512)
+  if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(cpu_has_avx512_bf16(), "panel_linear: bfloat16 needs a CPU with AVX512-BF16; use F.linear");
+    panel_linear_impl<at::BFloat16>(x, w, bias.has_value() ? &*bias : nullptr, out);
+  } else {
+    panel_linear_impl<float>(x, w, bias.has_value() ? &*bias : nullptr, out);
+  }
+#else
+  TORCH_CHECK(false, "panel_linear: built without AVX-512 (torch's CPU capability here is AVX2); use F.linear");
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(graphrt, m) {
+  m.def("panel_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(graphrt, CPU, m) {
+  m.impl("panel_linear", &panel_linear);
+}

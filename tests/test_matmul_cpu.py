@@ -1,0 +1,132 @@
+"""The compiled panel matmul (kernels/csrc/matmul_cpu.cpp, via graphrt/kernels/linear.py) against
+F.linear and a float64 reference: every tile shape the kernel has, panels in groups and remainders,
+strided rows, bias, threads, and the messages for bad inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphrt import LLM, SamplingParams
+from graphrt.kernels.linear import PANEL_WIDTH, can_use_panels, form, linear, pack_panels, unpack_panels
+
+CPU = torch.device("cpu")
+DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(not can_use_panels(CPU, dtype), reason=f"no panel kernel for {dtype} here"))
+          for dtype in (torch.float32, torch.bfloat16)]
+# Rows through every tile height (8, 4, 2, 1 and their sums) and past a chunk of 128 rows.
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 31, 32, 33, 131, 300]
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+def test_panels_hold_each_column_as_one_stream_of_k():
+    weight = torch.arange(32 * 6, dtype=torch.float32).reshape(32, 6)
+    panels = pack_panels(weight)
+    assert panels.shape == (2, 6, 16, 1) and panels.is_contiguous()
+    assert panels[1, 4, 3, 0] == weight[16 + 3, 4]
+    pairs = pack_panels(weight.to(torch.bfloat16))
+    assert pairs.shape == (2, 3, 16, 2)
+    assert pairs[1, 2, 5, 1] == weight[16 + 5, 2 * 2 + 1]  # step 2's pair, second value, column 5 of panel 1
+    torch.testing.assert_close(unpack_panels(pairs), weight.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_panels_need_whole_panels_an_avx512_cpu_and_a_cpu_tensor():
+    assert not can_use_panels(CPU, torch.float64)
+    assert not can_use_panels(torch.device("cuda"), torch.float32)
+    assert not can_use_panels(CPU, torch.float32, (PANEL_WIDTH * 3 + 1, 64))
+    assert not can_use_panels(CPU, torch.bfloat16, (PANEL_WIDTH, 63))  # bfloat16 steps k in pairs
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        assert not can_use_panels(CPU, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_every_row_count_matches_the_reference(dtype, rows):
+    # 13 panels: a group of 8, then tiles of 4, 2 and 1 (or 8 and 5 for single rows).
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(13 * PANEL_WIDTH, 96, generator=generator).to(dtype)
+    bias = torch.randn(13 * PANEL_WIDTH, generator=generator).to(dtype)
+    x = torch.randn(rows, 96, generator=generator).to(dtype)
+    for b in (None, bias):
+        out = linear(x, pack_panels(weight), b)
+        assert out.shape == (rows, 13 * PANEL_WIDTH) and out.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+        else:  # float32 sums, rounded once to bfloat16: within half a bfloat16 step of the exact sum
+            torch.testing.assert_close(out.double(), reference(x, weight, b), rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_default_models_shapes_match_f_linear(dtype):
+    generator = torch.Generator().manual_seed(0)
+    for out_features, in_features in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
+        weight = (torch.randn(out_features, in_features, generator=generator) * 0.05).to(dtype)
+        x = torch.randn(32, in_features, generator=generator).to(dtype)
+        out = linear(x, pack_panels(weight))
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out, F.linear(x, weight), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_of_a_wider_tensor_and_transposed_rows_are_read_where_they_are(dtype):
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(48, 64, generator=generator).to(dtype)
+    wide = torch.randn(9, 100, generator=generator).to(dtype)
+    x = wide[:, 10:74]  # unit-stride rows, 100 apart
+    expected = linear(x.contiguous(), pack_panels(weight))
+    torch.testing.assert_close(linear(x, pack_panels(weight)), expected, rtol=0, atol=0)
+    transposed = x.contiguous().T.contiguous().T  # same values, columns unit-stride
+    torch.testing.assert_close(linear(transposed, pack_panels(weight)), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_thread_and_two_give_the_same_bits(dtype):
+    generator = torch.Generator().manual_seed(2)
+    weight = pack_panels(torch.randn(3072, 576, generator=generator).to(dtype))
+    x = torch.randn(33, 576, generator=generator).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x, weight)
+        torch.set_num_threads(2)
+        two = linear(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bad_inputs_are_named(dtype):
+    weight = torch.randn(32, 64).to(dtype)
+    panels = pack_panels(weight)
+    op = torch.ops.graphrt.panel_linear
+    with pytest.raises(RuntimeError, match="must be packed by graphrt.kernels.linear.pack_panels"):
+        op(torch.randn(2, 64).to(dtype), weight, None)
+    with pytest.raises(RuntimeError, match="x has 48 features but the weight was packed for 64"):
+        op(torch.randn(2, 48).to(dtype), panels, None)
+    with pytest.raises(RuntimeError, match="x is Double but the weight is"):
+        op(torch.randn(2, 64, dtype=torch.float64), panels, None)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous \(32,\) tensor"):
+        op(torch.randn(2, 64).to(dtype), panels, torch.randn(31).to(dtype))
+    with pytest.raises(RuntimeError, match="unit-stride rows"):
+        op(torch.randn(64, 2).to(dtype).T, panels, None)
+
+
+@pytest.mark.skipif(not can_use_panels(CPU, torch.float32), reason="no panel kernel for float32 here")
+def test_an_engine_on_panels_generates_what_one_on_f_linear_does(tiny_model_factory, monkeypatch):
+    model = tiny_model_factory("qwen2-qkv-bias")  # q/k/v biases; a 97-token vocabulary does not cut into panels
+    prompts = [list(range(3, 30)), list(range(40, 50))]
+    tokens, forms = {}, {}
+    for mode in ("dense", "panel"):
+        monkeypatch.setenv("GRAPHRT_MATMUL", mode)
+        llm = LLM(model=model, pp=2, dtype="float32", kv_cache_tokens=256)
+        last = llm.engine.pipeline.stages[-1]
+        forms[mode] = (form(last.layers[0].qkv_proj), form(last.lm_head))
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        tokens[mode] = [out.token_ids for out in outputs]
+    assert forms == {"dense": ("dense", "dense"), "panel": ("panel", "dense")}
+    assert tokens["panel"] == tokens["dense"]
