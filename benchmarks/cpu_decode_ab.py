@@ -4,8 +4,9 @@
 
 Variants: `baseline` runs the torch kernels as they were at the --baseline commit (read with `git
 show`) on dense matmul weights (F.linear, MKL); `dense` the current kernels on dense weights;
-`packed` the current kernels on weights packed for oneDNN (graphrt/kernels/linear.py), what a CPU
-float32 engine runs. On a shared machine only the interleaved medians mean anything. `--hf` adds
+`packed` the current kernels on weights packed for oneDNN (graphrt/kernels/linear.py); `auto` the
+current kernels on the matmul paths measured at load (packed or compiled panels where they win),
+what a CPU float32 engine runs. On a shared machine only the interleaved medians mean anything. `--hf` adds
 one run of transformers' static-batch generate, as `graphrt bench --compare-hf` does.
 """
 
@@ -14,13 +15,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import graphrt.model
 from graphrt import LLM
 from graphrt.bench import make_workload, run_graphrt, run_transformers
 from graphrt.kernels import TORCH
@@ -52,13 +53,17 @@ def kernels_at(commit: str, folder: Path):
     )
 
 
-def load(pack: bool, ops) -> LLM:
-    can_pack = graphrt.model.can_pack
-    graphrt.model.can_pack = can_pack if pack else (lambda device, dtype: False)
+def load(matmuls: str, ops) -> LLM:
+    """The default model on `matmuls` (a GRAPHRT_MATMUL mode), running the torch kernels `ops`."""
+    before = os.environ.get("GRAPHRT_MATMUL")
+    os.environ["GRAPHRT_MATMUL"] = matmuls
     try:
         llm = LLM()
     finally:
-        graphrt.model.can_pack = can_pack
+        if before is None:
+            del os.environ["GRAPHRT_MATMUL"]
+        else:
+            os.environ["GRAPHRT_MATMUL"] = before
     for stage in llm.engine.pipeline.stages:
         stage.ops = ops
         for layer in stage.layers:
@@ -77,11 +82,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         baseline_ops = kernels_at(args.baseline, Path(tmp))
         variants = {
-            "baseline": load(False, baseline_ops),
-            "dense": load(False, TORCH),
-            "packed": load(True, TORCH),
+            "baseline": load("dense", baseline_ops),
+            "dense": load("dense", TORCH),
+            "packed": load("packed", TORCH),
+            "auto": load("auto", TORCH),
         }
-    engine = variants["packed"].engine
+    engine = variants["auto"].engine
     workload = make_workload(args.requests, (16, 64), (16, 128), engine.model_config.vocab_size, seed=0)
     tok_s: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):

@@ -7,8 +7,9 @@ real decode path (static buffers of the eager stage graph, paged KV cache, greed
 transformers through `LlamaForCausalLM.forward` with a DynamicCache as long as the longest context
 (left padding masked, as its static-batch `generate` runs). Prints each side's time per step and
 the share of its profile taken by each group of ops, so the two are read against each other.
-`--dense` adds graphrt with its matmul weights dense (F.linear, MKL) instead of packed for oneDNN,
-timed in the same process, interleaved with the others.
+`--dense` adds graphrt with its matmul weights dense (F.linear, MKL) instead of in the forms its
+stage chose (packed for oneDNN, or compiled panels), timed in the same process, interleaved with
+the others.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from graphrt import LLM, SamplingParams
 from graphrt.batch import StepMetadata
+from graphrt.kernels.linear import dense_weight, weight_form
 
 # aten op -> what it is in a decode step (ops not listed are reported under their own name).
 GROUPS = {
@@ -97,20 +99,20 @@ def swap_weights(stage, weights: dict[tuple[int, str], torch.Tensor]) -> dict[tu
 
 
 def dense_twin(step, stage):
-    """The same step with the stage's packed matmul weights swapped for dense ones while it runs."""
+    """The same step with the stage's converted matmul weights swapped for dense ones while it runs."""
     names = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     owners = [(i, n) for i in range(len(stage.layers)) for n in names] + ([(-1, "lm_head")] if stage.is_last else [])
-    packed = {(i, n): getattr(stage if i < 0 else stage.layers[i], n) for i, n in owners}
-    if not any(w.is_mkldnn for w in packed.values()):
-        raise SystemExit("--dense: this stage's weights are not packed (not float32 on a CPU with oneDNN)")
-    dense = {key: w.to_dense() for key, w in packed.items()}
+    chosen = {(i, n): getattr(stage if i < 0 else stage.layers[i], n) for i, n in owners}
+    if all(weight_form(w) == "dense" for w in chosen.values()):
+        raise SystemExit("--dense: this stage's weights are dense already (F.linear was chosen or is the only path)")
+    dense = {key: dense_weight(w) for key, w in chosen.items()}
 
     def step_dense() -> torch.Tensor:
         swap_weights(stage, dense)
         try:
             return step()
         finally:
-            swap_weights(stage, packed)
+            swap_weights(stage, chosen)
 
     return step_dense
 

@@ -4,11 +4,12 @@
 
 For each dtype, four engines of the default model (or --model): GRAPHRT_MATMUL=dense (F.linear on
 every weight), =packed (oneDNN on every weight), =panel (the compiled panel kernel on every weight
-that cuts into panels), and auto (each weight shape on the path the stage measured fastest at load). Each round runs every engine at batch 1 and at --batch (greedy, EOS
+that cuts into panels; F.linear where it can't run), and auto (each weight shape on the path the
+stage measured fastest at load). Each round runs every engine at batch 1 and at --batch (greedy, EOS
 ignored, --tokens new tokens per sequence), engines interleaved, and the table gives each one's
 median decode tok/s. auto should be about as fast as the faster forced path at both batch sizes; on
-a shared machine only the interleaved medians mean anything. Also prints what each auto engine
-chose and how long choosing took.
+a shared machine only the interleaved medians mean anything. Also prints each engine's matmul line
+(a forced path runs F.linear where it can't run) and what each auto engine measured.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.kernels.matmul_choice import MODES
+from graphrt.kernels.matmul_choice import PATH_NAMES
 
 PROMPT = "Explain pipeline parallelism to a new engineer."
 
@@ -45,7 +46,7 @@ def main() -> None:
     engines: dict[tuple[str, str], LLM] = {}
     load_s = {}
     for dtype in args.dtypes.split(","):
-        for mode in MODES[1:] + MODES[:1]:  # every forced path, then auto
+        for mode in (*PATH_NAMES, "auto"):
             os.environ["GRAPHRT_MATMUL"] = mode
             start = time.perf_counter()
             engines[dtype, mode] = LLM(model=args.model, dtype=dtype, max_batch=args.batch)
@@ -69,8 +70,8 @@ def main() -> None:
         cells = [f"{statistics.median(rates[dtype, mode, b]):.1f}" for b in batches]
         print(f"| {dtype} | {mode} | {' | '.join(cells)} | {load_s[dtype, mode]:.1f} |")
     for (dtype, mode), llm in engines.items():
+        print(f"{dtype} {mode}: {llm.engine.pipeline.matmul_summary()}")  # what a forced path could not run, too
         if mode == "auto":
-            print(f"{dtype} auto: {llm.engine.pipeline.matmul_summary()}")
             for choice in llm.engine.pipeline.stages[0].matmul_plan.choices:
                 timed = ", ".join(
                     f"{path} {' / '.join(f'{s * 1e6:.0f}' for s in by_rows.values())} us" for path, by_rows in choice.seconds.items()

@@ -6,7 +6,7 @@ For each shape (q/k/v, o, gate/up, down, LM head) it makes 30 weights (2 of the 
 than the L3 cache holds, in every form this machine runs (F.linear's dense weight, oneDNN's packed
 one, graphrt's panels), and times a sweep over all of them at each row count, paths one after the
 other, keeping the median of --repeats sweeps. Prints microseconds per matmul, the rate the weight
-was read at and GFLOP/s; and, first, the rate one thread pair reads a 256 MB tensor at, for scale.
+was read at and GFLOP/s; and, first, the rate torch's threads read a 256 MB tensor at, for scale.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import time
 
 import torch
 
-from graphrt.kernels.linear import linear, pack
+from graphrt.doctor import DEFAULT_MODEL_MATMULS
+from graphrt.kernels.linear import convert, linear
 from graphrt.kernels.matmul_choice import available_paths
-
-SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536), "lm_head": (49152, 576)}
 
 
 def read_rate() -> float:
@@ -42,11 +41,13 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     print(f"{torch.get_num_threads()} threads, {args.dtype}; reading a 256 MB tensor: {read_rate():.1f} GB/s")
-    print("| shape | rows | " + " | ".join(["path: us, GB/s, GFLOP/s"] * 3) + " |")
-    print("|---|---|---|---|---|")
-    for name, (out_features, in_features) in SHAPES.items():
+    for name, (out_features, in_features, _) in DEFAULT_MODEL_MATMULS.items():
         dense = [torch.randn(out_features, in_features).mul_(0.05).to(dtype) for _ in range(30 if out_features < 10000 else 2)]
-        forms = {path: [pack(path, w) for w in dense] for path in available_paths(torch.device("cpu"), dtype, (out_features, in_features))}
+        paths = available_paths(torch.device("cpu"), dtype, (out_features, in_features))
+        if name == next(iter(DEFAULT_MODEL_MATMULS)):
+            print("| shape | rows | " + " | ".join(f"{path}: us, GB/s, GFLOP/s" for path in paths) + " |")
+            print("|---|---|" + "---|" * len(paths))
+        forms = {path: [convert(path, w) for w in dense] for path in paths}
         weight_bytes = out_features * in_features * dense[0].element_size()
         for rows in rows_list:
             x = torch.randn(rows, in_features).to(dtype)
@@ -61,7 +62,7 @@ def main() -> None:
                         linear(x, w)
                     sweeps.append((time.perf_counter() - start) / len(weights))
                 s = statistics.median(sweeps)
-                cells.append(f"{path}: {s * 1e6:.1f}, {weight_bytes / s / 1e9:.1f}, {2 * out_features * in_features * rows / s / 1e9:.0f}")
+                cells.append(f"{s * 1e6:.1f}, {weight_bytes / s / 1e9:.1f}, {2 * out_features * in_features * rows / s / 1e9:.0f}")
             print(f"| {name} | {rows} | {' | '.join(cells)} |")
 
 

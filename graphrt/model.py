@@ -16,7 +16,7 @@ from torch import nn
 
 from graphrt.kernels import KernelSet, rotary_cos_sin
 from graphrt.kernels.cpu_kernel_choice import CpuKernelChoice
-from graphrt.kernels.linear import linear, pack
+from graphrt.kernels.linear import convert, linear
 from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, available_paths, choose_path
 from graphrt.batch import StepMetadata
 from graphrt.config import ModelConfig
@@ -182,18 +182,22 @@ class Stage(nn.Module):
         result is `self.matmul_plan`."""
         if self.matmul_plan is not None:
             return self.matmul_plan
+        owners_of = self.matmul_owners()
+        # Before the clock starts: finding out whether the panel kernel runs may mean building it.
+        paths_of = {
+            name: available_paths(self.device, self.dtype, tuple(getattr(*owners[0]).shape), mode) for name, owners in owners_of.items()
+        }
         start = timer()
         rows = tuple(sorted({1, max_rows}))
         choices = []
-        for name, owners in self.matmul_owners().items():
+        for name, owners in owners_of.items():
             weights = [getattr(o, a) for o, a in owners]
-            paths = available_paths(self.device, self.dtype, tuple(weights[0].shape), mode)
-            choice, trial = choose_path(name, weights, rows, mode, paths, (previous or {}).get(name), timer)
+            choice, trial = choose_path(name, weights, rows, mode, paths_of[name], (previous or {}).get(name), timer)
             del weights
             if choice.path != "dense":
                 for index, (owner, attr) in enumerate(owners):
                     # Each dense weight is freed as soon as its converted copy replaces it.
-                    converted = trial[index] if index < len(trial) else pack(choice.path, getattr(owner, attr))
+                    converted = trial[index] if index < len(trial) else convert(choice.path, getattr(owner, attr))
                     setattr(owner, attr, nn.Parameter(converted, requires_grad=False))
             del trial
             choices.append(choice)

@@ -87,10 +87,11 @@ class Pipeline:
         return Pipeline(stages, [])
 
     def choose_matmuls(self, max_rows: int, cached: list[MatmulPlan] | None = None, mode: str | None = None) -> None:
-        """Each stage runs each weight shape on F.linear or packed oneDNN, whichever is faster here
-        at one row and at `max_rows` (Stage.choose_matmuls). A stage reuses what `cached` (the
-        graph cache's plans, by stage) or an earlier stage on the same device chose for a shape, so
-        a shape is timed once per device. `mode`: auto, dense or packed; None reads GRAPHRT_MATMUL."""
+        """Each stage runs each weight shape on F.linear, packed oneDNN or compiled panels, whichever
+        is fastest here at one row and at `max_rows` (Stage.choose_matmuls). A stage reuses what
+        `cached` (the graph cache's plans, by stage) or an earlier stage on the same device chose
+        for a shape, so a shape is timed once per device. `mode`: auto, dense, packed or panel;
+        None reads GRAPHRT_MATMUL."""
         mode = mode_from_env() if mode is None else mode
         known: dict[torch.device, dict[str, MatmulChoice]] = {}
         for position, stage in enumerate(self.stages):

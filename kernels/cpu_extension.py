@@ -3,10 +3,11 @@
 The kernels are torch ops under `torch.ops.graphrt`: paged decode attention
 (paged_attention_cpu.py), the elementwise ops of a decoder layer (elementwise_cpu.py) and matmuls
 against panel-packed weights (linear.py). They are built with torch.utils.cpp_extension (about
-15 s with g++, once per machine) into $GRAPHRT_CACHE/cpu_kernels/<key>/ (default ~/.cache/graphrt), the key hashing everything the
-binary depends on: the sources, torch's version, the compiler flags, and this CPU's flags. Where
-they can't be built (no compiler, no ninja, a build error), `available()` is False and
-`unavailable_reason()` says why, so a caller can fall back to the torch references.
+15 s with g++, once per machine) into $GRAPHRT_CACHE/cpu_kernels/<key>/ (default
+~/.cache/graphrt), the key hashing everything the binary depends on: the sources, torch's
+version, the compiler flags, and this CPU's flags. Where they can't be built (no compiler, no
+ninja, a build error in any of the files), `available()` is False and `unavailable_reason()` says
+why, so a caller can fall back to the torch references (and to F.linear or oneDNN for matmuls).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def build(source_paths: tuple[Path, ...], cache_root: Path) -> Build:
                          f"(full log: {failed}; delete {build_dir} to try again)")
         build_dir.mkdir(parents=True, exist_ok=True)
         if not (build_dir / f"{EXTENSION_NAME}_{key}.so").is_file():
-            logger.warning("building the compiled CPU kernels in %s (once per machine, about 10 s)", build_dir)
+            logger.warning("building the compiled CPU kernels in %s (once per machine, about 15 s)", build_dir)
         with build_lock(build_dir):
             # Build the text that was hashed, not the files in the tree, which someone may be
             # editing; rewritten only if it differs, since a newer file makes ninja rebuild.
@@ -201,7 +202,7 @@ def extension() -> Build:
 
 def unavailable_reason(dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> str | None:
     """Why the kernels can't run here, for tensors of `dtype` on `device` if given; None when they
-    can. Builds them on first call (about 10 s; then cached on disk for later processes).
+    can. Builds them on first call (about 15 s; then cached on disk for later processes).
     """
     if torch.device(device).type != "cpu":
         return f"the CPU kernels run on CPU tensors, not {torch.device(device).type}"

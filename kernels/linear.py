@@ -13,6 +13,8 @@ weight is the reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -45,35 +47,48 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
 
 
-# A panel is 16 output columns (one AVX-512 register of float32); along in_features it holds a
-# step of PANEL_PAIR[dtype] values per column (bfloat16 pairs feed one vdpbf16ps).
+# A panel is 16 output columns (one AVX-512 register of float32); along in_features it holds
+# PANEL_K_STEP[dtype] values per column at each step (a bfloat16 pair feeds one vdpbf16ps).
 PANEL_WIDTH = 16
-PANEL_PAIR = {torch.float32: 1, torch.bfloat16: 2}
+PANEL_K_STEP = {torch.float32: 1, torch.bfloat16: 2}
 
 
 def can_use_panels(device: torch.device, dtype: torch.dtype, shape: tuple[int, int] | None = None) -> bool:
     """float32 on an AVX-512 CPU, bfloat16 on one with AVX512-BF16, where the compiled kernels
-    build; for a weight `shape` (out_features, in_features) also that it cuts into whole panels."""
-    if device.type != "cpu" or dtype not in PANEL_PAIR or torch.backends.cpu.get_cpu_capability() != "AVX512":
+    build and run it; for a weight `shape` (out_features, in_features) also that it cuts into
+    whole panels."""
+    if device.type != "cpu" or dtype not in PANEL_K_STEP or torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
     if dtype == torch.bfloat16 and cpu_bf16_support() is None:
         return False
-    if shape is not None and (shape[0] % PANEL_WIDTH or shape[1] % PANEL_PAIR[dtype]):
+    if shape is not None and (shape[0] % PANEL_WIDTH or shape[1] % PANEL_K_STEP[dtype]):
         return False
-    return cpu_extension.available(dtype)
+    return cpu_extension.available(dtype) and _panel_kernel_runs(dtype)
+
+
+@functools.cache
+def _panel_kernel_runs(dtype: torch.dtype) -> bool:
+    """Whether this build of the kernel computes `dtype` (a compiler without AVX512-BF16 support
+    builds it without bfloat16), tried once on a tiny matmul."""
+    weight = torch.ones(PANEL_WIDTH, 2 * PANEL_K_STEP[dtype], dtype=dtype)
+    try:
+        out = torch.ops.graphrt.panel_linear(torch.ones(1, weight.shape[1], dtype=dtype), pack_panels(weight), None)
+    except RuntimeError:
+        return False
+    return bool((out == weight.shape[1]).all())
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """(out_features, in_features) -> (out_features / 16, in_features / pair, 16, pair): each panel
-    of 16 columns stored as one stream, a step of k (a pair for bfloat16) for all 16 at a time."""
+    """(out_features, in_features) -> (out_features / 16, in_features / k_step, 16, k_step): each
+    panel of 16 columns stored as one stream, a step of k (a pair for bfloat16) for all 16 at a time."""
     out_features, in_features = weight.shape
-    pair = PANEL_PAIR[weight.dtype]
-    panels = weight.reshape(out_features // PANEL_WIDTH, PANEL_WIDTH, in_features // pair, pair)
+    k_step = PANEL_K_STEP[weight.dtype]
+    panels = weight.reshape(out_features // PANEL_WIDTH, PANEL_WIDTH, in_features // k_step, k_step)
     return panels.permute(0, 2, 1, 3).contiguous()
 
 
-def pack(path: str, weight: torch.Tensor) -> torch.Tensor:
-    """`weight` in the form `path` (dense, packed or panel; kernels/matmul_choice.py) reads."""
+def convert(path: str, weight: torch.Tensor) -> torch.Tensor:
+    """A dense `weight` in the form `path` (dense, packed or panel; kernels/matmul_choice.py) reads."""
     if path == "packed":
         return pack_weight(weight)
     if path == "panel":
@@ -81,15 +96,20 @@ def pack(path: str, weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def form(weight: torch.Tensor) -> str:
+def weight_form(weight: torch.Tensor) -> str:
     """The path a weight was converted for: dense, packed or panel."""
     return "packed" if weight.is_mkldnn else "panel" if weight.dim() == 4 else "dense"
 
 
-def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
-    """`pack_panels` undone: the dense (out_features, in_features) weight."""
-    num_panels, steps, width, pair = panels.shape
-    return panels.permute(0, 2, 1, 3).reshape(num_panels * width, steps * pair)
+def dense_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A weight in any form as the dense (out_features, in_features) tensor it was made from."""
+    form = weight_form(weight)
+    if form == "packed":
+        return weight.to_dense()
+    if form == "panel":
+        num_panels, steps, width, k_step = weight.shape
+        return weight.permute(0, 2, 1, 3).reshape(num_panels * width, steps * k_step)
+    return weight
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,7 +5,7 @@ A CPU stage can run a matmul three ways (kernels/linear.py): `F.linear` on the w
 oneDNN on the weight reordered once into its blocked layout ("packed"), or graphrt's compiled
 kernel on the weight cut into panels of 16 columns ("panel", AVX-512 CPUs). Which is fastest
 depends on the CPU, the shape and the rows: on the 2-core AMD EPYC build machine packed beats
-F.linear on every float32 shape by 1.1 to 2.5x and panel beats packed by 1.2 to 2.7x at one row,
+F.linear on every float32 shape by 1.1 to 2.5x and panel beats packed by 1.15 to 2.6x at one row,
 while on an Intel machine plain `F.linear` streams float32 faster at one row than packed. So a
 stage times every path it has on its own weights, at one row and at its largest decode bucket, and
 keeps the fastest for each weight shape (each layer's q/k/v, o, gate/up and down, and the LM head).
@@ -20,6 +20,8 @@ What keeps the timing honest:
 - A weight is kept in one form (two would double its memory), so a shape's path must serve one row
   and a full batch: each path scores its time over the fastest at each row count, summed, so both
   regimes weigh the same; another path must beat `F.linear` by MARGIN, so noise does not flip a tie.
+- Timing holds the swept weights in every candidate form at once: for a shape of one weight (the
+  LM head) that is two copies beside the dense one while it is timed.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from graphrt.cpu_info import cpu_l3_bytes
 from graphrt.kernels import mode_from_env as env_mode
-from graphrt.kernels.linear import can_pack, can_use_panels, linear, pack
+from graphrt.kernels.linear import can_pack, can_use_panels, convert, linear
 
 PATH_NAMES = {"dense": "F.linear", "packed": "packed oneDNN", "panel": "compiled panels"}  # dense, the reference, first
 MODES = ("auto", *PATH_NAMES)
@@ -46,8 +48,9 @@ MODE_ENV = "GRAPHRT_MATMUL"  # forces a path for tests and benchmarks; auto (mea
 MIN_SAMPLES, MAX_ROUNDS = 5, 5
 SHAPE_BUDGET_S, SHAPE_LIMIT_S = 0.1, 0.3
 MARGIN = 0.03
-# A path this many times slower than the fastest at every row count after a round can't win (its
-# score would be over twice the least possible): it is not timed again, which spares the slowest calls.
+# A path this many times slower than the fastest at every row count after a round is all but out
+# of the running (its score is over twice the least possible): it is not timed again, which spares
+# the slowest calls, and keeps the median it has.
 FAR_BEHIND = 2.0
 
 
@@ -62,7 +65,9 @@ class MatmulChoice:
     name: str  # qkv_proj, o_proj, gate_up_proj, down_proj, lm_head
     shape: tuple[int, int]  # (out_features, in_features)
     path: str  # dense | packed | panel
-    source: str  # measured | cached (the graph cache) | forced (GRAPHRT_MATMUL) | only (no other path here)
+    # measured | cached (the graph cache) | forced (GRAPHRT_MATMUL) | unavailable (the forced path
+    # can't run this shape here: F.linear instead) | only (no other path for this device and dtype)
+    source: str
     seconds: dict[str, dict[int, float]] = field(default_factory=dict)  # path -> rows -> median s per matmul
 
     def to_json(self) -> dict:
@@ -146,6 +151,8 @@ def summarize(plans: list[MatmulPlan]) -> str:
         why.append("from the graph cache")
     if "forced" in sources:
         why.append(f"forced by {MODE_ENV}")
+    if "unavailable" in sources:
+        why.append(f"F.linear where {MODE_ENV}'s path can't run here")
     if "only" in sources:
         why.append("F.linear is the only path for this device and dtype" if len(sources) == 1 else "some have one path")
     return f"matmuls: {'; '.join(parts)} ({'; '.join(why)})"
@@ -262,18 +269,18 @@ def choose_path(
     it (`available_paths`), and the copies in that path's form made while timing (the first few
     weights; empty if dense won): reuse them when converting.
 
-    A forced `mode` comes first (where this shape can take it; else dense is the only path), then
-    a `previous` choice for the same shape (the graph cache's, or another stage's on the same
-    device), then a measurement."""
+    A forced `mode` comes first (F.linear where this shape can't take it here), then a `previous`
+    choice for the same shape (the graph cache's, or another stage's on the same device), then a
+    measurement."""
     shape = (int(weights[0].shape[0]), int(weights[0].shape[1]))
-    if mode != "auto" and mode in paths:
-        return MatmulChoice(name, shape, mode, "forced"), []
+    if mode != "auto":
+        return MatmulChoice(name, shape, mode, "forced") if mode in paths else MatmulChoice(name, shape, "dense", "unavailable"), []
     if len(paths) == 1:
         return MatmulChoice(name, shape, "dense", "only"), []
     if previous is not None and previous.shape == shape and previous.path in paths:
         return replace(previous, name=name), []
     sweep = weights[: sweep_length(weights[0].numel() * weights[0].element_size(), len(weights), cpu_l3_bytes())]
-    trials = {path: [pack(path, w) for w in sweep] for path in paths}
+    trials = {path: [convert(path, w) for w in sweep] for path in paths}
     seconds = time_paths(trials, rows, timer)
     path = pick_path(seconds)
     return MatmulChoice(name, shape, path, "measured", seconds), trials[path] if path != "dense" else []
@@ -291,8 +298,8 @@ def measure_shapes(
         weight_bytes = out_features * in_features * torch.empty(0, dtype=dtype).element_size()
         num_weights = sweep_length(weight_bytes, count, cpu_l3_bytes())
         weights = [torch.empty(out_features, in_features, dtype=dtype).uniform_(-0.05, 0.05) for _ in range(num_weights)]
-        start = timer()
         paths = available_paths(torch.device("cpu"), dtype, (out_features, in_features))
+        start = timer()
         choices.append(choose_path(name, weights, rows, "auto", paths, timer=timer)[0])
         measure_s += timer() - start
     return MatmulPlan(tuple(choices), rows, measure_s)

@@ -14,7 +14,7 @@ from graphrt import LLM
 from graphrt.capture.manifest import StaleCacheError, cached_matmul_plans, read_manifest, write_manifest
 from graphrt.cli import build_manifest
 from graphrt.doctor import run_doctor
-from graphrt.kernels.linear import can_pack, form, linear, unpack_panels
+from graphrt.kernels.linear import can_pack, dense_weight, linear, weight_form
 from graphrt.kernels.matmul_choice import (
     MatmulChoice,
     MatmulPlan,
@@ -123,7 +123,10 @@ def test_forcing_a_path_comes_before_any_measurement_and_a_bad_value_is_named():
     assert (choice.path, choice.source, choice.seconds, trial) == ("packed", "forced", {}, [])
     choice, _ = choose_path("o_proj", weights, (1, 8), "dense", ("dense",))
     assert (choice.path, choice.source) == ("dense", "forced")
-    choice, _ = choose_path("o_proj", weights, (1, 8), "panel", ("dense",))  # float64, not a CPU, or no whole panels
+    choice, _ = choose_path("o_proj", weights, (1, 8), "panel", ("dense", "packed"))  # no AVX-512, or no whole panels
+    assert (choice.path, choice.source) == ("dense", "unavailable")
+    assert summarize([MatmulPlan((choice,), (1, 8))]) == "matmuls: F.linear for o_proj (F.linear where GRAPHRT_MATMUL's path can't run here)"
+    choice, _ = choose_path("o_proj", weights, (1, 8), "auto", ("dense",))  # float64, or not a CPU
     assert (choice.path, choice.source) == ("dense", "only")
     assert mode_from_env({"GRAPHRT_MATMUL": "Panel"}) == "panel"
     assert mode_from_env({}) == "auto"
@@ -169,8 +172,8 @@ def test_a_measured_stage_holds_each_weight_in_the_form_chosen_and_computes_what
             assert choice.source == "measured"
             for owner, attr in owners:
                 weight = getattr(owner, attr)
-                assert form(weight) == choice.path, f"{name} on stage {stage.index}"
-                dense = weight.to_dense() if weight.is_mkldnn else unpack_panels(weight) if weight.dim() == 4 else weight
+                assert weight_form(weight) == choice.path, f"{name} on stage {stage.index}"
+                dense = dense_weight(weight)
                 x = torch.randn(3, dense.shape[1], generator=generator).to(dtype)
                 tolerance = 1e-4 if dtype == torch.float32 else 2e-2
                 torch.testing.assert_close(linear(x, weight), F.linear(x, dense), rtol=tolerance, atol=tolerance)
@@ -192,13 +195,14 @@ def test_every_forced_path_gives_the_logits_of_the_others(tiny_model_factory, mo
             # A 97-token vocabulary does not cut into panels of 16: that LM head stays on F.linear.
             assert set(paths.values()) <= {mode, "dense"} and paths["qkv_proj"] == (mode if mode in available_paths(
                 torch.device("cpu"), torch.float32, (128, 64)) else "dense")
-            assert "forced by GRAPHRT_MATMUL" in engine.pipeline.matmul_summary()
+            assert "GRAPHRT_MATMUL" in engine.pipeline.matmul_summary()  # forced, or unavailable here
         logits[mode] = prompt_logits(engine, prompt)
     for mode in ("packed", "panel", "auto"):
         torch.testing.assert_close(logits[mode], logits["dense"], atol=1e-4, rtol=0)
 
 
-def test_a_stage_without_a_second_path_says_so(tiny_model_factory):
+def test_a_stage_without_a_second_path_says_so(tiny_model_factory, monkeypatch):
+    monkeypatch.setenv("GRAPHRT_MATMUL", "auto")
     engine = LLM(model=tiny_model_factory("llama-gqa-tied"), dtype="float64").engine
     assert engine.pipeline.matmul_summary() == (
         "matmuls: F.linear for qkv_proj, o_proj, gate_up_proj, down_proj, lm_head "
@@ -241,7 +245,7 @@ def test_a_start_with_the_graph_cache_takes_its_matmul_paths_without_measuring(t
         assert stage.matmul_plan.measure_s == 0.0
         for choice in plan.choices:
             owner, attr = stage.matmul_owners()[choice.name][0]
-            assert form(getattr(owner, attr)) == choice.path
+            assert weight_form(getattr(owner, attr)) == choice.path
     assert "matmuls" in read_manifest(tmp_path)
 
 

@@ -4,8 +4,8 @@
 // reference (tests/test_matmul_cpu.py).
 //
 // Layout: the weight (out_features, in_features) is cut into panels of 16 output columns, one
-// AVX-512 register wide. A panel stores its columns interleaved along k, 16 values per step:
-// (panels, in_features / kPair, 16, kPair), kPair = 2 for bfloat16 (the pairs one vdpbf16ps
+// AVX-512 register wide. A panel stores its columns interleaved along k, a step at a time:
+// (panels, in_features / k_step, 16, k_step), k_step = 2 for bfloat16 (the pair one vdpbf16ps
 // multiplies and sums: AVX512-BF16), 1 for float32 (one FMA). So every register load is one
 // step of k for 16 columns, and a whole panel is one sequential stream.
 //
@@ -21,7 +21,11 @@
 //
 // Threads: at::parallel_for gives each thread an even share of the panels; see
 // paged_attention_cpu.cpp on OpenMP. Each output is one thread's sum in one order, so the result
-// does not depend on the number of threads.
+// does not depend on the number of threads or on the other rows.
+//
+// The bfloat16 code needs a compiler that knows AVX512-BF16 (g++ 10, clang 11); an older one
+// builds the file without it, and the op then refuses bfloat16 (kernels/linear.py checks for that
+// before offering the path), so the other kernels in the library still build.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,22 +35,33 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <type_traits>
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
+#if (defined(__clang__) && __clang_major__ >= 11) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+#define GRAPHRT_PANEL_BF16 1
+#endif
 #endif
 
 namespace {
 
 constexpr int64_t kPanel = 16;      // output columns per panel: one register of float32
 constexpr int64_t kRowChunk = 128;  // rows of x per pass over a group of panels
-// How far ahead (in elements of a panel: 16 steps of k) a bfloat16 tile asks for its panels. With
-// one to eight rows the panels come from memory and the hardware prefetcher alone left the 8-row
-// tiles waiting on it (30 GB/s where one row streams 60); 1 KB ahead brought 8 and 32 rows up to
-// oneDNN's rate or past it on the AMD EPYC we measured.
-constexpr int64_t kPrefetch = 512;
 
 #if defined(CPU_CAPABILITY_AVX512)
+
+// How far ahead a bfloat16 tile asks for each of its panels. With one to eight rows the panels come
+// from memory, and with the hardware prefetcher alone 8-row tiles waited on it (30 GB/s where one
+// row streamed 60); 1 KB ahead brought 8 and 32 rows up to oneDNN's rate or past it on the AMD
+// EPYC we measured. (Past a panel's end it asks for the next panel's start: harmless, as a
+// prefetch never faults.) float32 tiles, which were already at oneDNN's rate or past it, don't.
+constexpr int64_t kPrefetchBytes = 1024;
+
+inline void prefetch_ahead(const void* src) {
+  _mm_prefetch(static_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T0);
+}
 
 // out[m, p * 16 + c] for m < MR, p < NR panels, c < 16 = sum over k of x[m, k] * w[p][k][c].
 // `w` points at the first panel; panels are `panel_stride` elements apart.
@@ -70,6 +85,8 @@ void tile_f32(const float* x, int64_t ldx, const float* w, int64_t panel_stride,
   }
 }
 
+#if defined(GRAPHRT_PANEL_BF16)
+
 __attribute__((target("avx512bf16"))) inline __m512 load_bf16_as_f32(const at::BFloat16* src) {
   // bfloat16 is the high half of a float32: widen each to 32 bits and shift it up.
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
@@ -88,7 +105,7 @@ __attribute__((target("avx512bf16"))) void tile_bf16(const at::BFloat16* x, int6
     __m512bh wv[NR];
     for (int p = 0; p < NR; ++p) {
       const at::BFloat16* src = w + p * panel_stride + k * kPanel;
-      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetch), _MM_HINT_T0);
+      prefetch_ahead(src);
       wv[p] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(src));
     }
     for (int m = 0; m < MR; ++m) {
@@ -107,53 +124,62 @@ __attribute__((target("avx512bf16"))) void tile_bf16(const at::BFloat16* x, int6
   }
 }
 
+bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+#endif  // GRAPHRT_PANEL_BF16
+
 template <typename T, int MR, int NR>
 inline void tile(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_t k_size, const T* bias, T* out,
                  int64_t ldo) {
   if constexpr (std::is_same_v<T, float>) {
     tile_f32<MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo);
   } else {
+#if defined(GRAPHRT_PANEL_BF16)
     tile_bf16<MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo);
+#endif
   }
 }
 
-// MR rows by `panels` panels (at most NR), in tiles of NR panels and one tile for the rest.
+// MR rows by `num_panels` panels (at most NR) in one tile.
 template <typename T, int MR, int NR>
 void row_block(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_t k_size, const T* bias,
-               int64_t panels, T* out, int64_t ldo) {
+               int64_t num_panels, T* out, int64_t ldo) {
   static_assert(NR >= 1 && NR <= 8);
-  if (panels == NR) {
+  if (num_panels == NR) {
     tile<T, MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo);
   } else if constexpr (NR > 1) {
-    row_block<T, MR, NR - 1>(x, ldx, w, panel_stride, k_size, bias, panels, out, ldo);
+    row_block<T, MR, NR - 1>(x, ldx, w, panel_stride, k_size, bias, num_panels, out, ldo);
   }
 }
 
-// Rows [0, rows) of x against `panels` panels (at most 8) starting at `w`.
+// Rows [0, num_rows) of x against `num_panels` panels (at most 8) starting at `w`.
 template <typename T>
-void rows_by_panels(const T* x, int64_t ldx, int64_t rows, const T* w, int64_t panel_stride, int64_t k_size,
-                    const T* bias, int64_t panels, T* out, int64_t ldo) {
+void rows_by_panels(const T* x, int64_t ldx, int64_t num_rows, const T* w, int64_t panel_stride, int64_t k_size,
+                    const T* bias, int64_t num_panels, T* out, int64_t ldo) {
   int64_t m = 0;
   auto run = [&](auto mr, auto nr) {
     constexpr int MR = decltype(mr)::value, NR = decltype(nr)::value;
-    for (int64_t p = 0; p < panels; p += NR) {
-      const int64_t count = std::min<int64_t>(NR, panels - p);
+    for (int64_t p = 0; p < num_panels; p += NR) {
       row_block<T, MR, NR>(x + m * ldx, ldx, w + p * panel_stride, panel_stride, k_size,
-                           bias != nullptr ? bias + p * kPanel : nullptr, count, out + m * ldo + p * kPanel, ldo);
+                           bias != nullptr ? bias + p * kPanel : nullptr, std::min<int64_t>(NR, num_panels - p),
+                           out + m * ldo + p * kPanel, ldo);
     }
   };
-  if (rows >= 16) {  // panels from L2 after the first tile: 4 loads and 4 broadcasts per 16 products
-    for (; m + 4 <= rows; m += 4) run(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{});
+  if (num_rows >= 16) {  // panels from L2 after the first tile: 4 loads and 4 broadcasts per 16 products
+    for (; m + 4 <= num_rows; m += 4) run(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{});
   }
-  for (; m + 8 <= rows; m += 8) run(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
-  if (m + 4 <= rows) { run(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{}); m += 4; }
-  if (m + 2 <= rows) { run(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{}); m += 2; }
-  if (m + 1 <= rows) { run(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{}); m += 1; }
+  for (; m + 8 <= num_rows; m += 8) run(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
+  if (m + 4 <= num_rows) { run(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{}); m += 4; }
+  if (m + 2 <= num_rows) { run(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{}); m += 2; }
+  if (m + 1 <= num_rows) { run(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{}); m += 1; }
 }
 
 template <typename T>
 void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& out) {
-  const int64_t rows = x.size(0), k_size = x.size(1), ldx = x.stride(0);
+  const int64_t num_rows = x.size(0), k_size = x.size(1), ldx = x.stride(0);
   const int64_t num_panels = w.size(0), panel_stride = w.stride(0);
   const T* x_data = x.const_data_ptr<T>();
   const T* w_data = w.const_data_ptr<T>();
@@ -163,41 +189,35 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   // A thread takes an even share of the panels (so shapes of few panels still split evenly) and
   // runs them in groups of 8 (128 columns), chunk of rows by chunk.
   constexpr int64_t kGroup = 8;
-  const int64_t work_per_panel = kPanel * k_size * std::min<int64_t>(rows, 8);
+  const int64_t work_per_panel = std::max<int64_t>(1, kPanel * k_size * std::min<int64_t>(num_rows, 8));
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / work_per_panel);
   at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
-      const int64_t chunk = std::min(kRowChunk, rows - r0);
+    for (int64_t r0 = 0; r0 < num_rows; r0 += kRowChunk) {
+      const int64_t chunk_rows = std::min(kRowChunk, num_rows - r0);
       for (int64_t p0 = begin; p0 < end; p0 += kGroup) {
-        const int64_t panels = std::min(kGroup, end - p0);
-        rows_by_panels<T>(x_data + r0 * ldx, ldx, chunk, w_data + p0 * panel_stride, panel_stride, k_size,
-                          bias_data != nullptr ? bias_data + p0 * kPanel : nullptr, panels,
+        rows_by_panels<T>(x_data + r0 * ldx, ldx, chunk_rows, w_data + p0 * panel_stride, panel_stride, k_size,
+                          bias_data != nullptr ? bias_data + p0 * kPanel : nullptr, std::min(kGroup, end - p0),
                           out_data + r0 * ldo + p0 * kPanel, ldo);
       }
     }
   });
 }
 
-bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-
 #endif  // CPU_CAPABILITY_AVX512
 
-// x: (rows, in_features) with unit-stride rows; w: (out_features / 16, in_features / kPair, 16,
-// kPair) as kernels/linear.py packs it; bias: (out_features,) or None. Returns (rows, out_features).
+// x: (rows, in_features) with unit-stride rows; w: (out_features / 16, in_features / k_step, 16,
+// k_step) as kernels/linear.py packs it; bias: (out_features,) or None. Returns (rows, out_features).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "panel_linear: x must be (rows, in_features) with unit-stride rows");
   TORCH_CHECK(w.dim() == 4 && w.size(2) == kPanel && w.is_contiguous(),
               "panel_linear: the weight must be packed by graphrt.kernels.linear.pack_panels "
-              "(panels, in_features / pair, 16, pair), contiguous");
+              "(panels, in_features / k_step, 16, k_step), contiguous");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "panel_linear: x is ", x.scalar_type(), " but the weight is ",
               w.scalar_type());
-  const int64_t pair = x.scalar_type() == at::kBFloat16 ? 2 : 1;
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "panel_linear: float32 and bfloat16 only, not ", x.scalar_type());
-  TORCH_CHECK(w.size(3) == pair && w.size(1) * pair == x.size(1), "panel_linear: x has ", x.size(1),
+  const int64_t k_step = x.scalar_type() == at::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(w.size(3) == k_step && w.size(1) * k_step == x.size(1), "panel_linear: x has ", x.size(1),
               " features but the weight was packed for ", w.size(1) * w.size(3));
   const int64_t out_features = w.size(0) * kPanel;
   if (bias.has_value()) {
@@ -208,8 +228,13 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
 #if defined(CPU_CAPABILITY_AVX512)
   if (x.scalar_type() == at::kBFloat16) {
+#if defined(GRAPHRT_PANEL_BF16)
     TORCH_CHECK(cpu_has_avx512_bf16(), "panel_linear: bfloat16 needs a CPU with AVX512-BF16; use F.linear");
     panel_linear_impl<at::BFloat16>(x, w, bias.has_value() ? &*bias : nullptr, out);
+#else
+    TORCH_CHECK(false, "panel_linear: built by a compiler without AVX512-BF16 support (g++ 10 or clang 11 "
+                "have it), so no bfloat16; use F.linear");
+#endif
   } else {
     panel_linear_impl<float>(x, w, bias.has_value() ? &*bias : nullptr, out);
   }
