@@ -33,8 +33,9 @@ MODE_ENV = "GRAPHRT_CPU_KERNELS"  # forces a path for tests and benchmarks; auto
 NUM_CALLS = 7  # per path, alternating
 MAX_CONTEXT = 384  # tokens: a long chat turn; longer contexts favour the compiled attention further
 MARGIN = 0.05  # the kernel must beat the reference by this much, so noise does not flip a tie
-OPS = ("paged_decode_attention", "rms_norm", "apply_rotary", "silu_and_mul")  # KernelSet fields
-OP_NAMES = {"paged_decode_attention": "decode attention", "apply_rotary": "rotary"}  # in the banner
+OPS = ("paged_decode_attention", "paged_prefill_attention", "rms_norm", "apply_rotary", "silu_and_mul")  # KernelSet fields
+OP_NAMES = {"paged_decode_attention": "decode attention", "paged_prefill_attention": "prefill attention", "apply_rotary": "rotary"}
+PREFILL_PROMPTS, PREFILL_TOKENS = 4, 128  # prefill attention is timed on a chunk of 4 prompts of 128 tokens
 
 
 def mode_from_env(environ: Mapping[str, str] = os.environ) -> str:
@@ -61,6 +62,7 @@ def compiled_ops() -> dict[str, Callable]:
 
     return {
         "paged_decode_attention": paged_attention_cpu.paged_decode_attention,
+        "paged_prefill_attention": paged_attention_cpu.paged_prefill_attention,
         "rms_norm": elementwise_cpu.rms_norm,
         "apply_rotary": elementwise_cpu.apply_rotary,
         "silu_and_mul": elementwise_cpu.silu_and_mul,
@@ -93,8 +95,8 @@ class CpuKernelChoice:
         """`ops` with the chosen functions; a prompt chunk's riding decode rows attend through the
         chosen decode attention too."""
         chosen = self.functions()
-        prefill = functools.partial(ops.paged_prefill_attention, decode_attention=chosen["paged_decode_attention"])
-        return dataclasses.replace(ops, **chosen, paged_prefill_attention=prefill)
+        prefill = functools.partial(chosen["paged_prefill_attention"], decode_attention=chosen["paged_decode_attention"])
+        return dataclasses.replace(ops, **{**chosen, "paged_prefill_attention": prefill})
 
     def summary(self) -> str:
         """One line for the start-up banner."""
@@ -107,7 +109,8 @@ class CpuKernelChoice:
             times = ", ".join(
                 f"{name(op)} {self.seconds[op]['compiled'] * 1e3:.3f} vs {self.seconds[op]['torch'] * 1e3:.3f}" for op in OPS
             )
-            return f"{line} (ms per call at {self.rows} rows, compiled vs torch: {times})"
+            return (f"{line} (ms per call at {self.rows} rows, prefill attention on {PREFILL_PROMPTS} prompts of "
+                    f"{PREFILL_TOKENS} tokens, compiled vs torch: {times})")
         if self.source == "forced":
             return f"{line} (forced by {MODE_ENV})"
         return f"{line} ({self.note})"
@@ -119,6 +122,15 @@ def timing_inputs(op: str, shapes: LayerShapes, rows: int, block_size: int, dtyp
     randn = lambda *shape: torch.randn(*shape, generator=generator).to(dtype)  # noqa: E731
     if op == "paged_decode_attention":
         return random_decode_inputs(rows, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, block_size, dtype, seed)
+    if op == "paged_prefill_attention":  # whole prompts, so every query token but the first sees several
+        q, k_cache, v_cache, tables, _, scale, _ = random_decode_inputs(
+            PREFILL_PROMPTS, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, block_size, dtype, seed
+        )
+        if tables.shape[1] * block_size < PREFILL_TOKENS:
+            raise ValueError(f"prefill timing needs {PREFILL_TOKENS}-token contexts; MAX_CONTEXT is {MAX_CONTEXT}")
+        q = randn(PREFILL_PROMPTS * PREFILL_TOKENS, shapes.num_heads, shapes.head_dim)
+        lens = [PREFILL_TOKENS] * PREFILL_PROMPTS
+        return q, k_cache, v_cache, tables, lens, lens, scale
     if op == "rms_norm":
         return randn(rows, shapes.hidden_size), randn(shapes.hidden_size), 1e-5, randn(rows, shapes.hidden_size)
     if op == "apply_rotary":

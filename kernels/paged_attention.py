@@ -74,6 +74,7 @@ def paged_prefill_attention(
     seq_lens: list[int],
     scale: float,
     decode_attention: Callable = paged_decode_attention,
+    prompt_attention: Callable | None = None,
 ) -> torch.Tensor:
     """A chunk of prompt tokens from several sequences, each attending causally to its context.
 
@@ -83,7 +84,9 @@ def paged_prefill_attention(
 
     The leading rows with one query token (the decode rows riding along with a chunk, which the
     scheduler puts first) attend as one decode batch through `decode_attention`: one call instead
-    of a gather and an attention call per row, in every layer.
+    of a gather and an attention call per row, in every layer. The rows after them go to
+    `prompt_attention` (same arguments as this function, for those rows only) where given, else one
+    F.scaled_dot_product_attention call per row here.
     """
     block_size = k_cache.shape[1]
     num_single = next((row for row, query_len in enumerate(query_lens) if query_len != 1), len(query_lens))
@@ -95,6 +98,12 @@ def paged_prefill_attention(
         outputs.append(
             _decode_rows(q[leading], k_cache, v_cache, block_tables[leading], seq_lens[leading], scale, decode_attention)
         )
+    if prompt_attention is not None:
+        rest = slice(num_single, len(query_lens))
+        outputs.append(prompt_attention(
+            q[sum(query_lens[:num_single]):], k_cache, v_cache, block_tables[rest], query_lens[rest], seq_lens[rest], scale
+        ))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
     start = num_single
     for row in range(num_single, len(query_lens)):
         query_len, seq_len = query_lens[row], seq_lens[row]

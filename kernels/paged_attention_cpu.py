@@ -1,31 +1,35 @@
-"""Paged decode attention compiled for the CPU (reference: `paged_attention.paged_decode_attention`).
+"""Paged attention compiled for the CPU: decode (reference: `paged_attention.paged_decode_attention`)
+and the prompt rows of a prefill chunk (reference: `paged_attention.paged_prefill_attention`).
 
-The kernel (csrc/paged_attention_cpu.cpp, built by cpu_extension.py) reads K/V straight from the
-cache through the block tables, where the reference first gathers them into a new tensor, and runs
-each (sequence, kv head) on torch's intra-op threads.
+The kernels (csrc/paged_attention_cpu.cpp, built by cpu_extension.py) read K/V straight from the
+cache through the block tables, where the references first gather them into new tensors, and run
+each (sequence, kv head) (a block of 16 query tokens of one, for prefill) on torch's intra-op threads.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from graphrt.kernels import paged_attention as reference
 from graphrt.kernels.cpu_extension import SUPPORTED_DTYPES, extension
 
 
-def check_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+def check_inputs(q, k_cache, v_cache, block_tables, seq_lens, op: str = "paged_decode_attention") -> None:
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "seq_lens": seq_lens}
     off_cpu = [name for name, tensor in tensors.items() if tensor.device.type != "cpu"]
     if off_cpu:
-        raise ValueError(f"paged_decode_attention (CPU kernel): {', '.join(off_cpu)} not on the CPU; "
+        raise ValueError(f"{op} (CPU kernel): {', '.join(off_cpu)} not on the CPU; "
                          "use the Triton kernels on CUDA")
     if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"paged_decode_attention (CPU kernel): q, k_cache, v_cache are {q.dtype}, {k_cache.dtype}, "
+        raise ValueError(f"{op} (CPU kernel): q, k_cache, v_cache are {q.dtype}, {k_cache.dtype}, "
                          f"{v_cache.dtype}; they must share one of {SUPPORTED_DTYPES}")
     if block_tables.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError("paged_decode_attention (CPU kernel): block_tables and seq_lens must be int32 or int64, "
+        raise ValueError(f"{op} (CPU kernel): block_tables and seq_lens must be int32 or int64, "
                          f"not {block_tables.dtype} and {seq_lens.dtype}")
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError("paged_decode_attention (CPU kernel): q must be (batch, heads, head_dim) and both caches "
+        raise ValueError(f"{op} (CPU kernel): q must be (batch, heads, head_dim) and both caches "
                          f"(num_blocks, block_size, kv_heads, head_dim); got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
 
@@ -56,4 +60,38 @@ def paged_decode_attention(
     return torch.ops.graphrt.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, float(scale))
 
 
-__all__ = ["paged_decode_attention"]
+def prompt_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query tokens (q's rows, back to back, `query_lens[i]`
+    of sequence i, the last of its `seq_lens[i]` context tokens, all already in the cache) over its
+    context: (tokens, heads, head_dim), as the reference's per-sequence loop computes it."""
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    check_inputs(q, k_cache, v_cache, block_tables, lens, op="paged_prefill_attention")
+    build = extension()
+    if build.library is None:
+        raise RuntimeError(f"the CPU paged attention kernel is unavailable: {build.reason}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    block_tables = block_tables.to(torch.int64)
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    return torch.ops.graphrt.paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, torch.tensor(query_lens, dtype=torch.int64), lens, float(scale)
+    )
+
+
+# The KernelSet field: the reference's handling of a chunk (riding decode rows through the chosen
+# decode attention) with its prompt rows on the kernel.
+paged_prefill_attention = functools.partial(reference.paged_prefill_attention, prompt_attention=prompt_attention)
+
+
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "prompt_attention"]

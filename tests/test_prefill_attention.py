@@ -53,3 +53,111 @@ def test_a_mixed_chunk_matches_each_sequence_alone(query_lens, seq_lens):
         expected = longhand(q[start : start + query_len], keys, values, seq_len - query_len, scale)
         torch.testing.assert_close(out[start : start + query_len], expected, rtol=1e-9, atol=1e-9)
         start += query_len
+
+
+def random_chunk(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0):
+    """A cache holding each sequence's context in scattered blocks (NaN elsewhere, so a read of a
+    wrong block shows), its block table, and the chunk's queries."""
+    generator = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = 1 + max_blocks * len(seq_lens)
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=torch.float64)
+    v_cache = k_cache.clone()
+    order = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    tables = []
+    for row, seq_len in enumerate(seq_lens):
+        own = order[row * max_blocks : row * max_blocks + -(-seq_len // block_size)]
+        for b, block in enumerate(own):
+            filled = min(block_size, seq_len - b * block_size)
+            k_cache[block, :filled] = torch.randn(filled, kv_heads, head_dim, generator=generator, dtype=torch.float64)
+            v_cache[block, :filled] = torch.randn(filled, kv_heads, head_dim, generator=generator, dtype=torch.float64)
+        tables.append(own + [0] * (max_blocks - len(own)))
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=generator, dtype=torch.float64)
+    return q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), torch.tensor(tables)
+
+
+def exact_attention(q, k_cache, v_cache, tables, query_lens, seq_lens, scale):
+    """Each sequence alone, written out in float64 from the (rounded) inputs."""
+    heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
+    block_size, group = k_cache.shape[1], heads // kv_heads
+    tables = tables.tolist()
+    out, start = [], 0
+    for row, (query_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        slots = [tables[row][pos // block_size] * block_size + pos % block_size for pos in range(seq_len)]
+        keys = k_cache.double().view(-1, kv_heads, head_dim)[slots].repeat_interleave(group, dim=1)
+        values = v_cache.double().view(-1, kv_heads, head_dim)[slots].repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start : start + query_len].double(), keys) * scale
+        positions = torch.arange(seq_len - query_len, seq_len)
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > positions[:, None], float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+        start += query_len
+    return torch.cat(out)
+
+
+COMPILED_CASES = [
+    # (query_lens, seq_lens, heads, kv_heads, head_dim, block_size)
+    ([40, 16, 17], [40, 16, 17], 9, 3, 64, 16),  # whole prompts: two and a half query blocks, exactly one, one and a bit
+    ([15, 1, 33], [100, 1, 70], 6, 2, 16, 4),  # later chunks after a cached prefix; a one-token prompt
+    ([23], [23], 4, 4, 20, 8),  # multi-head (groups of one); head_dim not a whole number of vectors
+    ([9, 31], [12, 64], 8, 2, 128, 16),  # groups of four, long heads
+]
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("case", COMPILED_CASES)
+def test_the_compiled_prompt_attention_matches_exact_attention(dtype, case):
+    from graphrt.kernels.paged_attention_cpu import prompt_attention
+
+    query_lens, seq_lens, heads, kv_heads, head_dim, block_size = case
+    q, k_cache, v_cache, tables = random_chunk(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype)
+    scale = head_dim**-0.5
+    out = prompt_attention(q, k_cache, v_cache, tables, query_lens, seq_lens, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    expected = exact_attention(q, k_cache, v_cache, tables, query_lens, seq_lens, scale)
+    tolerance = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+def test_the_compiled_prompt_attention_gives_the_same_bits_on_one_thread_and_two():
+    from graphrt.kernels.paged_attention_cpu import prompt_attention
+
+    args = (*random_chunk([40, 16], [50, 16], 9, 3, 64, 16, torch.bfloat16), [40, 16], [50, 16], 0.125)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = prompt_attention(*args)
+        torch.set_num_threads(2)
+        two = prompt_attention(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+def test_a_chunk_with_riders_on_the_compiled_kernels_matches_the_reference():
+    from graphrt.kernels import paged_attention_cpu
+
+    query_lens, seq_lens = [1, 1, 7, 20], [9, 30, 7, 45]
+    q, k_cache, v_cache, tables = random_chunk(query_lens, seq_lens, 6, 2, 16, 4, torch.float64)
+    out = paged_attention_cpu.paged_prefill_attention(
+        q, k_cache, v_cache, tables, query_lens, seq_lens, 0.25, decode_attention=paged_attention_cpu.paged_decode_attention
+    )
+    expected = exact_attention(q, k_cache, v_cache, tables, query_lens, seq_lens, 0.25)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+def test_the_compiled_prompt_attention_names_bad_rows():
+    op = torch.ops.graphrt.paged_prefill_attention
+    q, k_cache, v_cache, tables = random_chunk([4], [6], 2, 1, 16, 4, torch.float32)
+    lens = lambda *values: torch.tensor(values)  # noqa: E731
+    with pytest.raises(RuntimeError, match="row 0 has query_len 7 and seq_len 6"):
+        op(torch.zeros(7, 2, 16), k_cache, v_cache, tables, lens(7), lens(6), 0.25)
+    with pytest.raises(RuntimeError, match="query_lens add up to 3 but q has 4 tokens"):
+        op(q, k_cache, v_cache, tables, lens(3), lens(6), 0.25)
+    bad_table = tables.clone()
+    bad_table[0, 1] = 99
+    with pytest.raises(RuntimeError, match=r"block_tables\[0, 1\] is 99, not a block of the 3-block cache"):
+        op(q, k_cache, v_cache, bad_table, lens(4), lens(6), 0.25)

@@ -32,6 +32,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -427,6 +428,289 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Prefill: causal attention of prompt chunks over their paged context, the compiled twin of the
+// per-sequence part of the reference `paged_prefill_attention` (there one
+// F.scaled_dot_product_attention call per sequence, after gathering its context out of the cache);
+// called as torch.ops.graphrt.paged_prefill_attention by paged_attention_cpu.py.
+//
+// One task is a block of up to kQueryBlock query tokens of one sequence and one KV head, with
+// every query head of that GQA group: kQueryBlock x group rows share each K/V row read. A task
+// scores its rows against the context up to its last query's position, takes each row's softmax
+// over the tokens that row may see (its own position and before), then sums V weighted by it.
+// Scores are a small matrix product: a tile of Vec::size() keys is transposed into scratch
+// (head_dim x tile, widened), and each row's scores for the whole tile come from head_dim FMAs of
+// its query values broadcast, with no sum across a vector (the decode path's cost per score, which
+// one query per sequence leaves nothing to amortize a transpose over).
+
+constexpr int64_t kQueryBlock = 16;  // query tokens per task
+constexpr int kScoreRows = 8;        // rows scored against a tile of keys at once (independent FMA chains)
+
+// A task: queries [first_query, first_query + num_queries) of sequence `row`, whose first query
+// token is q token `q_offset` and whose first chunk position is `first_position` (context before it).
+struct PrefillTask {
+  int64_t row, kv_head, q_offset, first_query, num_queries, first_position;
+};
+
+template <typename Acc>
+struct PrefillScratch {
+  int64_t score_stride;      // the longest context of any task, padded to whole vectors
+  std::vector<Acc> queries;  // (rows, head_dim), scaled
+  std::vector<Acc> key_rows;  // (Vec::size(), head_dim): one tile of keys, widened
+  std::vector<Acc> keys_t;    // (head_dim, Vec::size()): the same, transposed
+  std::vector<Acc> scores;   // (rows, score_stride): scores, then softmax weights
+  std::vector<Acc> outputs;  // (rows, head_dim)
+  std::vector<Acc> weight_sums;
+  std::vector<int64_t> row_offsets;  // (max_context,): each context token's row in the caches
+
+  PrefillScratch(const Layout& layout, int64_t max_context)
+      : score_stride(Scratch<Acc>::round_up(max_context, Vectorized<Acc>::size())),
+        queries(kQueryBlock * layout.group_size * layout.head_dim),
+        key_rows(layout.head_dim * Vectorized<Acc>::size()),
+        keys_t(layout.head_dim * Vectorized<Acc>::size()),
+        scores(kQueryBlock * layout.group_size * score_stride),
+        outputs(kQueryBlock * layout.group_size * layout.head_dim),
+        weight_sums(kQueryBlock * layout.group_size),
+        row_offsets(max_context) {}
+};
+
+// Calls f(std::integral_constant<int, count>{}) for a count in 1..kMax, so f can size register
+// tiles by it (a tile sized at run time lives on the stack, not in registers).
+template <int kMax, typename F>
+inline void with_count(int64_t count, F&& f) {
+  if constexpr (kMax > 1) {
+    if (count < kMax) {
+      with_count<kMax - 1>(count, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, kMax>{});
+}
+
+// scores[r * stride + j] = queries[r] . key j for kRows rows and a tile of Vec::size() keys, given
+// transposed: keys_t (head_dim, Vec::size()).
+template <int kRows, typename Acc>
+inline void score_tile(const Acc* queries, int64_t head_dim, const Acc* keys_t, Acc* scores, int64_t stride) {
+  using Vec = Vectorized<Acc>;
+  Vec acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = Vec(Acc(0));
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const Vec k = Vec::loadu(keys_t + d * Vec::size());
+    for (int r = 0; r < kRows; ++r) acc[r] = at::vec::fmadd(Vec(queries[r * head_dim + d]), k, acc[r]);
+  }
+  for (int r = 0; r < kRows; ++r) acc[r].store(scores + r * stride);
+}
+
+// outputs[r, first : first + kChunks vectors] = the sum over t < seen of weights[r * stride + t]
+// times V row t (at v_cache + row_offsets[t]), for kRows rows.
+template <int kRows, int kChunks, typename scalar_t, typename Acc>
+inline void value_tile(const Acc* weights, int64_t stride, const scalar_t* v_cache, const int64_t* row_offsets,
+                       int64_t seen, int64_t first, Acc* outputs, int64_t head_dim) {
+  using Vec = Vectorized<Acc>;
+  Vec acc[kRows][kChunks];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kChunks; ++c) acc[r][c] = Vec(Acc(0));
+  for (int64_t t = 0; t < seen; ++t) {
+    const scalar_t* value = v_cache + row_offsets[t] + first;
+    Vec v[kChunks];
+    for (int c = 0; c < kChunks; ++c) v[c] = load_as<Acc>(value + c * Vec::size());
+    for (int r = 0; r < kRows; ++r) {
+      const Vec weight(weights[r * stride + t]);
+      for (int c = 0; c < kChunks; ++c) acc[r][c] = at::vec::fmadd(weight, v[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kChunks; ++c) acc[r][c].store(outputs + r * head_dim + first + c * Vec::size());
+}
+
+// Attention of one task's rows; out: (tokens, heads, head_dim), tokens `out_token_stride` apart.
+template <typename scalar_t>
+void attend_query_block(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_ids,
+                        const PrefillTask& task, acc_type<scalar_t> scale, const Layout& layout,
+                        PrefillScratch<acc_type<scalar_t>>& scratch, scalar_t* out, int64_t out_token_stride) {
+  using Acc = acc_type<scalar_t>;
+  using Vec = Vectorized<Acc>;
+  constexpr int64_t kTile = Vec::size();
+  const int64_t group = layout.group_size, head_dim = layout.head_dim;
+  const int64_t num_rows = task.num_queries * group;  // row i: query i / group, head i % group
+  const int64_t first_head = task.kv_head * group;
+  const int64_t head_offset = task.kv_head * layout.cache_head_stride;
+  // Row i sees positions [0, position(i / group)]; the task's context ends after its last query.
+  auto visible = [&](int64_t i) { return task.first_position + task.first_query + i / group + 1; };
+  const int64_t context = visible(num_rows - 1);
+  // Where each context token's K/V row of this head starts: found once per task, as the hot loops
+  // below would otherwise spend most of their time dividing by the block size.
+  int64_t* row_offsets = scratch.row_offsets.data();
+  for (int64_t t = 0; t < context; ++t) {
+    row_offsets[t] = block_ids[t / layout.block_size] * layout.cache_block_stride +
+                     (t % layout.block_size) * layout.cache_token_stride + head_offset;
+  }
+  auto cache_row = [&](const scalar_t* cache, int64_t t) { return cache + row_offsets[t]; };
+  Acc* queries = scratch.queries.data();
+  Acc* key_rows = scratch.key_rows.data();
+  Acc* keys_t = scratch.keys_t.data();
+  const int64_t vector_end = head_dim - head_dim % kTile;
+  Acc* scores = scratch.scores.data();
+  Acc* outputs = scratch.outputs.data();
+  const int64_t stride = scratch.score_stride;
+
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const scalar_t* src = q + (task.q_offset + task.first_query + i / group) * layout.q_batch_stride +
+                          (first_head + i % group) * layout.q_head_stride;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      queries[i * head_dim + d] = static_cast<Acc>(src[d]) * scale;
+    }
+  }
+
+  // Scores, a tile of kTile keys at a time.
+  for (int64_t t0 = 0; t0 < context; t0 += kTile) {
+    // The tile's keys widened into rows (zeros past the context), then transposed.
+    const int64_t tile = std::min(kTile, context - t0);
+    for (int64_t j = 0; j < kTile; ++j) {
+      Acc* dst = key_rows + j * head_dim;
+      if (j >= tile) {
+        std::fill(dst, dst + head_dim, Acc(0));
+        continue;
+      }
+      const scalar_t* key = cache_row(k_cache, t0 + j);
+      int64_t d = 0;
+      for (; d < vector_end; d += kTile) load_as<Acc>(key + d).store(dst + d);
+      for (; d < head_dim; ++d) dst[d] = static_cast<Acc>(key[d]);
+    }
+    at::vec::transpose_mxn<Acc>(key_rows, head_dim, keys_t, kTile, kTile, head_dim);
+    for (int64_t i0 = 0; i0 < num_rows; i0 += kScoreRows) {
+      with_count<kScoreRows>(std::min<int64_t>(kScoreRows, num_rows - i0), [&](auto rows) {
+        score_tile<rows.value>(queries + i0 * head_dim, head_dim, keys_t, scores + i0 * stride + t0, stride);
+      });
+    }
+  }
+
+  // Softmax of each row over what it may see; the rest of its row (to the padded end) weighs 0.
+  const int64_t padded = (context + kTile - 1) / kTile * kTile;
+  for (int64_t i = 0; i < num_rows; ++i) {
+    Acc* row = scores + i * stride;
+    std::fill(row + visible(i), row + padded, -std::numeric_limits<Acc>::infinity());
+    scratch.weight_sums[i] = softmax_unnormalized(row, padded);
+  }
+
+  // Weighted sums of V: kMaxRows rows by up to kValueChunks vectors of head_dim at a time, each
+  // V slice loaded once for those rows.
+  for (int64_t i0 = 0; i0 < num_rows; i0 += kMaxRows) {
+    const int64_t rows = std::min<int64_t>(kMaxRows, num_rows - i0);
+    const int64_t seen = visible(i0 + rows - 1);  // the widest of these rows
+    for (int64_t d0 = 0; d0 < vector_end; d0 += kValueChunks * kTile) {
+      with_count<kMaxRows>(rows, [&](auto r) {
+        with_count<kValueChunks>(std::min<int64_t>(kValueChunks, (vector_end - d0) / kTile), [&](auto c) {
+          value_tile<r.value, c.value>(scores + i0 * stride, stride, v_cache, row_offsets, seen, d0,
+                                       outputs + i0 * head_dim, head_dim);
+        });
+      });
+    }
+    for (int64_t d = vector_end; d < head_dim; ++d) {  // head_dim not a whole number of vectors
+      for (int r = 0; r < rows; ++r) {
+        Acc sum = 0;
+        for (int64_t t = 0; t < seen; ++t) sum += scores[(i0 + r) * stride + t] * static_cast<Acc>(cache_row(v_cache, t)[d]);
+        outputs[(i0 + r) * head_dim + d] = sum;
+      }
+    }
+  }
+
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const Acc inverse_sum = Acc(1) / scratch.weight_sums[i];
+    scalar_t* dst = out + (task.q_offset + task.first_query + i / group) * out_token_stride + (first_head + i % group) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      dst[d] = static_cast<scalar_t>(outputs[i * head_dim + d] * inverse_sum);
+    }
+  }
+}
+
+// q: (tokens, heads, head_dim), each sequence's query tokens back to back; k_cache, v_cache:
+// (num_blocks, block_size, kv_heads, head_dim); block_tables: (rows, max_blocks) int64; query_lens,
+// seq_lens: (rows,) int64, sequence i's queries being the last query_lens[i] of its seq_lens[i]
+// context tokens (already in the cache). Returns (tokens, heads, head_dim).
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& query_lens_in,
+                                   const at::Tensor& seq_lens_in, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "paged_prefill_attention: q must be (tokens, heads, head_dim) and the caches "
+              "(num_blocks, block_size, kv_heads, head_dim), both of one shape");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_prefill_attention: q and the caches must have one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && k_cache.strides() == v_cache.strides(),
+              "paged_prefill_attention: needs unit-stride head_dim and k, v caches of one layout");
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "paged_prefill_attention: head_dim differs between q and the caches, or heads (", num_heads,
+              ") is not a multiple of kv_heads (", num_kv_heads, ")");
+  const int64_t num_seqs = block_tables.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.stride(1) == 1 &&
+                  query_lens_in.dim() == 1 && seq_lens_in.dim() == 1 && query_lens_in.size(0) == num_seqs &&
+                  seq_lens_in.size(0) == num_seqs,
+              "paged_prefill_attention: block_tables must be (rows, max_blocks) int64 with unit-stride rows, "
+              "query_lens and seq_lens (rows,)");
+  const at::Tensor query_lens = query_lens_in.to(at::kLong).contiguous();
+  const at::Tensor seq_lens = seq_lens_in.to(at::kLong).contiguous();
+  const int64_t* q_lens = query_lens.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+
+  // Check every row on the host (so a bad one raises instead of reading outside the cache) and
+  // cut the queries into tasks.
+  std::vector<PrefillTask> tasks;
+  int64_t q_offset = 0, max_context = 1;
+  for (int64_t row = 0; row < num_seqs; ++row) {
+    const int64_t query_len = q_lens[row], context = lens[row];
+    TORCH_CHECK(query_len >= 1 && query_len <= context && context <= max_blocks * block_size,
+                "paged_prefill_attention: row ", row, " has query_len ", query_len, " and seq_len ", context,
+                "; it needs 1 <= query_len <= seq_len <= the block table's ", max_blocks, " blocks x ", block_size,
+                " tokens");
+    for (int64_t b = 0; b < (context + block_size - 1) / block_size; ++b) {
+      const int64_t block = tables[row * block_tables.stride(0) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill_attention: block_tables[", row, ", ", b, "] is ",
+                  block, ", not a block of the ", num_blocks, "-block cache");
+    }
+    for (int64_t first = 0; first < query_len; first += kQueryBlock) {
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        tasks.push_back({row, kv_head, q_offset, first, std::min(kQueryBlock, query_len - first), context - query_len});
+      }
+    }
+    q_offset += query_len;
+    max_context = std::max(max_context, context);
+  }
+  TORCH_CHECK(q_offset == q.size(0), "paged_prefill_attention: query_lens add up to ", q_offset, " but q has ",
+              q.size(0), " tokens");
+
+  const Layout layout{num_heads / num_kv_heads, head_dim,          block_size,        q.stride(0),
+                      q.stride(1),              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                      block_tables.stride(0)};
+  at::Tensor out = at::empty({q.size(0), num_heads, head_dim}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_prefill_attention", [&] {
+    using Acc = acc_type<scalar_t>;
+    const scalar_t* q_data = q.const_data_ptr<scalar_t>();
+    const scalar_t* k_data = k_cache.const_data_ptr<scalar_t>();
+    const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
+    scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
+    // Tasks differ in size (a query block sees everything before it: the last of a 512-token
+    // prompt does 32x the first's work), so a static split left one of two threads idle most of
+    // the time. Instead each thread takes the next task from a shared counter, longest first.
+    std::stable_sort(tasks.begin(), tasks.end(), [](const PrefillTask& a, const PrefillTask& b) {
+      return a.first_position + a.first_query + a.num_queries > b.first_position + b.first_query + b.num_queries;
+    });
+    std::atomic<int64_t> next{0};
+    const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+      PrefillScratch<Acc> scratch(layout, max_context);
+      for (int64_t index = next++; index < num_tasks; index = next++) {
+        const PrefillTask& task = tasks[index];
+        attend_query_block<scalar_t>(q_data, k_data, v_data, tables + task.row * layout.table_stride, task,
+                                     static_cast<Acc>(scale), layout, scratch, out_data, num_heads * head_dim);
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 // A fragment, not TORCH_LIBRARY: the `graphrt` op namespace may gain ops from other files.
@@ -434,8 +718,12 @@ TORCH_LIBRARY_FRAGMENT(graphrt, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale) -> Tensor");
+  m.def(
+      "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor query_lens, Tensor seq_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graphrt, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
 }
