@@ -591,6 +591,11 @@ void attend_query_block(const scalar_t* q, const scalar_t* k_cache, const scalar
     Acc* row = scores + i * stride;
     std::fill(row + visible(i), row + padded, -std::numeric_limits<Acc>::infinity());
     scratch.weight_sums[i] = softmax_unnormalized(row, padded);
+    if constexpr (!std::is_same_v<scalar_t, Acc>) {
+      // The reference (torch's CPU flash attention) multiplies V by the weights rounded to q's
+      // dtype, summed before rounding; so does this kernel, to give the reference's result.
+      for (int64_t t = 0; t < padded; ++t) row[t] = static_cast<Acc>(static_cast<scalar_t>(row[t]));
+    }
   }
 
   // Weighted sums of V: kMaxRows rows by up to kValueChunks vectors of head_dim at a time, each
