@@ -48,6 +48,13 @@ def paged_decode_attention(
     Raises RuntimeError with the reason where the kernel can't be built."""
     del max_seq_len
     check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    q, k_cache, v_cache, block_tables = kernel_layout(q, k_cache, v_cache, block_tables)
+    return torch.ops.graphrt.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, float(scale))
+
+
+def kernel_layout(q, k_cache, v_cache, block_tables) -> tuple[torch.Tensor, ...]:
+    """The tensors as the kernels take them (unit-stride rows, caches of one layout), copying only
+    what is not; raises RuntimeError with the reason where the kernels can't be built."""
     build = extension()
     if build.library is None:
         raise RuntimeError(f"the CPU paged attention kernel is unavailable: {build.reason}")
@@ -57,7 +64,7 @@ def paged_decode_attention(
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # a full copy: callers should not need it
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
-    return torch.ops.graphrt.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, float(scale))
+    return q, k_cache, v_cache, block_tables
 
 
 def prompt_attention(
@@ -74,16 +81,7 @@ def prompt_attention(
     context: (tokens, heads, head_dim), as the reference's per-sequence loop computes it."""
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     check_inputs(q, k_cache, v_cache, block_tables, lens, op="paged_prefill_attention")
-    build = extension()
-    if build.library is None:
-        raise RuntimeError(f"the CPU paged attention kernel is unavailable: {build.reason}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
-        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    block_tables = block_tables.to(torch.int64)
-    if block_tables.stride(-1) != 1:
-        block_tables = block_tables.contiguous()
+    q, k_cache, v_cache, block_tables = kernel_layout(q, k_cache, v_cache, block_tables.to(torch.int64))
     return torch.ops.graphrt.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, torch.tensor(query_lens, dtype=torch.int64), lens, float(scale)
     )
