@@ -350,24 +350,47 @@ void attend_group(const scalar_t* q_group, const scalar_t* k_cache, const scalar
   }
 }
 
+// Checks that q and the caches are what `op`'s kernel reads: q (tokens, heads, head_dim), the
+// caches (num_blocks, block_size, kv_heads, head_dim) of one shape, layout and dtype with q,
+// unit-stride head_dim, and heads a multiple of kv_heads.
+void check_q_and_caches(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
+              ": q must be (tokens, heads, head_dim) and the caches (num_blocks, block_size, kv_heads, head_dim), "
+              "both of one shape");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), op,
+              ": q and the caches must have one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && k_cache.strides() == v_cache.strides(), op,
+              ": needs unit-stride head_dim and k, v caches of one layout");
+  const int64_t num_heads = q.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && num_kv_heads > 0 && num_heads % num_kv_heads == 0, op,
+              ": head_dim differs between q and the caches, or heads (", num_heads, ") is not a multiple of kv_heads (",
+              num_kv_heads, ")");
+}
+
+// Checks that row `row` of the block table names only blocks that exist for its first `context`
+// tokens (so a bad row raises instead of reading outside the cache).
+void check_block_ids(const char* op, const at::Tensor& block_tables, int64_t row, int64_t context, int64_t block_size,
+                     int64_t num_blocks) {
+  const int64_t* ids = block_tables.data_ptr<int64_t>() + row * block_tables.stride(0);
+  for (int64_t b = 0; b < (context + block_size - 1) / block_size; ++b) {
+    TORCH_CHECK(ids[b] >= 0 && ids[b] < num_blocks, op, ": block_tables[", row, ", ", b, "] is ", ids[b],
+                ", not a block of the ", num_blocks, "-block cache");
+  }
+}
+
 // Checks what the Python wrapper can't see without reading every row: each context fits its
 // block table and names only blocks that exist. Returns the longest context.
 int64_t check_rows(const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t block_size,
                    int64_t num_blocks) {
   const int64_t batch = block_tables.size(0), max_blocks = block_tables.size(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
   int64_t longest = 0;
   for (int64_t row = 0; row < batch; ++row) {
     const int64_t context = lens[row];
     TORCH_CHECK(context >= 1 && context <= max_blocks * block_size, "paged_decode_attention: seq_lens[", row,
                 "] is ", context, "; it must be between 1 and the block table's ", max_blocks, " blocks x ",
                 block_size, " tokens");
-    for (int64_t b = 0; b < (context + block_size - 1) / block_size; ++b) {
-      const int64_t block = tables[row * block_tables.stride(0) + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block_tables[", row, ", ", b,
-                  "] is ", block, ", not a block of the ", num_blocks, "-block cache");
-    }
+    check_block_ids("paged_decode_attention", block_tables, row, context, block_size, num_blocks);
     longest = std::max(longest, context);
   }
   return longest;
@@ -377,18 +400,9 @@ int64_t check_rows(const at::Tensor& block_tables, const at::Tensor& seq_lens, i
 // block_tables: (batch, max_blocks) int; seq_lens: (batch,) int. Returns (batch, heads, head_dim).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "paged_decode_attention: q must be (batch, heads, head_dim) and the caches "
-              "(num_blocks, block_size, kv_heads, head_dim), both of one shape");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "paged_decode_attention: q and the caches must have one dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && k_cache.strides() == v_cache.strides(),
-              "paged_decode_attention: needs unit-stride head_dim and k, v caches of one layout");
+  check_q_and_caches("paged_decode_attention", q, k_cache, v_cache);
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
-              "paged_decode_attention: head_dim differs between q and the caches, or heads (", num_heads,
-              ") is not a multiple of kv_heads (", num_kv_heads, ")");
   TORCH_CHECK(block_tables_in.dim() == 2 && block_tables_in.size(0) == batch && seq_lens_in.dim() == 1 &&
                   seq_lens_in.size(0) == batch,
               "paged_decode_attention: block_tables must be (batch, max_blocks) and seq_lens (batch,)");
@@ -636,22 +650,12 @@ void attend_query_block(const scalar_t* q, const scalar_t* k_cache, const scalar
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& query_lens_in,
                                    const at::Tensor& seq_lens_in, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "paged_prefill_attention: q must be (tokens, heads, head_dim) and the caches "
-              "(num_blocks, block_size, kv_heads, head_dim), both of one shape");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "paged_prefill_attention: q and the caches must have one dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && k_cache.strides() == v_cache.strides(),
-              "paged_prefill_attention: needs unit-stride head_dim and k, v caches of one layout");
+  check_q_and_caches("paged_prefill_attention", q, k_cache, v_cache);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
-              "paged_prefill_attention: head_dim differs between q and the caches, or heads (", num_heads,
-              ") is not a multiple of kv_heads (", num_kv_heads, ")");
-  const int64_t num_seqs = block_tables.size(0), max_blocks = block_tables.size(1);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.stride(1) == 1 &&
-                  query_lens_in.dim() == 1 && seq_lens_in.dim() == 1 && query_lens_in.size(0) == num_seqs &&
-                  seq_lens_in.size(0) == num_seqs,
+                  query_lens_in.dim() == 1 && seq_lens_in.dim() == 1 &&
+                  query_lens_in.size(0) == block_tables.size(0) && seq_lens_in.size(0) == block_tables.size(0),
               "paged_prefill_attention: block_tables must be (rows, max_blocks) int64 with unit-stride rows, "
               "query_lens and seq_lens (rows,)");
   const at::Tensor query_lens = query_lens_in.to(at::kLong).contiguous();
@@ -659,6 +663,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const int64_t* q_lens = query_lens.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t num_seqs = block_tables.size(0), max_blocks = block_tables.size(1);
 
   // Check every row on the host (so a bad one raises instead of reading outside the cache) and
   // cut the queries into tasks.
@@ -670,11 +675,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                 "paged_prefill_attention: row ", row, " has query_len ", query_len, " and seq_len ", context,
                 "; it needs 1 <= query_len <= seq_len <= the block table's ", max_blocks, " blocks x ", block_size,
                 " tokens");
-    for (int64_t b = 0; b < (context + block_size - 1) / block_size; ++b) {
-      const int64_t block = tables[row * block_tables.stride(0) + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill_attention: block_tables[", row, ", ", b, "] is ",
-                  block, ", not a block of the ", num_blocks, "-block cache");
-    }
+    check_block_ids("paged_prefill_attention", block_tables, row, context, block_size, num_blocks);
     for (int64_t first = 0; first < query_len; first += kQueryBlock) {
       for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         tasks.push_back({row, kv_head, q_offset, first, std::min(kQueryBlock, query_len - first), context - query_len});
