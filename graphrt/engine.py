@@ -27,6 +27,7 @@ from graphrt.errors import ModelLoadError, RequestError, StageError
 from graphrt.handshake import StagePlan
 from graphrt.block_allocator import BlockAllocator
 from graphrt.kv_cache import bytes_per_block
+from graphrt.openmp import release_thread_pool
 from graphrt.pipeline import Pipeline, default_devices, partition_layers
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline
@@ -113,6 +114,8 @@ class Engine:
         self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
         self.stats = EngineStats()
         self._ids = itertools.count()
+        if any(device.type == "cpu" for device in self.devices):
+            release_thread_pool()  # the stage threads compute from here on (see graphrt.openmp)
 
     def _prefix_root(self) -> bytes:
         """Where prefix-cache keys start: what, besides the tokens, decides a block's K/V."""
