@@ -31,6 +31,7 @@ from graphrt.batch import StepMetadata
 from graphrt.block_allocator import SCRATCH_BLOCK
 from graphrt.capture.graphs import StageGraphs
 from graphrt.logprobs import plan_logprobs, score_rows
+from graphrt.openmp import TeamSizer
 from graphrt.pipeline import Pipeline
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline, mark
@@ -117,6 +118,7 @@ class Ring:
         stages = self.pipeline.stages
         self.busy_s = [0.0] * len(stages)  # seconds each local stage has spent on micro-batches
         self.streams = self._make_streams()
+        self.teams = self._make_teams()
         self.slots = [
             RingSlot(
                 index=k,
@@ -138,6 +140,10 @@ class Ring:
     def _make_streams(self) -> list:
         return [make_stream(stage.device, f"graphrt-stage{stage.index}") for stage in self.pipeline.stages]
 
+    def _make_teams(self) -> list[TeamSizer | None]:
+        """Each CPU stage thread's OpenMP team, sized to the cores other processes leave it."""
+        return [TeamSizer() if stage.device.type == "cpu" else None for stage in self.pipeline.stages]
+
     def reset(self, cause: str) -> None:
         """After a stage failure (`cause`): every micro-batch in flight is dropped and every slot is
         free. Waits for the stage workers to drain first, so no late write lands in a freed block;
@@ -145,6 +151,7 @@ class Ring:
         for stream in self.streams:
             stream.close()
         self.streams = self._make_streams()
+        self.teams = self._make_teams()
         self._forget_in_flight()
 
     def _forget_in_flight(self) -> None:
@@ -247,6 +254,8 @@ class Ring:
         stage, cache = self.pipeline.stages[index], self.pipeline.caches[index]
         num_tokens = token_ids.shape[0]
         kind = "prefill" if mb.step.is_prefill else "decode"
+        if self.teams[index] is not None:
+            self.teams[index].fit()
         started = self.timeline.begin(stage.device) if self.timeline else None
         busy_from = mark(stage.device)
         if mb.step.is_prefill:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from graphrt.llm import LLM
-from graphrt.openmp import _libgomp, release_thread_pool
+from graphrt.openmp import TeamSizer, _libgomp, release_thread_pool, set_team_size, team_size
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/task").is_dir() or _libgomp() is None, reason="needs Linux and torch on libgomp"
@@ -81,8 +81,79 @@ def test_engine_host_thread_holds_no_team_once_built(tiny_model_factory):
     llm = LLM(tiny_model_factory(), dtype="float32")
     try:
         assert len(llm.generate([1, 2, 3])[0].token_ids) > 0  # the stage thread's team runs the model
+        assert llm.engine.ring.teams[0].full == 2  # sized on the stage thread before its first micro-batch
         before = thread_ids()
         parallel_work()
         assert thread_ids() - before, "the host thread still had its OpenMP workers after the engine was built"
     finally:
         llm.engine.close()
+
+
+def test_team_size_gives_back_a_thread_per_core_others_take():
+    assert [team_size(2, others) for others in (0.0, 0.6, 0.74, 0.75, 1.0, 1.9, 5.0)] == [2, 2, 2, 1, 1, 1, 1]
+    assert [team_size(16, others) for others in (0.0, 3.8, 20.0)] == [16, 12, 1]
+    assert team_size(1, 0.0) == 1
+
+
+class FakeMachine:
+    """A clock and /proc's CPU seconds that a test moves by hand."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.busy = self.own = 0.0
+        self.applied: list[int] = []
+
+    def run(self, seconds: float, own_cores: float, other_cores: float) -> None:
+        self.now += seconds
+        self.own += own_cores * seconds
+        self.busy += (own_cores + other_cores) * seconds
+
+
+def test_team_sizer_follows_what_other_processes_leave():
+    machine = FakeMachine()
+    sizer = TeamSizer(clock=lambda: machine.now, usage=lambda: (machine.busy, machine.own),
+                      apply=lambda n: machine.applied.append(n) or True)
+    sizer.fit()  # the first reading: nothing to compare with yet
+    assert sizer.full == sizer.size == torch.get_num_threads() == 2 and machine.applied == []
+    machine.run(0.2, own_cores=2.0, other_cores=1.0)
+    sizer.fit()  # within the half second: not measured again
+    assert machine.applied == []
+    machine.run(0.4, own_cores=1.0, other_cores=1.0)
+    sizer.fit()
+    assert machine.applied == [1] and sizer.size == 1 and sizer.others == pytest.approx(1.0)
+    machine.run(0.6, own_cores=1.0, other_cores=1.3)
+    sizer.fit()
+    assert machine.applied == [1]  # still one: nothing applied again
+    machine.run(0.6, own_cores=1.0, other_cores=0.1)
+    sizer.fit()
+    assert machine.applied == [1, 2] and sizer.size == 2
+
+
+def test_team_sizer_without_proc_changes_nothing():
+    applied = []
+    sizer = TeamSizer(clock=iter(range(0, 100, 10)).__next__, usage=lambda: None, apply=applied.append)
+    for _ in range(3):
+        sizer.fit()
+    assert applied == [] and sizer.size is None
+
+
+def test_set_team_size_changes_the_calling_thread_only():
+    outcome = {}
+
+    def on_a_thread():
+        before = thread_ids()
+        outcome["set"] = set_team_size(1)
+        outcome["threads"] = torch.get_num_threads()
+        parallel_work()
+        outcome["workers"] = thread_ids() - before
+
+    thread = threading.Thread(target=on_a_thread)
+    thread.start()
+    thread.join()
+    assert outcome == {"set": True, "threads": 1, "workers": set()}
+    assert torch.get_num_threads() == 2  # this thread, and torch's default for new ones, keep theirs
+    other = {}
+    thread = threading.Thread(target=lambda: other.update(threads=torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert other["threads"] == 2
