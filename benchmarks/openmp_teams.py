@@ -1,11 +1,14 @@
-"""What a second OpenMP team costs the stage thread (graphrt/openmp.py).
+"""What OpenMP teams cost the stage thread (graphrt/openmp.py).
 
-One 32-row decode step of the default model, timed on the host thread while it holds the only
-OpenMP team, then on the stage thread while the host's team is alive, then on the stage thread
-after the host gave its team back (`release_thread_pool`); then `graphrt bench`'s workload in this
-process with and without the release, interleaved.
+First one 32-row decode step of the default model, timed on the host thread while it holds the
+only OpenMP team, then on the stage thread while the host's team is alive, then on the stage thread
+after the host gave its team back (`release_thread_pool`). Then `graphrt bench`'s workload (64
+requests), each round in a fresh process, in three setups, interleaved: as before graphrt/openmp.py
+(the host keeps its team, so libgomp spins briefly), the host's team released (workers spin), and
+released with each stage thread's team sized to the cores other processes leave (the default).
+`--busy 2` runs two busy loops beside the bench rounds.
 
-    python benchmarks/openmp_teams.py [--dtype bfloat16] [--rounds 3]
+    python benchmarks/openmp_teams.py [--dtype bfloat16] [--steps 20] [--rounds 3] [--busy 0]
 """
 
 from __future__ import annotations
@@ -25,16 +28,21 @@ from graphrt.cpu_info import cpu_model_name  # noqa: E402
 from graphrt.llm import LLM  # noqa: E402
 from graphrt.openmp import release_thread_pool  # noqa: E402
 
+SETUPS = {
+    "before": "the host keeps its team",
+    "release": "the host's team released",
+    "sized": "released, teams sized (default)",
+}
 BENCH_CODE = """
-import sys, graphrt.engine
+import sys, graphrt.engine, graphrt.openmp
 from graphrt.bench import make_workload, run_graphrt
 from graphrt.llm import LLM
-if sys.argv[2] == "keep":
+if sys.argv[2] == "before":
     graphrt.engine.release_thread_pool = lambda: False
+if sys.argv[2] in ("before", "release"):
+    graphrt.openmp.TeamSizer.fit = lambda self: None
 llm = LLM(dtype=sys.argv[1])
-work = make_workload(64, (16, 256), (16, 128), llm.engine.model_config.vocab_size, 0)
-run_graphrt(llm, work[:8])  # warm-up
-result = run_graphrt(llm, work)
+result = run_graphrt(llm, make_workload(64, (16, 256), (16, 128), llm.engine.model_config.vocab_size, 0))
 print(result.seconds, result.output_tokens)
 """
 
@@ -45,21 +53,22 @@ def step_times(args) -> None:
     step = graphrt_step(llm, *build_decode_step(llm, [rng.randint(32, 300) for _ in range(32)]))
     stage = llm.engine.ring.streams[0]
 
-    def on_stage(fn):
+    def on_stage_thread() -> list[float]:
         box = {}
-        stage.submit(lambda: box.update(result=fn()))
+        stage.submit(lambda: box.update(times=time_steps(step, args.steps)))
         stage.record().synchronize()
-        return box["result"]
+        return box["times"]
 
-    def host_first():
-        # Engine start-up already gave the host's team back; the first op here starts it again,
-        # and until the stage thread runs a parallel op there is one team.
-        return time_steps(step, args.steps)
+    def after_release() -> list[float]:
+        release_thread_pool()
+        return on_stage_thread()
 
     cases = [
-        ("host thread, its team the only one", host_first),
-        ("stage thread, the host's team alive", lambda: on_stage(lambda: time_steps(step, args.steps))),
-        ("stage thread, the host's team given back", lambda: (release_thread_pool(), on_stage(lambda: time_steps(step, args.steps)))[1]),
+        # Start-up gave the host's team back; timing here starts it again, and until the stage
+        # thread runs a parallel op it is the only team.
+        ("host thread, its team the only one", lambda: time_steps(step, args.steps)),
+        ("stage thread, the host's team alive", on_stage_thread),
+        ("stage thread, the host's team given back", after_release),
     ]
     print(f"{cpu_model_name()}, {args.dtype}, one 32-row decode step (contexts 32-300), median of {args.steps} steps, ms")
     for name, run in cases:
@@ -67,17 +76,23 @@ def step_times(args) -> None:
     llm.engine.close()
 
 
-def bench_pairs(args) -> None:
-    print(f"graphrt bench's 64 requests in this process, {args.rounds} interleaved rounds (output tok/s)")
-    results = {"keep": [], "release": []}
-    for _ in range(args.rounds):
-        for mode in results:
-            out = subprocess.run([sys.executable, "-c", BENCH_CODE, args.dtype, mode], check=True, capture_output=True, text=True)
-            seconds, tokens = map(float, out.stdout.split()[-2:])
-            results[mode].append(tokens / seconds)
-    for mode, rates in results.items():
-        label = "host keeps its team" if mode == "keep" else "host gives it back"
-        print(f"  {label}: " + ", ".join(f"{rate:.1f}" for rate in rates) + f" (median {statistics.median(rates):.1f})")
+def bench_rounds(args) -> None:
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        rates = {setup: [] for setup in SETUPS}
+        for _ in range(args.rounds):
+            for setup in SETUPS:
+                out = subprocess.run([sys.executable, "-c", BENCH_CODE, args.dtype, setup], capture_output=True, text=True)
+                if out.returncode != 0:
+                    sys.exit(f"the {setup} round failed:\n{out.stderr[-3000:]}")
+                seconds, tokens = map(float, out.stdout.split()[-2:])
+                rates[setup].append(tokens / seconds)
+    finally:
+        for loop in loops:
+            loop.kill()
+    print(f"graphrt bench's 64 requests, {args.busy} busy loops beside them, {args.rounds} interleaved rounds (output tok/s)")
+    for setup, label in SETUPS.items():
+        print(f"  {label}: " + ", ".join(f"{rate:.1f}" for rate in rates[setup]) + f" (median {statistics.median(rates[setup]):.1f})")
 
 
 def main() -> None:
@@ -85,9 +100,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--busy", type=int, default=0, help="busy loops beside the bench rounds")
+    parser.add_argument("--no-steps", action="store_true", help="only the bench rounds")
     args = parser.parse_args()
-    step_times(args)
-    bench_pairs(args)
+    if not args.no_steps:
+        step_times(args)
+    bench_rounds(args)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,12 @@ omp_pause_resource_all); they come back by themselves if that thread opens a par
 Spinning is right while the team has its cores to itself and ruinous when other processes want
 them: a worker spinning at a barrier burns the slice its partner needed, and with two busy loops
 beside it on 2 cores `graphrt bench` ran 2-3x slower than with libgomp's short spin. So each CPU
-stage thread sizes its team to the cores other processes leave (`TeamSizer`, measured from
-/proc/stat every half second): the full team on a quiet machine, fewer threads beside busy
-neighbours, one thread (no barriers at all) when they take a whole core of two.
+stage thread of the engine sizes its team to the cores other processes leave (`TeamSizer`,
+measured from /proc/stat every half second): torch's whole team on a quiet machine, fewer threads
+beside busy neighbours, one thread (no barriers at all) when they take a whole core of two. It
+covers graphrt's compiled kernels, torch's own ops and oneDNN (the packed matmuls); MKL (the dense
+`F.linear` path) keeps torch's thread count. Not covered: the stage processes of `--procs` (rank 0
+is), and several CPU stages in one process (each keeps torch's team, so libgomp throttles them).
 """
 
 from __future__ import annotations
@@ -44,14 +47,15 @@ PROC_SELF_STAT = Path("/proc/self/stat")
 
 @functools.cache
 def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process already loaded (torch's own copy on Linux wheels), or None: not
-    Linux, or torch runs on another OpenMP runtime or thread pool."""
+    """The libgomp torch loaded (its own copy on Linux wheels; another package's copy is only a
+    fallback), or None: not Linux, or torch runs on another OpenMP runtime or thread pool."""
     try:
         maps = PROC_MAPS.read_text()
     except OSError:
         return None
+    torch_dir = str(Path(torch.__file__).parent)
     paths = {line.split(maxsplit=5)[-1] for line in maps.splitlines() if "/libgomp" in line}
-    for path in sorted(paths):
+    for path in sorted(paths, key=lambda path: (not path.startswith(torch_dir), path)):
         try:
             lib = ctypes.CDLL(path)  # already loaded: the same handle, no second runtime
         except OSError:
@@ -64,73 +68,97 @@ def _libgomp() -> ctypes.CDLL | None:
     return None
 
 
+def openmp_available() -> bool:
+    """Whether graphrt can free and size this process's OpenMP teams."""
+    return _libgomp() is not None
+
+
 def release_thread_pool() -> bool:
-    """Free the OpenMP worker threads of the calling thread's team (other threads' teams are not
-    touched). Returns whether libgomp freed them; False where there is no libgomp to ask."""
+    """Free the OpenMP worker threads of the calling thread's team, if it has one (other threads'
+    teams are not touched). False where there is no libgomp to ask, or it refused (the caller is
+    inside a parallel region, which the host thread never is)."""
     lib = _libgomp()
     if lib is None:
         return False
     code = lib.omp_pause_resource_all(OMP_PAUSE_HARD)
-    if code != 0:  # inside a parallel region, which the host thread never is
+    if code != 0:
         logger.debug("omp_pause_resource_all returned %d; the calling thread keeps its OpenMP workers", code)
     return code == 0
 
 
-def set_team_size(threads: int) -> bool:
-    """Run the calling thread's later parallel regions on `threads` threads; other threads and
+def set_team_size(num_threads: int) -> bool:
+    """Run the calling thread's later parallel regions on `num_threads` threads; other threads and
     torch's default for new threads keep theirs (torch.set_num_threads would change both).
     Returns False where there is no libgomp to ask."""
     lib = _libgomp()
     if lib is None:
         return False
     torch.get_num_threads()  # torch sets a thread's team size at its first parallel op: do that first
-    lib.omp_set_num_threads(threads)
+    lib.omp_set_num_threads(num_threads)
     return True
+
+
+def busy_ticks(proc_stat: str, cpus: set[int]) -> int:
+    """Clock ticks the given CPUs have spent busy since boot, from /proc/stat's text: user,
+    system, irq and softirq time. Niced time is left out: a niced neighbour yields to the team."""
+    total = 0
+    for line in proc_stat.splitlines():
+        name, *fields = line.split() or [""]
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            user, _nice, system, _idle, _iowait, irq, softirq = map(int, fields[:7])
+            total += user + system + irq + softirq
+    return total
+
+
+def own_ticks(proc_self_stat: str) -> int:
+    """Clock ticks this process (every thread) has used, from /proc/self/stat's text; the command
+    name, in parentheses, may hold spaces and parentheses itself."""
+    fields = proc_self_stat.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime
 
 
 def cpu_seconds() -> tuple[float, float] | None:
     """(CPU seconds the CPUs this process may run on have been busy, CPU seconds this process has
     used), both since boot; None where /proc does not say (not Linux)."""
     try:
-        cpus = {f"cpu{index}" for index in os.sched_getaffinity(0)}
-        busy_ticks = 0
-        for line in PROC_STAT.read_text().splitlines():
-            fields = line.split()
-            if fields and fields[0] in cpus:  # user nice system idle iowait irq softirq steal ...
-                user, nice, system, _idle, _iowait, irq, softirq = map(int, fields[1:8])
-                busy_ticks += user + nice + system + irq + softirq
-        own = PROC_SELF_STAT.read_text().rsplit(")", 1)[1].split()
-        own_ticks = int(own[11]) + int(own[12])  # utime, stime: every thread of this process
+        busy = busy_ticks(PROC_STAT.read_text(), os.sched_getaffinity(0))
+        own = own_ticks(PROC_SELF_STAT.read_text())
     except (OSError, AttributeError, ValueError, IndexError):
         return None
     tick = os.sysconf("SC_CLK_TCK")
-    return busy_ticks / tick, own_ticks / tick
+    return busy / tick, own / tick
 
 
-def team_size(full: int, others: float) -> int:
-    """Threads for a team of at most `full` when other processes keep `others` cores busy: one
-    fewer for each whole core they take, three quarters of a core counting as one (so the bursts
-    of an HTTP front and its clients, up to 0.6 of a core while serving 32 streams on 2 cores,
-    leave the team whole), and at least one."""
-    return max(1, min(full, full - int(others + 0.25)))
+def team_size(max_threads: int, num_cores: int, others: float) -> int:
+    """Threads for a team of at most `max_threads` on `num_cores` CPUs when other processes keep
+    `others` of them busy: the cores they leave, three quarters of a core counting as a whole one
+    (so the bursts of an HTTP front and its clients, up to 0.6 of a core while serving 32 streams
+    on 2 cores, leave the team whole), and at least one. At rank 0 of a `--procs` pipeline the
+    other stage processes, `num_cores / pp` threads each, leave its team whole."""
+    return max(1, min(max_threads, num_cores - int(others + 0.25)))
 
 
 class TeamSizer:
     """Sizes the OpenMP team of the thread that calls `fit` (a CPU stage thread, before each
-    micro-batch) to what other processes leave of the cores, measured over the last half second."""
+    micro-batch) to what other processes left of the cores since the last measurement, at most
+    every half second. A team grows back only once others leave half a core more than it needs,
+    so a neighbour hovering at the line does not flip it at every measurement."""
 
     INTERVAL_S = 0.5
+    STALE_S = 4 * INTERVAL_S  # a longer gap (an idle engine) starts a fresh measurement
 
     def __init__(
         self,
         clock: Callable[[], float] = time.monotonic,
         usage: Callable[[], tuple[float, float] | None] = cpu_seconds,
         apply: Callable[[int], bool] = set_team_size,
+        num_cores: int | None = None,
     ):
         self.clock, self.usage, self.apply = clock, usage, apply
-        self.full: int | None = None  # the team torch gives the thread: the most it gets back
-        self.size: int | None = None
-        self.others = 0.0  # cores other processes used in the last interval
+        self.num_cores = num_cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        self.max_threads: int | None = None  # the team torch gives the thread: the most it gets back
+        self.num_threads: int | None = None
+        self.others = 0.0  # cores other processes used in the last measurement
         self._last: tuple[float, float, float] | None = None  # (time, busy s, own s)
 
     def fit(self) -> None:
@@ -140,14 +168,18 @@ class TeamSizer:
         usage = self.usage()
         if usage is None:
             return
-        if self.full is None:
-            self.full = self.size = torch.get_num_threads()
-        if self._last is not None:
+        if self.max_threads is None:
+            self.max_threads = self.num_threads = torch.get_num_threads()
+        if self._last is not None and now - self._last[0] <= self.STALE_S:
             then, busy, own = self._last
             self.others = max(0.0, (usage[0] - busy) - (usage[1] - own)) / (now - then)
-            size = team_size(self.full, self.others)
-            if size != self.size and self.apply(size):
-                logger.info("OpenMP team of %s: %d -> %d threads (other processes used %.2f cores)",
-                            threading.current_thread().name, self.size, size, self.others)
-                self.size = size
+            self._resize(team_size(self.max_threads, self.num_cores, self.others))
         self._last = (now, *usage)
+
+    def _resize(self, num_threads: int) -> None:
+        if num_threads > self.num_threads:  # grow only with half a core to spare
+            num_threads = max(self.num_threads, team_size(self.max_threads, self.num_cores, self.others + 0.5))
+        if num_threads != self.num_threads and self.apply(num_threads):
+            logger.info("OpenMP team of %s: %d -> %d threads (other processes used %.2f cores)",
+                        threading.current_thread().name, self.num_threads, num_threads, self.others)
+            self.num_threads = num_threads

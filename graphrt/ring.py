@@ -31,7 +31,7 @@ from graphrt.batch import StepMetadata
 from graphrt.block_allocator import SCRATCH_BLOCK
 from graphrt.capture.graphs import StageGraphs
 from graphrt.logprobs import plan_logprobs, score_rows
-from graphrt.openmp import TeamSizer
+from graphrt.openmp import TeamSizer, openmp_available
 from graphrt.pipeline import Pipeline
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline, mark
@@ -141,8 +141,10 @@ class Ring:
         return [make_stream(stage.device, f"graphrt-stage{stage.index}") for stage in self.pipeline.stages]
 
     def _make_teams(self) -> list[TeamSizer | None]:
-        """Each CPU stage thread's OpenMP team, sized to the cores other processes leave it."""
-        return [TeamSizer() if stage.device.type == "cpu" else None for stage in self.pipeline.stages]
+        """Each CPU stage thread's OpenMP team, sized to the cores other processes leave it (made
+        with the threads: a fresh thread starts with torch's team)."""
+        sized = openmp_available()
+        return [TeamSizer() if sized and stage.device.type == "cpu" else None for stage in self.pipeline.stages]
 
     def reset(self, cause: str) -> None:
         """After a stage failure (`cause`): every micro-batch in flight is dropped and every slot is
@@ -254,8 +256,9 @@ class Ring:
         stage, cache = self.pipeline.stages[index], self.pipeline.caches[index]
         num_tokens = token_ids.shape[0]
         kind = "prefill" if mb.step.is_prefill else "decode"
-        if self.teams[index] is not None:
-            self.teams[index].fit()
+        team = self.teams[index]
+        if team is not None:
+            team.fit()
         started = self.timeline.begin(stage.device) if self.timeline else None
         busy_from = mark(stage.device)
         if mb.step.is_prefill:

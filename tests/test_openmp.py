@@ -16,14 +16,22 @@ import pytest
 import torch
 
 from graphrt.llm import LLM
-from graphrt.openmp import TeamSizer, _libgomp, release_thread_pool, set_team_size, team_size
+from graphrt.openmp import (
+    TeamSizer,
+    busy_ticks,
+    openmp_available,
+    own_ticks,
+    release_thread_pool,
+    set_team_size,
+    team_size,
+)
 
-pytestmark = pytest.mark.skipif(
-    not Path("/proc/self/task").is_dir() or _libgomp() is None, reason="needs Linux and torch on libgomp"
+needs_libgomp = pytest.mark.skipif(
+    not Path("/proc/self/task").is_dir() or not openmp_available(), reason="needs Linux and torch on libgomp"
 )
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def two_threads():
     """Teams of two (an in-process cluster earlier in the suite may have left torch at one thread);
     threads started from here on take it too."""
@@ -52,6 +60,8 @@ def gone(tids: set[int], wait_s: float = 30.0) -> bool:
     return True
 
 
+@needs_libgomp
+@pytest.mark.usefixtures("two_threads")
 def test_release_frees_the_calling_threads_workers_only():
     outcome = {}
 
@@ -66,22 +76,25 @@ def test_release_frees_the_calling_threads_workers_only():
         outcome["again"] = thread_ids() - before - workers
 
     parallel_work()  # the main thread's team, which must survive the other thread's release
-    main_team = thread_ids()
     thread = threading.Thread(target=on_a_thread)
     thread.start()
     thread.join()
-    assert outcome["workers"], "a parallel op on a new thread started no OpenMP workers"
+    assert len(outcome["workers"]) == torch.get_num_threads() - 1, "a parallel op on a new thread started no OpenMP workers"
     assert outcome["released"] and outcome["gone"]
     assert outcome["again"], "the next parallel op on that thread started no workers"
-    assert main_team - {thread.native_id} <= thread_ids()
+    before = thread_ids()
+    parallel_work()
+    assert thread_ids() - before == set(), "the main thread's team went with the other thread's"
 
 
+@needs_libgomp
+@pytest.mark.usefixtures("two_threads")
 def test_engine_host_thread_holds_no_team_once_built(tiny_model_factory):
     parallel_work()  # the host thread's team exists before the engine is built
     llm = LLM(tiny_model_factory(), dtype="float32")
     try:
         assert len(llm.generate([1, 2, 3])[0].token_ids) > 0  # the stage thread's team runs the model
-        assert llm.engine.ring.teams[0].full == 2  # sized on the stage thread before its first micro-batch
+        assert llm.engine.ring.teams[0].max_threads == 2  # sized on the stage thread before its first micro-batch
         before = thread_ids()
         parallel_work()
         assert thread_ids() - before, "the host thread still had its OpenMP workers after the engine was built"
@@ -90,9 +103,32 @@ def test_engine_host_thread_holds_no_team_once_built(tiny_model_factory):
 
 
 def test_team_size_gives_back_a_thread_per_core_others_take():
-    assert [team_size(2, others) for others in (0.0, 0.6, 0.74, 0.75, 1.0, 1.9, 5.0)] == [2, 2, 2, 1, 1, 1, 1]
-    assert [team_size(16, others) for others in (0.0, 3.8, 20.0)] == [16, 12, 1]
-    assert team_size(1, 0.0) == 1
+    assert [team_size(2, 2, others) for others in (0.0, 0.6, 0.74, 0.75, 1.0, 1.9, 5.0)] == [2, 2, 2, 1, 1, 1, 1]
+    assert [team_size(16, 16, others) for others in (0.0, 3.8, 20.0)] == [16, 12, 1]
+    # Two stage processes with 8 threads each on 16 cores: the other's 8 leave this team whole.
+    assert [team_size(8, 16, others) for others in (8.0, 9.0, 12.0)] == [8, 7, 4]
+    assert team_size(1, 2, 0.0) == 1
+
+
+PROC_STAT_TEXT = """cpu  900 50 300 8000 10 5 5 7 0 0
+cpu0 100 10 50 4000 5 1 2 3 0 0
+cpu1 200 40 70 4000 5 2 3 4 0 0
+cpu2 600 0 180 0 0 2 0 0 0 0
+intr 12345 1 2 3
+ctxt 999
+"""
+
+
+def test_busy_ticks_counts_the_given_cpus_without_nice_idle_or_steal():
+    assert busy_ticks(PROC_STAT_TEXT, {0, 1}) == (100 + 50 + 1 + 2) + (200 + 70 + 2 + 3)
+    assert busy_ticks(PROC_STAT_TEXT, {2}) == 600 + 180 + 2
+    assert busy_ticks(PROC_STAT_TEXT, {7}) == 0
+
+
+def test_own_ticks_reads_utime_and_stime_past_a_command_with_parentheses():
+    # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime ...
+    text = "4242 (python (x) y) R 1 4242 4242 0 -1 4194304 100 0 0 0 1234 56 0 0 20 0 5 0"
+    assert own_ticks(text) == 1234 + 56
 
 
 class FakeMachine:
@@ -108,35 +144,55 @@ class FakeMachine:
         self.own += own_cores * seconds
         self.busy += (own_cores + other_cores) * seconds
 
+    def sizer(self) -> TeamSizer:
+        sizer = TeamSizer(clock=lambda: self.now, usage=lambda: (self.busy, self.own),
+                          apply=lambda n: self.applied.append(n) or True, num_cores=2)
+        sizer.fit()  # the first reading: nothing to compare with yet
+        sizer.max_threads = sizer.num_threads = 2  # whatever torch's count is in this process
+        return sizer
+
 
 def test_team_sizer_follows_what_other_processes_leave():
     machine = FakeMachine()
-    sizer = TeamSizer(clock=lambda: machine.now, usage=lambda: (machine.busy, machine.own),
-                      apply=lambda n: machine.applied.append(n) or True)
-    sizer.fit()  # the first reading: nothing to compare with yet
-    assert sizer.full == sizer.size == torch.get_num_threads() == 2 and machine.applied == []
+    sizer = machine.sizer()
     machine.run(0.2, own_cores=2.0, other_cores=1.0)
     sizer.fit()  # within the half second: not measured again
     assert machine.applied == []
     machine.run(0.4, own_cores=1.0, other_cores=1.0)
     sizer.fit()
-    assert machine.applied == [1] and sizer.size == 1 and sizer.others == pytest.approx(1.0)
+    assert machine.applied == [1] and sizer.num_threads == 1 and sizer.others == pytest.approx(1.0)
     machine.run(0.6, own_cores=1.0, other_cores=1.3)
     sizer.fit()
     assert machine.applied == [1]  # still one: nothing applied again
+    machine.run(0.6, own_cores=1.0, other_cores=0.4)
+    sizer.fit()
+    assert machine.applied == [1]  # 0.4 of a core: within half a core of the line, so no growing yet
     machine.run(0.6, own_cores=1.0, other_cores=0.1)
     sizer.fit()
-    assert machine.applied == [1, 2] and sizer.size == 2
+    assert machine.applied == [1, 2] and sizer.num_threads == 2
+
+
+def test_team_sizer_starts_afresh_after_an_idle_gap():
+    machine = FakeMachine()
+    sizer = machine.sizer()
+    machine.run(60.0, own_cores=0.0, other_cores=1.0)  # the engine idle a minute, a neighbour busy
+    sizer.fit()
+    assert machine.applied == []  # too old to say what the neighbours do now
+    machine.run(0.5, own_cores=2.0, other_cores=0.0)
+    sizer.fit()
+    assert machine.applied == [] and sizer.others == 0.0
 
 
 def test_team_sizer_without_proc_changes_nothing():
     applied = []
-    sizer = TeamSizer(clock=iter(range(0, 100, 10)).__next__, usage=lambda: None, apply=applied.append)
+    sizer = TeamSizer(clock=iter(range(0, 100, 10)).__next__, usage=lambda: None, apply=applied.append, num_cores=2)
     for _ in range(3):
         sizer.fit()
-    assert applied == [] and sizer.size is None
+    assert applied == [] and sizer.num_threads is None
 
 
+@needs_libgomp
+@pytest.mark.usefixtures("two_threads")
 def test_set_team_size_changes_the_calling_thread_only():
     outcome = {}
 
