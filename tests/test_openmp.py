@@ -60,25 +60,28 @@ def gone(tids: set[int], wait_s: float = 30.0) -> bool:
     return True
 
 
+def on_new_thread(fn):
+    """What `fn()` returns when run on a thread of its own (which has no OpenMP team yet)."""
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(result=fn()))
+    thread.start()
+    thread.join()
+    return box["result"]
+
+
 @needs_libgomp
 @pytest.mark.usefixtures("two_threads")
 def test_release_frees_the_calling_threads_workers_only():
-    outcome = {}
-
     def on_a_thread():
         before = thread_ids()
         parallel_work()
         workers = thread_ids() - before
-        outcome["workers"] = workers
-        outcome["released"] = release_thread_pool()
-        outcome["gone"] = gone(workers)
+        outcome = {"workers": workers, "released": release_thread_pool(), "gone": gone(workers)}
         parallel_work()  # the team comes back on demand
-        outcome["again"] = thread_ids() - before - workers
+        return outcome | {"again": thread_ids() - before - workers}
 
     parallel_work()  # the main thread's team, which must survive the other thread's release
-    thread = threading.Thread(target=on_a_thread)
-    thread.start()
-    thread.join()
+    outcome = on_new_thread(on_a_thread)
     assert len(outcome["workers"]) == torch.get_num_threads() - 1, "a parallel op on a new thread started no OpenMP workers"
     assert outcome["released"] and outcome["gone"]
     assert outcome["again"], "the next parallel op on that thread started no workers"
@@ -194,22 +197,12 @@ def test_team_sizer_without_proc_changes_nothing():
 @needs_libgomp
 @pytest.mark.usefixtures("two_threads")
 def test_set_team_size_changes_the_calling_thread_only():
-    outcome = {}
-
     def on_a_thread():
         before = thread_ids()
-        outcome["set"] = set_team_size(1)
-        outcome["threads"] = torch.get_num_threads()
+        outcome = {"set": set_team_size(1), "threads": torch.get_num_threads()}
         parallel_work()
-        outcome["workers"] = thread_ids() - before
+        return outcome | {"workers": thread_ids() - before}
 
-    thread = threading.Thread(target=on_a_thread)
-    thread.start()
-    thread.join()
-    assert outcome == {"set": True, "threads": 1, "workers": set()}
+    assert on_new_thread(on_a_thread) == {"set": True, "threads": 1, "workers": set()}
     assert torch.get_num_threads() == 2  # this thread, and torch's default for new ones, keep theirs
-    other = {}
-    thread = threading.Thread(target=lambda: other.update(threads=torch.get_num_threads()))
-    thread.start()
-    thread.join()
-    assert other["threads"] == 2
+    assert on_new_thread(torch.get_num_threads) == 2
