@@ -182,6 +182,7 @@ def report(name: str, times: list[float], total_ms: float, shares, top: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="Hugging Face style folder (default: the default model)")
+    parser.add_argument("--dtype", default="auto", help="as `graphrt serve --dtype` (default: auto)")
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--min-ctx", type=int, default=17, help="shortest context, this step's token included")
     parser.add_argument("--max-ctx", type=int, default=192)
@@ -194,7 +195,7 @@ def main() -> None:
 
     rng = random.Random(0)
     context_lens = [rng.randint(args.min_ctx, args.max_ctx) for _ in range(args.rows)]
-    llm = LLM(model=args.model, kv_cache_tokens=args.rows * (args.max_ctx + 16) + 64, buckets=[args.rows])
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_tokens=args.rows * (args.max_ctx + 16) + 64, buckets=[args.rows])
     token_ids, meta = build_decode_step(llm, context_lens)
     sides = {"graphrt": graphrt_step(llm, token_ids, meta)}
     if args.dense:

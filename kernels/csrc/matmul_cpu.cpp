@@ -63,15 +63,30 @@ inline void prefetch_ahead(const void* src) {
   _mm_prefetch(static_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T0);
 }
 
+// Bytes still to be brought into L2 ahead of use: the next group of panels, asked for a cache line
+// per step of k by the tiles that read the current group from L2 (see rows_by_panels).
+struct L2Prefetch {
+  const char* next = nullptr;
+  const char* end = nullptr;
+
+  inline void step() {
+    if (next < end) {
+      _mm_prefetch(next, _MM_HINT_T1);
+      next += 64;
+    }
+  }
+};
+
 // out[m, p * 16 + c] for m < MR, p < NR panels, c < 16 = sum over k of x[m, k] * w[p][k][c].
 // `w` points at the first panel; panels are `panel_stride` elements apart.
 template <int MR, int NR>
 void tile_f32(const float* x, int64_t ldx, const float* w, int64_t panel_stride, int64_t k_size,
-              const float* bias, float* out, int64_t ldo) {
+              const float* bias, float* out, int64_t ldo, L2Prefetch& l2) {
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int p = 0; p < NR; ++p) acc[m][p] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_size; ++k) {
+    l2.step();
     __m512 wv[NR];
     for (int p = 0; p < NR; ++p) wv[p] = _mm512_loadu_ps(w + p * panel_stride + k * kPanel);
     for (int m = 0; m < MR; ++m) {
@@ -97,11 +112,12 @@ __attribute__((target("avx512bf16"))) inline __m512 load_bf16_as_f32(const at::B
 template <int MR, int NR>
 __attribute__((target("avx512bf16"))) void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
                                                       int64_t panel_stride, int64_t k_size, const at::BFloat16* bias,
-                                                      at::BFloat16* out, int64_t ldo) {
+                                                      at::BFloat16* out, int64_t ldo, L2Prefetch& l2) {
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int p = 0; p < NR; ++p) acc[m][p] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_size; k += 2) {
+    l2.step();
     __m512bh wv[NR];
     for (int p = 0; p < NR; ++p) {
       const at::BFloat16* src = w + p * panel_stride + k * kPanel;
@@ -133,12 +149,12 @@ bool cpu_has_avx512_bf16() {
 
 template <typename T, int MR, int NR>
 inline void tile(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_t k_size, const T* bias, T* out,
-                 int64_t ldo) {
+                 int64_t ldo, L2Prefetch& l2) {
   if constexpr (std::is_same_v<T, float>) {
-    tile_f32<MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo);
+    tile_f32<MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo, l2);
   } else {
 #if defined(GRAPHRT_PANEL_BF16)
-    tile_bf16<MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo);
+    tile_bf16<MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo, l2);
 #endif
   }
 }
@@ -146,26 +162,31 @@ inline void tile(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int6
 // MR rows by `num_panels` panels (at most NR) in one tile.
 template <typename T, int MR, int NR>
 void row_block(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_t k_size, const T* bias,
-               int64_t num_panels, T* out, int64_t ldo) {
+               int64_t num_panels, T* out, int64_t ldo, L2Prefetch& l2) {
   static_assert(NR >= 1 && NR <= 8);
   if (num_panels == NR) {
-    tile<T, MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo);
+    tile<T, MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo, l2);
   } else if constexpr (NR > 1) {
-    row_block<T, MR, NR - 1>(x, ldx, w, panel_stride, k_size, bias, num_panels, out, ldo);
+    row_block<T, MR, NR - 1>(x, ldx, w, panel_stride, k_size, bias, num_panels, out, ldo, l2);
   }
 }
 
-// Rows [0, num_rows) of x against `num_panels` panels (at most 8) starting at `w`.
+// Rows [0, num_rows) of x against `num_panels` panels (at most 8) starting at `w`. The first row
+// block reads the panels from memory; the blocks after it find them in L2 and, as they compute,
+// ask for `next` (the group of panels that comes after this one) to be brought into L2 too, so
+// the next group's first block does not wait on memory with the FMA units idle.
 template <typename T>
 void rows_by_panels(const T* x, int64_t ldx, int64_t num_rows, const T* w, int64_t panel_stride, int64_t k_size,
-                    const T* bias, int64_t num_panels, T* out, int64_t ldo) {
+                    const T* bias, int64_t num_panels, T* out, int64_t ldo, L2Prefetch next) {
   int64_t m = 0;
+  L2Prefetch none;
   auto run = [&](auto mr, auto nr) {
     constexpr int MR = decltype(mr)::value, NR = decltype(nr)::value;
+    L2Prefetch& l2 = m == 0 ? none : next;
     for (int64_t p = 0; p < num_panels; p += NR) {
       row_block<T, MR, NR>(x + m * ldx, ldx, w + p * panel_stride, panel_stride, k_size,
                            bias != nullptr ? bias + p * kPanel : nullptr, std::min<int64_t>(NR, num_panels - p),
-                           out + m * ldo + p * kPanel, ldo);
+                           out + m * ldo + p * kPanel, ldo, l2);
     }
   };
   if (num_rows >= 16) {  // panels from L2 after the first tile: 4 loads and 4 broadcasts per 16 products
@@ -192,12 +213,19 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int64_t work_per_panel = std::max<int64_t>(1, kPanel * k_size * std::min<int64_t>(num_rows, 8));
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / work_per_panel);
   at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+    // The group this thread runs after [p0, p0 + kGroup) of rows [r0, r0 + kRowChunk): the next
+    // group of its share, or the first one again for the next chunk of rows.
+    auto group_after = [&](int64_t r0, int64_t p0) {
+      const int64_t next = p0 + kGroup < end ? p0 + kGroup : (r0 + kRowChunk < num_rows ? begin : end);
+      const char* start = reinterpret_cast<const char*>(w_data + next * panel_stride);
+      return L2Prefetch{start, start + std::min(kGroup, end - next) * panel_stride * int64_t(sizeof(T))};
+    };
     for (int64_t r0 = 0; r0 < num_rows; r0 += kRowChunk) {
       const int64_t chunk_rows = std::min(kRowChunk, num_rows - r0);
       for (int64_t p0 = begin; p0 < end; p0 += kGroup) {
         rows_by_panels<T>(x_data + r0 * ldx, ldx, chunk_rows, w_data + p0 * panel_stride, panel_stride, k_size,
                           bias_data != nullptr ? bias_data + p0 * kPanel : nullptr, std::min(kGroup, end - p0),
-                          out_data + r0 * ldo + p0 * kPanel, ldo);
+                          out_data + r0 * ldo + p0 * kPanel, ldo, group_after(r0, p0));
       }
     }
   });
