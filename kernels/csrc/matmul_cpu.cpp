@@ -208,23 +208,26 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   T* out_data = out.mutable_data_ptr<T>();
   const int64_t ldo = out.stride(0);
   // A thread takes an even share of the panels (so shapes of few panels still split evenly) and
-  // runs them in groups of 8 (128 columns), chunk of rows by chunk.
-  constexpr int64_t kGroup = 8;
+  // runs them in groups, chunk of rows by chunk. A group and the next one, which is brought in
+  // while it is used, must both fit L2 (1-2 MB on the CPUs we run on): 8 panels (128 columns)
+  // where k is short, down to 4 (one 4x4 tile's panels) where it is long.
+  constexpr int64_t kGroupBytes = 384 << 10;
+  const int64_t group = std::clamp<int64_t>(kGroupBytes / (panel_stride * int64_t(sizeof(T))), 4, 8);
   const int64_t work_per_panel = std::max<int64_t>(1, kPanel * k_size * std::min<int64_t>(num_rows, 8));
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / work_per_panel);
   at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-    // The group this thread runs after [p0, p0 + kGroup) of rows [r0, r0 + kRowChunk): the next
+    // The group this thread runs after [p0, p0 + group) of rows [r0, r0 + kRowChunk): the next
     // group of its share, or the first one again for the next chunk of rows.
     auto group_after = [&](int64_t r0, int64_t p0) {
-      const int64_t next = p0 + kGroup < end ? p0 + kGroup : (r0 + kRowChunk < num_rows ? begin : end);
+      const int64_t next = p0 + group < end ? p0 + group : (r0 + kRowChunk < num_rows ? begin : end);
       const char* start = reinterpret_cast<const char*>(w_data + next * panel_stride);
-      return L2Prefetch{start, start + std::min(kGroup, end - next) * panel_stride * int64_t(sizeof(T))};
+      return L2Prefetch{start, start + std::min(group, end - next) * panel_stride * int64_t(sizeof(T))};
     };
     for (int64_t r0 = 0; r0 < num_rows; r0 += kRowChunk) {
       const int64_t chunk_rows = std::min(kRowChunk, num_rows - r0);
-      for (int64_t p0 = begin; p0 < end; p0 += kGroup) {
+      for (int64_t p0 = begin; p0 < end; p0 += group) {
         rows_by_panels<T>(x_data + r0 * ldx, ldx, chunk_rows, w_data + p0 * panel_stride, panel_stride, k_size,
-                          bias_data != nullptr ? bias_data + p0 * kPanel : nullptr, std::min(kGroup, end - p0),
+                          bias_data != nullptr ? bias_data + p0 * kPanel : nullptr, std::min(group, end - p0),
                           out_data + r0 * ldo + p0 * kPanel, ldo, group_after(r0, p0));
       }
     }
