@@ -33,8 +33,9 @@ MODE_ENV = "GRAPHRT_CPU_KERNELS"  # forces a path for tests and benchmarks; auto
 NUM_CALLS = 7  # per path, alternating
 MAX_CONTEXT = 384  # tokens: a long chat turn; longer contexts favour the compiled attention further
 MARGIN = 0.05  # the kernel must beat the reference by this much, so noise does not flip a tie
-OPS = ("paged_decode_attention", "paged_prefill_attention", "rms_norm", "apply_rotary", "silu_and_mul")  # KernelSet fields
-OP_NAMES = {"paged_decode_attention": "decode attention", "paged_prefill_attention": "prefill attention", "apply_rotary": "rotary"}
+OPS = ("paged_decode_attention", "paged_prefill_attention", "write_kv", "rms_norm", "apply_rotary", "silu_and_mul")  # KernelSet fields
+OP_NAMES = {"paged_decode_attention": "decode attention", "paged_prefill_attention": "prefill attention",
+            "write_kv": "KV writes", "apply_rotary": "rotary"}
 PREFILL_PROMPTS, PREFILL_TOKENS = 4, 128  # prefill attention is timed on a chunk of 4 prompts of 128 tokens
 
 
@@ -63,6 +64,7 @@ def compiled_ops() -> dict[str, Callable]:
     return {
         "paged_decode_attention": paged_attention_cpu.paged_decode_attention,
         "paged_prefill_attention": paged_attention_cpu.paged_prefill_attention,
+        "write_kv": paged_attention_cpu.write_kv,
         "rms_norm": elementwise_cpu.rms_norm,
         "apply_rotary": elementwise_cpu.apply_rotary,
         "silu_and_mul": elementwise_cpu.silu_and_mul,
@@ -131,6 +133,12 @@ def timing_inputs(op: str, shapes: LayerShapes, rows: int, block_size: int, dtyp
         q = randn(PREFILL_PROMPTS * PREFILL_TOKENS, shapes.num_heads, shapes.head_dim)
         lens = [PREFILL_TOKENS] * PREFILL_PROMPTS
         return q, k_cache, v_cache, tables, lens, lens, scale
+    if op == "write_kv":  # one decode step's rows into distinct slots of the decode timing's cache
+        _, k_cache, v_cache, *_ = random_decode_inputs(rows, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim,
+                                                       block_size, dtype, seed)
+        slots = torch.randperm(k_cache.shape[0] * block_size, generator=generator)[:rows]
+        k, v = randn(rows, shapes.num_kv_heads, shapes.head_dim), randn(rows, shapes.num_kv_heads, shapes.head_dim)
+        return k, v, k_cache, v_cache, slots
     if op == "rms_norm":
         return randn(rows, shapes.hidden_size), randn(shapes.hidden_size), 1e-5, randn(rows, shapes.hidden_size)
     if op == "apply_rotary":

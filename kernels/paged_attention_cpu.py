@@ -1,5 +1,6 @@
-"""Paged attention compiled for the CPU: decode (reference: `paged_attention.paged_decode_attention`)
-and the prompt rows of a prefill chunk (reference: `paged_attention.paged_prefill_attention`).
+"""Paged attention compiled for the CPU: decode (reference: `paged_attention.paged_decode_attention`),
+the prompt rows of a prefill chunk (reference: `paged_attention.paged_prefill_attention`) and the
+KV cache writes (reference: `paged_attention.write_kv`).
 
 The kernels (csrc/paged_attention_cpu.cpp, built by cpu_extension.py) read K/V straight from the
 cache through the block tables, where the references first gather them into new tensors, and run
@@ -87,9 +88,28 @@ def prompt_attention(
     )
 
 
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The contract of `paged_attention.write_kv`: k, v (tokens, kv_heads, head_dim) into the caches'
+    slots. Raises IndexError naming the first slot outside the cache, having written nothing."""
+    tensors = {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
+    off_cpu = [name for name, tensor in tensors.items() if tensor.device.type != "cpu"]
+    if off_cpu:
+        raise ValueError(f"write_kv (CPU kernel): {', '.join(off_cpu)} not on the CPU; use the Triton kernels on CUDA")
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    build = extension()
+    if build.library is None:
+        raise RuntimeError(f"the CPU KV write kernel is unavailable: {build.reason}")
+    torch.ops.graphrt.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
 # The KernelSet field: the reference's handling of a chunk (riding decode rows through the chosen
 # decode attention) with its prompt rows on the kernel.
 paged_prefill_attention = functools.partial(reference.paged_prefill_attention, prompt_attention=prompt_attention)
 
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "prompt_attention"]
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "prompt_attention", "write_kv"]

@@ -53,6 +53,7 @@ def test_each_op_keeps_the_kernel_only_where_it_is_faster_by_the_margin(monkeypa
     seconds = {
         "paged_decode_attention": {"compiled": 1.0, "torch": 3.0},
         "paged_prefill_attention": {"compiled": 2.0, "torch": 2.5},
+        "write_kv": {"compiled": 0.1, "torch": 1.0},
         "rms_norm": {"compiled": 0.97, "torch": 1.0},  # within the margin: a tie keeps the reference
         "apply_rotary": {"compiled": 2.0, "torch": 1.0},
         "silu_and_mul": {"compiled": 0.5, "torch": 1.0},
@@ -61,13 +62,13 @@ def test_each_op_keeps_the_kernel_only_where_it_is_faster_by_the_margin(monkeypa
     monkeypatch.setattr(cpu_kernel_choice, "timing_inputs", lambda op, *_: (op,))
     monkeypatch.setattr(cpu_kernel_choice, "time_paths", lambda paths, inputs, timer: seconds[inputs[0]])
     choice = choose_cpu_kernels(**SHAPES)
-    assert choice.paths == {"paged_decode_attention": "compiled", "paged_prefill_attention": "compiled", "rms_norm": "torch",
-                            "apply_rotary": "torch", "silu_and_mul": "compiled"}
+    assert choice.paths == {"paged_decode_attention": "compiled", "paged_prefill_attention": "compiled", "write_kv": "compiled",
+                            "rms_norm": "torch", "apply_rotary": "torch", "silu_and_mul": "compiled"}
     assert (choice.source, choice.seconds, choice.rows) == ("measured", seconds, 8)
     assert choice.summary().startswith(
-        "CPU kernels: compiled decode attention, prefill attention, silu_and_mul; torch rms_norm, rotary (ms per call "
-        "at 8 rows, prefill attention on 4 prompts of 128 tokens, compiled vs torch: decode attention 1000.000 vs "
-        "3000.000, prefill attention 2000.000 vs 2500.000, rms_norm 970.000 vs 1000.000"
+        "CPU kernels: compiled decode attention, prefill attention, KV writes, silu_and_mul; torch rms_norm, rotary (ms per "
+        "call at 8 rows, prefill attention on 4 prompts of 128 tokens, compiled vs torch: decode attention 1000.000 vs "
+        "3000.000, prefill attention 2000.000 vs 2500.000, KV writes 100.000 vs 1000.000, rms_norm 970.000 vs 1000.000"
     )
 
 
@@ -114,6 +115,7 @@ def test_an_engine_on_the_compiled_kernels_generates_what_the_references_do(tiny
         assert stage.layers[0].ops.rms_norm is expected
         attention = {"torch": TORCH.paged_decode_attention, "compiled": paged_attention_cpu.paged_decode_attention}[mode]
         assert stage.layers[0].ops.paged_decode_attention is attention
+        assert stage.layers[0].ops.write_kv is {"torch": TORCH.write_kv, "compiled": paged_attention_cpu.write_kv}[mode]
         prefill = stage.layers[0].ops.paged_prefill_attention  # the reference, given the chosen kernels
         assert prefill.keywords["decode_attention"] is attention
         assert prefill.keywords.get("prompt_attention") is {"torch": None, "compiled": paged_attention_cpu.prompt_attention}[mode]

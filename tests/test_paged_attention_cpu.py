@@ -1,4 +1,5 @@
-"""The compiled CPU paged decode attention against its torch reference (`paged_attention`).
+"""The compiled CPU paged decode attention and KV writes against their torch references
+(`paged_attention`).
 
 The kernel is built on first use (kernels/cpu_extension.py, tested in test_cpu_extension.py);
 where it can't be built, the tests that run it skip with the reason. Caches start as NaN and only
@@ -161,3 +162,41 @@ def test_inputs_it_cannot_take_are_refused_before_the_kernel_runs():
         paged_attention_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables.float(), seq_lens, scale)
     with pytest.raises(ValueError, match="head_dim"):
         paged_attention_cpu.paged_decode_attention(q[0], k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def kv_write_inputs(dtype: torch.dtype, tokens: int = 7, seed: int = 0):
+    """k, v as a layer hands them (head rows of a wider qkv row), NaN caches of 5 blocks of 4, and
+    distinct slots spread over every block, the scratch block 0 among them."""
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads, head_dim = 3, 20
+    qkv = torch.randn(tokens, 9 * head_dim, generator=generator).to(dtype)
+    k = qkv[:, 3 * head_dim : 6 * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, 6 * head_dim :].view(tokens, kv_heads, head_dim)
+    caches = [torch.full((5, 4, kv_heads, head_dim), float("nan"), dtype=dtype) for _ in range(2)]
+    slots = torch.randperm(20, generator=generator)[:tokens]
+    return k, v, *caches, slots
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_kv_writes_fill_exactly_the_slots_the_reference_fills(dtype):
+    k, v, k_cache, v_cache, slots = kv_write_inputs(dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    paged_attention.write_kv(k, v, expected_k, expected_v, slots)
+    paged_attention_cpu.write_kv(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, expected_k, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, expected_v, atol=0, rtol=0, equal_nan=True)
+    assert not torch.equal(k_cache.isnan(), torch.ones_like(k_cache, dtype=torch.bool))  # something was written
+
+
+@needs_kernel
+def test_a_kv_write_to_a_slot_outside_the_cache_raises_and_writes_nothing():
+    k, v, k_cache, v_cache, slots = kv_write_inputs(torch.float32)
+    slots[-1] = 20  # 5 blocks of 4: slots 0..19
+    with pytest.raises(IndexError, match=r"slot_mapping\[6\] is 20, not a slot of the 20-slot cache"):
+        paged_attention_cpu.write_kv(k, v, k_cache, v_cache, slots)
+    assert k_cache.isnan().all() and v_cache.isnan().all()
+    with pytest.raises(RuntimeError, match="one dtype"):
+        paged_attention_cpu.write_kv(k.double(), v, k_cache, v_cache, slots)
+    with pytest.raises(RuntimeError, match="holds 3 heads of 20"):
+        paged_attention_cpu.write_kv(k[:, :2], v[:, :2], k_cache, v_cache, slots)

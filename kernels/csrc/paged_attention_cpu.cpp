@@ -1,7 +1,8 @@
 // Paged decode attention on the CPU: a compiled twin of the torch reference
 // `paged_decode_attention` in kernels/paged_attention.py, which tests/test_paged_attention_cpu.py
 // compares it with. kernels/paged_attention_cpu.py builds this file and calls it as
-// torch.ops.graphrt.paged_decode_attention.
+// torch.ops.graphrt.paged_decode_attention. The prefill attention and the KV cache writes follow
+// in their own sections below.
 //
 // One task is one (sequence, kv head) and serves every query head of that GQA group, so each K/V
 // row is read once per group, straight from the cache through the block table: the reference
@@ -33,6 +34,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -717,6 +719,54 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// KV writes: each token's K and V rows into the cache slots `slot_mapping` names (a slot is
+// block * block_size + offset), the compiled twin of the reference `write_kv` (index_copy_ into
+// the caches seen as (slots, kv_heads, head_dim)). A decode step writes a few KB per layer, for
+// which index_copy_'s setup cost about as much as the copying; here they are plain memcpy of head
+// rows, on the calling thread. Every slot is checked before anything is written, so a bad one
+// raises and leaves the caches as they were.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping_in) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "write_kv: k and v must be (tokens, kv_heads, head_dim) and the caches (num_blocks, block_size, "
+              "kv_heads, head_dim), each pair of one shape");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "write_kv: k is ", k.sizes(),
+              " but the cache holds ", k_cache.size(2), " heads of ", k_cache.size(3));
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "write_kv: k, v and the caches must have one dtype");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "write_kv: needs unit-stride head_dim");
+  TORCH_CHECK(slot_mapping_in.dim() == 1 && slot_mapping_in.size(0) == k.size(0),
+              "write_kv: slot_mapping must be (tokens,)");
+  const at::Tensor slot_mapping = slot_mapping_in.to(at::kLong).contiguous();
+  const int64_t tokens = k.size(0), heads = k.size(1), block_size = k_cache.size(1);
+  const int64_t num_slots = k_cache.size(0) * block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK_INDEX(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot_mapping[", t, "] is ", slots[t],
+                      ", not a slot of the ", num_slots, "-slot cache");
+  }
+  const int64_t item = k.element_size(), row_bytes = k.size(2) * item;
+  // Where token t's head h goes in `cache`.
+  auto row = [&](at::Tensor& cache, int64_t t, int64_t h) {
+    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+    return static_cast<char*>(cache.mutable_data_ptr()) +
+           (block * cache.stride(0) + offset * cache.stride(1) + h * cache.stride(2)) * item;
+  };
+  auto copy = [&](const at::Tensor& src, at::Tensor& cache) {
+    const char* src_data = static_cast<const char*>(src.const_data_ptr());
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(row(cache, t, h), src_data + (t * src.stride(0) + h * src.stride(1)) * item, row_bytes);
+      }
+    }
+  };
+  copy(k, k_cache);
+  copy(v, v_cache);
+}
+
 }  // namespace
 
 // A fragment, not TORCH_LIBRARY: the `graphrt` op namespace may gain ops from other files.
@@ -727,9 +777,11 @@ TORCH_LIBRARY_FRAGMENT(graphrt, m) {
   m.def(
       "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor query_lens, Tensor seq_lens, float scale) -> Tensor");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(graphrt, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("write_kv", &write_kv);
 }
