@@ -18,11 +18,14 @@ older sequence is never preempted for a younger one (it waits for the younger on
 block boundary). A request must fit the cache alone (`check`), so the oldest always makes progress.
 
 With prefix caching (`prefix_root` set; graphrt.block_allocator), a sequence's full blocks are
-offered to the cache once their K/V is written (launched: every stage runs micro-batches in launch
-order, so a later one that reads them finds them written) and their tokens are known. A prompt
-looks up its longest cached run of full blocks when it is admitted, and again before its first
-chunk runs (requests admitted together find what the first of them computed), and prefills only
-the rest; its last token is always computed, so its logits exist. Requests that report their
+offered to the cache once the micro-batch that writes their K/V is built and their tokens are
+known: every stage runs micro-batches in launch order, so a later one that reads them finds them
+written, and within a prompt chunk every layer writes the whole chunk's K/V before any of its
+attention reads, so a later prompt of the same chunk may read them too. A prompt looks up its
+longest cached run of full blocks when it is admitted, and again as its first chunk is built
+(requests arriving together, with a shared system prompt say, find what the first of them
+computes, in the same chunk or an earlier one), and prefills only the rest; its last token is
+always computed, so its logits exist. Requests that report their
 prompt's logprobs compute every prompt token. After a stage failure nothing cached is trusted.
 """
 
@@ -145,9 +148,10 @@ class Scheduler:
         seq.num_computed = seq.num_cached_tokens = len(cached) * self.allocator.block_size
         self.allocator.count_lookup(0, (len(cached) - have) * self.allocator.block_size)
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        """Offer the cache each full block of `seq` whose K/V is written and whose tokens are known."""
-        full = min(seq.num_computed, seq.num_tokens) // self.allocator.block_size
+    def _register_full_blocks(self, seq: Sequence, pending: int = 0) -> None:
+        """Offer the cache each full block of `seq` whose K/V is written, or will be by the `pending`
+        tokens of the micro-batch being built, and whose tokens are known."""
+        full = min(seq.num_computed + pending, seq.num_tokens) // self.allocator.block_size
         if full > seq.num_registered and seq.block_ids:
             for block, key in zip(seq.block_ids[seq.num_registered : full], self._keys(seq, full)[seq.num_registered :]):
                 self.allocator.register(block, key)
@@ -267,6 +271,8 @@ class Scheduler:
             seqs.append(seq)
             lens.append(take)
             budget -= take
+            if self.prefix_root is not None:
+                self._register_full_blocks(seq, pending=take)  # the prompts after it in this chunk may share them
             if budget == 0:
                 break
         return ScheduledStep(seqs, lens, is_prefill=True, id=next(self._step_ids))
