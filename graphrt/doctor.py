@@ -21,7 +21,7 @@ from graphrt.capture.buckets import CPU_DEFAULT_MAX_BATCH
 from graphrt.capture.cuda_info import driver_version
 from graphrt.cpu_info import cpu_bf16_support, cpu_model_name
 from graphrt.config import EngineConfig
-from graphrt.kernels.cpu_kernel_choice import LayerShapes, choose_cpu_kernels
+from graphrt.kernels.cpu_kernel_choice import LayerShapes, choose_cpu_kernels, choose_greedy_argmax
 from graphrt.kernels.matmul_choice import measure_shapes
 from graphrt.profiling.nvtx import find_backend
 
@@ -160,6 +160,8 @@ def cpu_report() -> list[str]:
             DEFAULT_MODEL_LAYER, EngineConfig.block_size, dtype, torch.device("cpu"), CPU_DEFAULT_MAX_BATCH
         )
         lines.append(f"    {str(dtype).removeprefix('torch.')}: {kernels.summary()}")
+    vocab_size = DEFAULT_MODEL_MATMULS["lm_head"][0]
+    lines.append(f"    {choose_greedy_argmax(vocab_size, CPU_DEFAULT_MAX_BATCH)[1]}")
     return lines
 
 

@@ -182,6 +182,32 @@ def time_paths(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def choose_greedy_argmax(
+    vocab_size: int, rows: int, mode: str = "auto", timer: Callable[[], float] = time.perf_counter
+) -> tuple[Callable, str]:
+    """The sampler's greedy argmax on a CPU (the compiled one or torch's, timed on float32 logits of
+    `rows` rows, as the ops above) and one line saying which and why."""
+    from graphrt.kernels import argmax, cpu_extension
+
+    if mode == "torch":
+        return argmax.greedy_argmax, f"greedy argmax: torch (forced by {MODE_ENV})"
+    reason = cpu_extension.unavailable_reason(torch.float32)
+    if reason is not None:
+        if mode == "compiled":
+            raise ValueError(f"{MODE_ENV}=compiled, but the compiled CPU kernels can't run here: {reason}")
+        return argmax.greedy_argmax, f"greedy argmax: torch (the compiled kernels can't run here: {reason})"
+    from graphrt.kernels import elementwise_cpu
+
+    if mode == "compiled":
+        return elementwise_cpu.greedy_argmax, f"greedy argmax: compiled (forced by {MODE_ENV})"
+    logits = torch.randn(rows, vocab_size, generator=torch.Generator().manual_seed(0))
+    seconds = time_paths({"compiled": elementwise_cpu.greedy_argmax, "torch": argmax.greedy_argmax}, (logits,), timer)
+    path = "compiled" if seconds["compiled"] < seconds["torch"] * (1 - MARGIN) else "torch"
+    line = (f"greedy argmax: {path} ({seconds['compiled'] * 1e3:.3f} vs {seconds['torch'] * 1e3:.3f} ms at {rows} "
+            f"rows of {vocab_size}, compiled vs torch)")
+    return (elementwise_cpu.greedy_argmax if path == "compiled" else argmax.greedy_argmax), line
+
+
 def choose_cpu_kernels(
     shapes: LayerShapes,
     block_size: int,

@@ -1,6 +1,7 @@
 """A decoder layer's elementwise ops compiled for the CPU, each one call and one pass
 (csrc/elementwise_cpu.cpp, built by cpu_extension.py). References, whose contracts these keep:
-`rmsnorm.rms_norm`, `rotary.apply_rotary`, `activation.silu_and_mul`.
+`rmsnorm.rms_norm`, `rotary.apply_rotary`, `activation.silu_and_mul`, and the sampler's greedy
+`argmax.greedy_argmax`.
 
 Each raises RuntimeError with the reason where the kernels can't be built; callers choose them
 only where `cpu_extension.available(dtype)` (kernels/cpu_kernel_choice.py).
@@ -52,4 +53,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _ops().silu_and_mul(_rows(gate_up))
 
 
-__all__ = ["apply_rotary", "rms_norm", "silu_and_mul"]
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(rows, vocab) -> (rows,) int64: the contract of `argmax.greedy_argmax` (logits of another
+    dtype are made float32 first, as there)."""
+    return _ops().greedy_argmax(_rows(logits.float()))
+
+
+__all__ = ["apply_rotary", "greedy_argmax", "rms_norm", "silu_and_mul"]

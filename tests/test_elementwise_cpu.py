@@ -1,6 +1,7 @@
 """The compiled CPU elementwise ops (kernels/elementwise_cpu.py) against their torch references:
 rms_norm with and without its residual, rotary on views of a fused qkv, silu_and_mul, in the three
-dtypes a CPU stage runs, at decode and prefill sizes and sizes that leave a partial vector."""
+dtypes a CPU stage runs, at decode and prefill sizes and sizes that leave a partial vector; and the
+sampler's greedy argmax against torch.argmax, ties and NaNs included, and its measured choice."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from graphrt.config import RopeConfig
-from graphrt.kernels import activation, elementwise_cpu, rmsnorm, rotary
+from graphrt.kernels import activation, argmax, cpu_kernel_choice, elementwise_cpu, rmsnorm, rotary
 
 pytestmark = pytest.mark.usefixtures("built_cpu_kernels")  # tests/conftest.py
 
@@ -109,3 +110,44 @@ def test_inputs_it_cannot_take_are_refused_with_what_is_wrong():
         elementwise_cpu.apply_rotary(q[..., :63], q[..., :63], randn(4, 63, dtype=torch.float32), randn(4, 63, dtype=torch.float32))
     with pytest.raises(RuntimeError, match="gate_up must be \\(rows, 2 \\* size\\)"):
         elementwise_cpu.silu_and_mul(randn(4, 7, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (32, 49152), (5, 37), (3, 1)])  # 37: two vectors and a tail
+def test_greedy_argmax_is_torch_argmax(dtype, rows, vocab):
+    logits = randn(rows, vocab, dtype=dtype, seed=rows)
+    assert torch.equal(elementwise_cpu.greedy_argmax(logits), argmax.greedy_argmax(logits))
+
+
+def test_greedy_argmax_takes_the_first_of_equal_maxima_and_the_first_nan():
+    logits = torch.zeros(6, 40)
+    logits[0, [7, 3, 30]] = 2.0  # ties in two vectors: the first
+    logits[1, [39, 38]] = 1.0  # ties in the tail
+    logits[2, 5], logits[2, 33] = 1.0, float("nan")  # a NaN counts as the largest
+    logits[3, [9, 20]] = float("nan")
+    logits[4] = -float("inf")  # all equal: index 0
+    logits[5, 17], logits[5, 18] = 0.0, -0.0  # zeros of both signs tie with the rest
+    expected = argmax.greedy_argmax(logits)
+    assert expected.tolist() == [3, 38, 33, 9, 0, 0]
+    assert torch.equal(elementwise_cpu.greedy_argmax(logits), expected)
+    assert torch.equal(elementwise_cpu.greedy_argmax(logits[:, :39]), argmax.greedy_argmax(logits[:, :39]))  # a strided view
+
+
+def test_greedy_argmax_is_chosen_by_timing_both_or_forced():
+    class Clock:
+        """time_paths reads it before and after each call, compiled and torch in turn: a compiled
+        call takes 1 s, a torch one 3."""
+
+        def __init__(self):
+            self.reads, self.now = 0, 0.0
+
+        def __call__(self) -> float:
+            self.reads += 1
+            self.now += {2: 1.0, 0: 3.0}.get(self.reads % 4, 0.0)
+            return self.now
+
+    function, line = cpu_kernel_choice.choose_greedy_argmax(64, 4, timer=Clock())
+    assert function is elementwise_cpu.greedy_argmax
+    assert line == "greedy argmax: compiled (1000.000 vs 3000.000 ms at 4 rows of 64, compiled vs torch)"
+    assert cpu_kernel_choice.choose_greedy_argmax(64, 4, mode="torch")[0] is argmax.greedy_argmax
+    assert cpu_kernel_choice.choose_greedy_argmax(64, 4, mode="compiled")[0] is elementwise_cpu.greedy_argmax

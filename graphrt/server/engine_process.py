@@ -278,7 +278,7 @@ def engine_process_main() -> int:
             f"buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "
             f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks, engine in its own process",
             f"[graphrt] {engine.pipeline.matmul_summary()}",
-            f"[graphrt] {engine.pipeline.kernel_summary()}",
+            f"[graphrt] {engine.kernel_summary()}",
         ]
         start = time.perf_counter()
         warm_up(engine)

@@ -209,7 +209,7 @@ def start_engine(options: ServeOptions, echo: Callable[[str], None]) -> AsyncEng
              f"{engine.describe()}, buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "
              f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks")
         echo(f"[graphrt] {engine.pipeline.matmul_summary()}")
-        echo(f"[graphrt] {engine.pipeline.kernel_summary()}")
+        echo(f"[graphrt] {engine.kernel_summary()}")
         start = time.perf_counter()
         warm_up(engine)
         echo(f"[graphrt] warm-up {time.perf_counter() - start:.1f} s")
