@@ -13,6 +13,11 @@ import click
 
 from graphrt.errors import GraphrtError
 
+# A server's prefill chunks are half an offline run's (EngineConfig.prefill_chunk_size): a burst of
+# new requests then gets its first tokens in several shorter steps, as vLLM's API server takes a
+# smaller token budget than its LLM class (benchmarks/results.md: TTFT at 32 streams).
+SERVE_PREFILL_CHUNK = 256
+
 
 class Group(click.Group):
     """Prints graphrt's own errors as one line (what happened, what to do) and exits 1."""
@@ -266,6 +271,9 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
 @click.option("--cache", type=click.Path(path_type=Path), default=None, help="Graph cache folder written by `graphrt capture`.")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True, help="Requests decoded at once; more wait in the queue.")
 @click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Context length [default: the model's].")
+@click.option("--prefill-chunk-size", type=click.IntRange(min=2), default=SERVE_PREFILL_CHUNK, show_default=True,
+              help="Tokens per prefill micro-batch, the decode rows riding along included: smaller answers new "
+                   "requests sooner, larger gives more throughput (graphrt.LLM's default is 512).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on; 0.0.0.0 exposes the server to the network.")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True, help="0 picks a free port.")
 @click.option("--api-key", default=None, help="Require this bearer token [default: GRAPHRT_API_KEY, if set]. Other users can read it in the process list: prefer --api-key-file.")
@@ -277,7 +285,7 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
 @click.option("--timeout-keep-alive", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds an idle keep-alive connection stays open [default: 5].")
 @click.option("--no-engine-process", is_flag=True, help="Step the engine on a thread of the server's process instead of in a process of its own.")
 def serve(
-    cache, max_num_seqs, max_model_len, host, port, api_key, api_key_file, max_body_bytes,
+    cache, max_num_seqs, max_model_len, prefill_chunk_size, host, port, api_key, api_key_file, max_body_bytes,
     max_connections, timeout_header, timeout_body, timeout_keep_alive, no_engine_process, **model_args,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM."""
@@ -287,7 +295,8 @@ def serve(
     from graphrt.server.runner import api_key_from
 
     limits = dict(max_connections=max_connections, header_timeout_s=timeout_header, body_timeout_s=timeout_body, keep_alive_s=timeout_keep_alive)
-    llm_kwargs = dict(engine_kwargs(**model_args), cache=cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    llm_kwargs = dict(engine_kwargs(**model_args), cache=cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                      prefill_chunk_size=prefill_chunk_size)
     options = ServeOptions(
         host=host,
         port=port,

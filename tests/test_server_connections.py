@@ -253,6 +253,17 @@ def test_connection_limits_reach_the_server(serve_options):
     assert options.max_body_bytes == 4096
 
 
+def test_prefill_chunk_size_reaches_the_engine_and_a_server_defaults_to_smaller_chunks(serve_options):
+    from graphrt.config import EngineConfig
+
+    assert run_serve().exit_code == 0
+    assert serve_options[0].llm_kwargs["prefill_chunk_size"] == 256 < EngineConfig.prefill_chunk_size
+    assert run_serve("--prefill-chunk-size", "1024").exit_code == 0
+    assert serve_options[1].llm_kwargs["prefill_chunk_size"] == 1024
+    result = run_serve("--prefill-chunk-size", "1")
+    assert result.exit_code == 2 and "1 is not in the range x>=2" in result.output
+
+
 def test_exposure_without_a_key_is_warned_about():
     for host in ("0.0.0.0", "::", "192.168.1.5", "example.org"):
         assert "without an API key" in exposure_warning(host, None)
