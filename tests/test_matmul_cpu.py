@@ -79,6 +79,25 @@ def test_every_row_count_matches_the_reference(dtype, rows, num_threads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_long_k_runs_panels_in_smaller_groups(dtype, num_threads):
+    """k long enough that a group is 6, 5 or 4 panels (two of them must fit L2), or 4 panels with
+    nothing fetched ahead; 131 rows pass a 128-row chunk, whose next group is the first again."""
+    element = torch.finfo(dtype).bits // 8
+    lengths = [k for k in (1024, 1200, 1536, 2048, 3072, 4096) if (384 << 10) // (k * PANEL_WIDTH * element) <= 6]
+    for k in lengths:
+        generator = torch.Generator().manual_seed(k)
+        weight = torch.randn(13 * PANEL_WIDTH, k, generator=generator).to(dtype)
+        for rows in (33, 131):
+            x = torch.randn(rows, k, generator=generator).to(dtype)
+            with threads(num_threads):
+                out = linear(x, pack_panels(weight))
+            # float32: the sum's roundings, about k * 2**-24 of its terms; bfloat16: as above.
+            rtol, atol = (1e-5, 1e-3) if dtype == torch.float32 else (2**-8 * 1.01, 1e-2)
+            torch.testing.assert_close(out.double(), reference(x, weight, None), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_default_models_shapes_match_f_linear(dtype):
     generator = torch.Generator().manual_seed(0)
     for out_features, in_features in ((960, 576), (576, 576), (3072, 576), (576, 1536)):

@@ -210,9 +210,12 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   // A thread takes an even share of the panels (so shapes of few panels still split evenly) and
   // runs them in groups, chunk of rows by chunk. A group and the next one, which is brought in
   // while it is used, must both fit L2 (1-2 MB on the CPUs we run on): 8 panels (128 columns)
-  // where k is short, down to 4 (one 4x4 tile's panels) where it is long.
+  // where k is short, down to 4 (one 4x4 tile's panels) where it is long; where even 4 panels
+  // are more than a group's share of L2 (k over 1536 in float32), nothing is fetched ahead.
   constexpr int64_t kGroupBytes = 384 << 10;
-  const int64_t group = std::clamp<int64_t>(kGroupBytes / (panel_stride * int64_t(sizeof(T))), 4, 8);
+  const int64_t panel_bytes = panel_stride * int64_t(sizeof(T));
+  const int64_t group = std::clamp<int64_t>(kGroupBytes / panel_bytes, 4, 8);
+  const bool fetch_ahead = group * panel_bytes <= kGroupBytes;
   const int64_t work_per_panel = std::max<int64_t>(1, kPanel * k_size * std::min<int64_t>(num_rows, 8));
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / work_per_panel);
   at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
@@ -220,8 +223,11 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     // group of its share, or the first one again for the next chunk of rows.
     auto group_after = [&](int64_t r0, int64_t p0) {
       const int64_t next = p0 + group < end ? p0 + group : (r0 + kRowChunk < num_rows ? begin : end);
+      if (!fetch_ahead || next == end) {
+        return L2Prefetch{};
+      }
       const char* start = reinterpret_cast<const char*>(w_data + next * panel_stride);
-      return L2Prefetch{start, start + std::min(group, end - next) * panel_stride * int64_t(sizeof(T))};
+      return L2Prefetch{start, start + std::min(group, end - next) * panel_bytes};
     };
     for (int64_t r0 = 0; r0 < num_rows; r0 += kRowChunk) {
       const int64_t chunk_rows = std::min(kRowChunk, num_rows - r0);
