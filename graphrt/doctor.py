@@ -161,7 +161,7 @@ def cpu_report() -> list[str]:
         )
         lines.append(f"    {str(dtype).removeprefix('torch.')}: {kernels.summary()}")
     vocab_size = DEFAULT_MODEL_MATMULS["lm_head"][0]
-    lines.append(f"    {choose_greedy_argmax(vocab_size, CPU_DEFAULT_MAX_BATCH)[1]}")
+    lines.append(f"    {choose_greedy_argmax(torch.device('cpu'), vocab_size, CPU_DEFAULT_MAX_BATCH)[1]}")
     return lines
 
 

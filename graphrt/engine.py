@@ -8,7 +8,6 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -103,7 +102,12 @@ class Engine:
             self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch,
             eos_ids=frozenset(self.eos_ids), prefix_root=self._prefix_root() if config.prefix_caching else None,
         )
-        self.sampler = Sampler(self.devices[-1], config.seed, self._greedy_argmax())
+        greedy_argmax, self.argmax_summary = argmax.greedy_argmax, None
+        if not self.cluster:  # with stage processes the last one samples, and chooses for itself
+            greedy_argmax, self.argmax_summary = choose_greedy_argmax(
+                self.devices[-1], self.model_config.vocab_size, self.plan.max_batch, cpu_kernel_mode_from_env()
+            )
+        self.sampler = Sampler(self.devices[-1], config.seed, greedy_argmax)
         self.timeline = Timeline(self.devices) if config.timeline else None
         self.stage_plan = self._stage_plan(num_blocks)
         if self.cluster:
@@ -120,18 +124,6 @@ class Engine:
         self._ids = itertools.count()
         if any(device.type == "cpu" for device in self.devices):
             release_thread_pool()  # the stage threads compute from here on (see graphrt.openmp)
-
-    def _greedy_argmax(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The sampler's greedy argmax: on a CPU the compiled one or torch's, whichever is faster here
-        at the largest decode bucket (a line in the banner says which); on CUDA torch's."""
-        self.argmax_summary: str | None = None
-        if self.devices[-1].type != "cpu":
-            return argmax.greedy_argmax
-        function, self.argmax_summary = choose_greedy_argmax(
-            self.model_config.vocab_size, self.plan.max_batch, cpu_kernel_mode_from_env()
-        )
-        logger.info(self.argmax_summary)
-        return function
 
     def kernel_summary(self) -> str:
         """The start-up banner's line on kernels: the stages' (Pipeline.kernel_summary), then the

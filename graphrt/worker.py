@@ -30,7 +30,6 @@ from graphrt.config import ModelConfig, parse_dtype
 from graphrt.errors import GraphrtError
 from graphrt.handshake import StagePlan, WorkerView, report_ready, worker_handshake
 from graphrt.kernels import kernel_set
-from graphrt.kernels import argmax
 from graphrt.kernels.cpu_kernel_choice import LayerShapes, choose_cpu_kernels, choose_greedy_argmax
 from graphrt.kernels.cpu_kernel_choice import mode_from_env as cpu_kernel_mode_from_env
 from graphrt.kernels.matmul_choice import mode_from_env
@@ -110,10 +109,8 @@ class StageWorker:
         self.buffers = [torch.empty(plan.max_tokens, cfg.hidden_size, dtype=dtype, device=device) for _ in range(plan.num_slots)]
         self.sampler = None
         if self.stage.is_last:
-            greedy = argmax.greedy_argmax
-            if device.type == "cpu":
-                greedy, _ = choose_greedy_argmax(cfg.vocab_size, max(plan.buckets), cpu_kernel_mode_from_env())
-            self.sampler = Sampler(device, plan.seed, greedy)
+            greedy_argmax, _ = choose_greedy_argmax(device, cfg.vocab_size, max(plan.buckets), cpu_kernel_mode_from_env())
+            self.sampler = Sampler(device, plan.seed, greedy_argmax)
         self.generators: dict[int, torch.Generator] = {}  # request id -> its seeded generator
         self.busy_s = 0.0
         self.first_at: float | None = None

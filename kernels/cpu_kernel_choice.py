@@ -183,12 +183,17 @@ def time_paths(
 
 
 def choose_greedy_argmax(
-    vocab_size: int, rows: int, mode: str = "auto", timer: Callable[[], float] = time.perf_counter
-) -> tuple[Callable, str]:
-    """The sampler's greedy argmax on a CPU (the compiled one or torch's, timed on float32 logits of
-    `rows` rows, as the ops above) and one line saying which and why."""
+    device: torch.device, vocab_size: int, rows: int, mode: str = "auto", timer: Callable[[], float] = time.perf_counter
+) -> tuple[Callable, str | None]:
+    """The greedy argmax for a sampler on `device` and one line saying which and why (None on CUDA,
+    which runs torch's): on a CPU the compiled one or torch's, timed on float32 logits of `rows`
+    rows as the ops above are timed, or the one `mode` forces."""
     from graphrt.kernels import argmax, cpu_extension
 
+    if mode not in MODES:
+        raise ValueError(f"CPU kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if device.type != "cpu":
+        return argmax.greedy_argmax, None
     if mode == "torch":
         return argmax.greedy_argmax, f"greedy argmax: torch (forced by {MODE_ENV})"
     reason = cpu_extension.unavailable_reason(torch.float32)

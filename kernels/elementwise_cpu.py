@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from graphrt.kernels import argmax
 from graphrt.kernels.cpu_extension import extension
 
 
@@ -54,8 +55,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """(rows, vocab) -> (rows,) int64: the contract of `argmax.greedy_argmax` (logits of another
-    dtype are made float32 first, as there)."""
+    """(rows, vocab) -> (rows,) int64: the contract of `argmax.greedy_argmax`. The kernel reads
+    float32; bfloat16 and float16 logits are made float32 first, as there, and float64 ones (exactness
+    tests) go to the reference, which rounds nothing."""
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"greedy_argmax: logits must be (rows, vocab) with vocab >= 1, not {tuple(logits.shape)}")
+    if logits.dtype == torch.float64:
+        return argmax.greedy_argmax(logits)
     return _ops().greedy_argmax(_rows(logits.float()))
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.kernels import TORCH, cpu_extension, cpu_kernel_choice, elementwise_cpu, paged_attention_cpu
+from graphrt.kernels import TORCH, argmax, cpu_extension, cpu_kernel_choice, elementwise_cpu, paged_attention_cpu
 from graphrt.kernels.cpu_kernel_choice import OPS, CpuKernelChoice, LayerShapes, choose_cpu_kernels, mode_from_env, time_paths
 from graphrt.pipeline import Pipeline
 
@@ -116,6 +116,8 @@ def test_an_engine_on_the_compiled_kernels_generates_what_the_references_do(tiny
         attention = {"torch": TORCH.paged_decode_attention, "compiled": paged_attention_cpu.paged_decode_attention}[mode]
         assert stage.layers[0].ops.paged_decode_attention is attention
         assert stage.layers[0].ops.write_kv is {"torch": TORCH.write_kv, "compiled": paged_attention_cpu.write_kv}[mode]
+        assert llm.engine.sampler.greedy_argmax is {"torch": argmax.greedy_argmax, "compiled": elementwise_cpu.greedy_argmax}[mode]
+        assert llm.engine.kernel_summary().endswith(f"; greedy argmax: {mode} (forced by GRAPHRT_CPU_KERNELS)")
         prefill = stage.layers[0].ops.paged_prefill_attention  # the reference, given the chosen kernels
         assert prefill.keywords["decode_attention"] is attention
         assert prefill.keywords.get("prompt_attention") is {"torch": None, "compiled": paged_attention_cpu.prompt_attention}[mode]

@@ -126,9 +126,10 @@ def test_greedy_argmax_takes_the_first_of_equal_maxima_and_the_first_nan():
     logits[2, 5], logits[2, 33] = 1.0, float("nan")  # a NaN counts as the largest
     logits[3, [9, 20]] = float("nan")
     logits[4] = -float("inf")  # all equal: index 0
-    logits[5, 17], logits[5, 18] = 0.0, -0.0  # zeros of both signs tie with the rest
+    logits[5] = -1.0
+    logits[5, 17], logits[5, 21] = -0.0, 0.0  # zeros of both signs are equal: the first
     expected = argmax.greedy_argmax(logits)
-    assert expected.tolist() == [3, 38, 33, 9, 0, 0]
+    assert expected.tolist() == [3, 38, 33, 9, 0, 17]
     assert torch.equal(elementwise_cpu.greedy_argmax(logits), expected)
     assert torch.equal(elementwise_cpu.greedy_argmax(logits[:, :39]), argmax.greedy_argmax(logits[:, :39]))  # a strided view
 
@@ -146,8 +147,18 @@ def test_greedy_argmax_is_chosen_by_timing_both_or_forced():
             self.now += {2: 1.0, 0: 3.0}.get(self.reads % 4, 0.0)
             return self.now
 
-    function, line = cpu_kernel_choice.choose_greedy_argmax(64, 4, timer=Clock())
+    cpu = torch.device("cpu")
+    function, line = cpu_kernel_choice.choose_greedy_argmax(cpu, 64, 4, timer=Clock())
     assert function is elementwise_cpu.greedy_argmax
     assert line == "greedy argmax: compiled (1000.000 vs 3000.000 ms at 4 rows of 64, compiled vs torch)"
-    assert cpu_kernel_choice.choose_greedy_argmax(64, 4, mode="torch")[0] is argmax.greedy_argmax
-    assert cpu_kernel_choice.choose_greedy_argmax(64, 4, mode="compiled")[0] is elementwise_cpu.greedy_argmax
+    assert cpu_kernel_choice.choose_greedy_argmax(cpu, 64, 4, mode="torch")[0] is argmax.greedy_argmax
+    assert cpu_kernel_choice.choose_greedy_argmax(cpu, 64, 4, mode="compiled")[0] is elementwise_cpu.greedy_argmax
+    assert cpu_kernel_choice.choose_greedy_argmax(torch.device("cuda"), 64, 4) == (argmax.greedy_argmax, None)
+    with pytest.raises(ValueError, match="must be one of auto, torch, compiled, got 'fast'"):
+        cpu_kernel_choice.choose_greedy_argmax(cpu, 64, 4, mode="fast")
+
+
+def test_greedy_argmax_refuses_what_is_not_rows_of_logits():
+    for logits in (torch.zeros(5), torch.zeros(2, 0), torch.zeros(2, 3, 4)):
+        with pytest.raises(ValueError, match=r"logits must be \(rows, vocab\) with vocab >= 1, not"):
+            elementwise_cpu.greedy_argmax(logits)

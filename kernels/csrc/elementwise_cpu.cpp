@@ -256,7 +256,7 @@ int64_t argmax_row(const float* x, int64_t size) {
 
 at::Tensor greedy_argmax(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.size(1) > 0,
-              "greedy_argmax: logits must be (rows, vocab) float32 with unit-stride rows");
+              "greedy_argmax: logits must be (rows, vocab) float32 with unit-stride rows and vocab >= 1");
   const int64_t rows = logits.size(0), size = logits.size(1), stride = logits.stride(0);
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* data = logits.const_data_ptr<float>();
