@@ -164,16 +164,16 @@ def test_inputs_it_cannot_take_are_refused_before_the_kernel_runs():
         paged_attention_cpu.paged_decode_attention(q[0], k_cache, v_cache, block_tables, seq_lens, scale)
 
 
-def kv_write_inputs(dtype: torch.dtype, tokens: int = 7, seed: int = 0):
+def kv_write_inputs(dtype: torch.dtype):
     """k, v as a layer hands them (head rows of a wider qkv row), NaN caches of 5 blocks of 4, and
-    distinct slots spread over every block, the scratch block 0 among them."""
-    generator = torch.Generator().manual_seed(seed)
-    kv_heads, head_dim = 3, 20
+    7 slots out of order, in every block, the scratch block 0 among them."""
+    generator = torch.Generator().manual_seed(0)
+    tokens, kv_heads, head_dim = 7, 3, 20
     qkv = torch.randn(tokens, 9 * head_dim, generator=generator).to(dtype)
     k = qkv[:, 3 * head_dim : 6 * head_dim].view(tokens, kv_heads, head_dim)
     v = qkv[:, 6 * head_dim :].view(tokens, kv_heads, head_dim)
     caches = [torch.full((5, 4, kv_heads, head_dim), float("nan"), dtype=dtype) for _ in range(2)]
-    slots = torch.randperm(20, generator=generator)[:tokens]
+    slots = torch.tensor([13, 2, 19, 5, 8, 0, 11])
     return k, v, *caches, slots
 
 
@@ -186,7 +186,18 @@ def test_kv_writes_fill_exactly_the_slots_the_reference_fills(dtype):
     paged_attention_cpu.write_kv(k, v, k_cache, v_cache, slots)
     torch.testing.assert_close(k_cache, expected_k, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, expected_v, atol=0, rtol=0, equal_nan=True)
-    assert not torch.equal(k_cache.isnan(), torch.ones_like(k_cache, dtype=torch.bool))  # something was written
+    assert (~k_cache.isnan()).sum() == 7 * 3 * 20  # exactly the seven slots' rows
+
+
+@needs_kernel
+def test_kv_writes_take_int32_slots_and_refuse_float_ones():
+    k, v, k_cache, v_cache, slots = kv_write_inputs(torch.float32)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    paged_attention.write_kv(k, v, expected_k, expected_v, slots)
+    paged_attention_cpu.write_kv(k, v, k_cache, v_cache, slots.int())
+    torch.testing.assert_close(k_cache, expected_k, atol=0, rtol=0, equal_nan=True)
+    with pytest.raises(RuntimeError, match="slot_mapping must be \\(tokens,\\) int64 or int32"):
+        paged_attention_cpu.write_kv(k, v, k_cache, v_cache, slots.float())
 
 
 @needs_kernel

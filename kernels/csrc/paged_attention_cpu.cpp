@@ -738,8 +738,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
               "write_kv: k, v and the caches must have one dtype");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "write_kv: needs unit-stride head_dim");
-  TORCH_CHECK(slot_mapping_in.dim() == 1 && slot_mapping_in.size(0) == k.size(0),
-              "write_kv: slot_mapping must be (tokens,)");
+  TORCH_CHECK(slot_mapping_in.dim() == 1 && slot_mapping_in.size(0) == k.size(0) &&
+                  (slot_mapping_in.scalar_type() == at::kLong || slot_mapping_in.scalar_type() == at::kInt),
+              "write_kv: slot_mapping must be (tokens,) int64 or int32");
   const at::Tensor slot_mapping = slot_mapping_in.to(at::kLong).contiguous();
   const int64_t tokens = k.size(0), heads = k.size(1), block_size = k_cache.size(1);
   const int64_t num_slots = k_cache.size(0) * block_size;
