@@ -13,10 +13,11 @@ import click
 
 from graphrt.errors import GraphrtError
 
-# A server's prefill chunks are half an offline run's (EngineConfig.prefill_chunk_size): a burst of
-# new requests then gets its first tokens in several shorter steps, as vLLM's API server takes a
-# smaller token budget than its LLM class (benchmarks/results.md: TTFT at 32 streams).
-SERVE_PREFILL_CHUNK = 256
+# A server's prefill chunks are half an offline run's (EngineConfig.prefill_chunk_size, 512, which
+# the help below names without importing torch): a burst of new requests then gets its first
+# tokens in several shorter steps, as vLLM's API server takes a smaller token budget than its LLM
+# class (benchmarks/results.md, "Smaller prefill chunks for `graphrt serve`").
+SERVE_PREFILL_CHUNK_SIZE = 256
 
 
 class Group(click.Group):
@@ -271,7 +272,7 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
 @click.option("--cache", type=click.Path(path_type=Path), default=None, help="Graph cache folder written by `graphrt capture`.")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True, help="Requests decoded at once; more wait in the queue.")
 @click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Context length [default: the model's].")
-@click.option("--prefill-chunk-size", type=click.IntRange(min=2), default=SERVE_PREFILL_CHUNK, show_default=True,
+@click.option("--prefill-chunk-size", type=click.IntRange(min=1), default=SERVE_PREFILL_CHUNK_SIZE, show_default=True,
               help="Tokens per prefill micro-batch, the decode rows riding along included: smaller answers new "
                    "requests sooner, larger gives more throughput (graphrt.LLM's default is 512).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on; 0.0.0.0 exposes the server to the network.")

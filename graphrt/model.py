@@ -84,6 +84,8 @@ class DecoderLayer(nn.Module):
             q, _ = ops.rms_norm(q, self.q_norm, eps)
             k, _ = ops.rms_norm(k, self.k_norm, eps)
         q, k = ops.apply_rotary(q, k, cos, sin)
+        # The whole micro-batch's K/V goes in before any attention reads: the scheduler lets a prompt
+        # read blocks an earlier prompt of the same chunk writes here (graphrt/scheduler.py).
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             attn = ops.paged_prefill_attention(

@@ -25,8 +25,8 @@ attention reads, so a later prompt of the same chunk may read them too. A prompt
 longest cached run of full blocks when it is admitted, and again as its first chunk is built
 (requests arriving together, with a shared system prompt say, find what the first of them
 computes, in the same chunk or an earlier one), and prefills only the rest; its last token is
-always computed, so its logits exist. Requests that report their
-prompt's logprobs compute every prompt token. After a stage failure nothing cached is trusted.
+always computed, so its logits exist. Requests that report their prompt's logprobs compute every
+prompt token. After a stage failure nothing cached is trusted.
 """
 
 from __future__ import annotations
@@ -135,8 +135,9 @@ class Scheduler:
         return seq.block_keys[:num_blocks]
 
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
-        """Before a prompt's first chunk: swap its fresh leading blocks for cached ones registered
-        since it was admitted (by a request admitted with it, say)."""
+        """As a prompt's first chunk is built: swap its fresh leading blocks for cached ones
+        registered since it was admitted (by a request admitted with it, say, in an earlier chunk
+        or earlier in this one)."""
         cached = self._cached_prefix(seq)
         have = seq.num_cached_tokens // self.allocator.block_size
         if len(cached) <= have:
@@ -197,7 +198,7 @@ class Scheduler:
         for seq, query_len in zip(step.seqs, step.query_lens):
             seq.num_computed += query_len
             seq.num_in_flight += 1
-            if self.prefix_root is not None:
+            if self.prefix_root is not None:  # decode rows; a chunk's prompts registered theirs as it was built
                 self._register_full_blocks(seq)
         for seq in step.sampled_seqs:
             seq.num_output_placeholders += 1

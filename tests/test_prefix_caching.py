@@ -76,18 +76,25 @@ def test_requests_admitted_together_share_what_the_first_computes(tiny_model_fac
     assert llm.engine.allocator.num_hit_tokens == 3 * len(system)
 
 
-def test_prompts_in_one_chunk_share_what_the_first_of_them_writes(tiny_model_factory):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_prompts_in_one_chunk_share_what_the_first_of_them_writes(tiny_model_factory, pp):
     """Four prompts with a two-block system prompt fit one chunk: the first computes the system
-    prompt and the other three read its blocks in that same chunk, with the tokens they get alone."""
+    prompt and the other three read its blocks in that same chunk (every stage's layers write the
+    chunk's K/V before attending), with the tokens they get alone."""
     model_dir = tiny_model_factory("llama3-rope")
-    options = dict(dtype="float64", block_size=BLOCK, kv_cache_tokens=1024, prefill_chunk_size=64)
+    options = dict(pp=pp, dtype="float64", block_size=BLOCK, kv_cache_tokens=1024, prefill_chunk_size=64)
     system = list(range(10, 18))
     prompts = [system + [50 + i, 60 + i, 70 + i] for i in range(4)]
     expected = generate(LLM(model=model_dir, prefix_caching=False, **options), prompts, together=False)
     llm = LLM(model=model_dir, **options)
     steps = []
     schedule = llm.engine.scheduler.schedule
-    llm.engine.scheduler.schedule = lambda *args, **kwargs: (step := schedule(*args, **kwargs), steps.append(step))[0]
+
+    def recorded_schedule(*args, **kwargs):
+        steps.append(schedule(*args, **kwargs))
+        return steps[-1]
+
+    llm.engine.scheduler.schedule = recorded_schedule
     assert generate(llm, prompts, together=True) == expected
     first = steps[0]
     assert first.is_prefill and first.query_lens == [11, 3, 3, 3]  # one chunk; the others compute their tails

@@ -260,8 +260,8 @@ def test_prefill_chunk_size_reaches_the_engine_and_a_server_defaults_to_smaller_
     assert serve_options[0].llm_kwargs["prefill_chunk_size"] == 256 < EngineConfig.prefill_chunk_size
     assert run_serve("--prefill-chunk-size", "1024").exit_code == 0
     assert serve_options[1].llm_kwargs["prefill_chunk_size"] == 1024
-    result = run_serve("--prefill-chunk-size", "1")
-    assert result.exit_code == 2 and "1 is not in the range x>=2" in result.output
+    result = run_serve("--prefill-chunk-size", "0")
+    assert result.exit_code == 2 and "0 is not in the range x>=1" in result.output
 
 
 def test_exposure_without_a_key_is_warned_about():
