@@ -182,35 +182,50 @@ def time_paths(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def settled_path(mode: str, dtype: torch.dtype, device: torch.device) -> tuple[str, str | None] | None:
+    """What runs without measuring: ("torch" or "compiled", None) where `mode` forces it, ("torch",
+    why) where the compiled kernels can't run here; None where the two are to be timed. Raises
+    ValueError for an unknown mode, or `compiled` forced where it can't run."""
+    if mode not in MODES:
+        raise ValueError(f"CPU kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "torch":
+        return "torch", None
+    from graphrt.kernels import cpu_extension  # builds the kernels on first use
+
+    reason = cpu_extension.unavailable_reason(dtype, device)
+    if reason is not None:
+        if mode == "compiled":
+            raise ValueError(f"{MODE_ENV}=compiled, but the compiled CPU kernels can't run here: {reason}")
+        return "torch", f"the compiled kernels can't run here: {reason}"
+    return ("compiled", None) if mode == "compiled" else None
+
+
+def faster(seconds: Mapping[str, float]) -> str:
+    """The path to keep from time_paths' medians: the kernel only where it wins by the margin."""
+    return "compiled" if seconds["compiled"] < seconds["torch"] * (1 - MARGIN) else "torch"
+
+
 def choose_greedy_argmax(
     device: torch.device, vocab_size: int, rows: int, mode: str = "auto", timer: Callable[[], float] = time.perf_counter
 ) -> tuple[Callable, str | None]:
     """The greedy argmax for a sampler on `device` and one line saying which and why (None on CUDA,
     which runs torch's): on a CPU the compiled one or torch's, timed on float32 logits of `rows`
     rows as the ops above are timed, or the one `mode` forces."""
-    from graphrt.kernels import argmax, cpu_extension
+    from graphrt.kernels import argmax, elementwise_cpu
 
-    if mode not in MODES:
-        raise ValueError(f"CPU kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
+    functions = {"compiled": elementwise_cpu.greedy_argmax, "torch": argmax.greedy_argmax}
     if device.type != "cpu":
         return argmax.greedy_argmax, None
-    if mode == "torch":
-        return argmax.greedy_argmax, f"greedy argmax: torch (forced by {MODE_ENV})"
-    reason = cpu_extension.unavailable_reason(torch.float32)
-    if reason is not None:
-        if mode == "compiled":
-            raise ValueError(f"{MODE_ENV}=compiled, but the compiled CPU kernels can't run here: {reason}")
-        return argmax.greedy_argmax, f"greedy argmax: torch (the compiled kernels can't run here: {reason})"
-    from graphrt.kernels import elementwise_cpu
-
-    if mode == "compiled":
-        return elementwise_cpu.greedy_argmax, f"greedy argmax: compiled (forced by {MODE_ENV})"
+    settled = settled_path(mode, torch.float32, device)
+    if settled is not None:
+        path, note = settled
+        return functions[path], f"greedy argmax: {path} ({note or f'forced by {MODE_ENV}'})"
     logits = torch.randn(rows, vocab_size, generator=torch.Generator().manual_seed(0))
-    seconds = time_paths({"compiled": elementwise_cpu.greedy_argmax, "torch": argmax.greedy_argmax}, (logits,), timer)
-    path = "compiled" if seconds["compiled"] < seconds["torch"] * (1 - MARGIN) else "torch"
+    seconds = time_paths(functions, (logits,), timer)
+    path = faster(seconds)
     line = (f"greedy argmax: {path} ({seconds['compiled'] * 1e3:.3f} vs {seconds['torch'] * 1e3:.3f} ms at {rows} "
             f"rows of {vocab_size}, compiled vs torch)")
-    return (elementwise_cpu.greedy_argmax if path == "compiled" else argmax.greedy_argmax), line
+    return functions[path], line
 
 
 def choose_cpu_kernels(
@@ -226,25 +241,17 @@ def choose_cpu_kernels(
     forced `mode` comes first. A CUDA stage has no choice: it runs its kernel set's (--kernels)."""
     if device.type != "cpu":
         raise ValueError(f"only a CPU stage chooses its CPU kernels; a {device.type} stage runs its kernel set's")
-    if mode not in MODES:
-        raise ValueError(f"CPU kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "torch":
-        return CpuKernelChoice.everywhere("torch", "forced")
-    from graphrt.kernels import cpu_extension  # builds the kernels on first use
-
-    reason = cpu_extension.unavailable_reason(dtype, device)
-    if reason is not None:
-        if mode == "compiled":
-            raise ValueError(f"{MODE_ENV}=compiled, but the compiled CPU kernels can't run here: {reason}")
-        logger.warning("CPU kernels: the torch references, as the compiled kernels can't run here: %s", reason)
-        return CpuKernelChoice.everywhere("torch", "only", note=f"the compiled kernels can't run here: {reason}")
-    if mode == "compiled":
-        return CpuKernelChoice.everywhere("compiled", "forced")
+    settled = settled_path(mode, dtype, device)
+    if settled is not None:
+        path, note = settled
+        if note is None:
+            return CpuKernelChoice.everywhere(path, "forced")
+        logger.warning("CPU kernels: the torch references, as %s", note)
+        return CpuKernelChoice.everywhere(path, "only", note=note)
     compiled = compiled_ops()
     seconds = {
         op: time_paths({"compiled": compiled[op], "torch": TORCH_OPS[op]},
                        timing_inputs(op, shapes, rows, block_size, dtype), timer)
         for op in OPS
     }
-    paths = {op: "compiled" if s["compiled"] < s["torch"] * (1 - MARGIN) else "torch" for op, s in seconds.items()}
-    return CpuKernelChoice(paths, "measured", seconds, rows)
+    return CpuKernelChoice({op: faster(s) for op, s in seconds.items()}, "measured", seconds, rows)

@@ -17,12 +17,22 @@ from graphrt.kernels import paged_attention as reference
 from graphrt.kernels.cpu_extension import SUPPORTED_DTYPES, extension
 
 
-def check_inputs(q, k_cache, v_cache, block_tables, seq_lens, op: str = "paged_decode_attention") -> None:
-    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "seq_lens": seq_lens}
+def check_on_cpu(op: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Raises ValueError naming the tensors of `op`'s call that are not on the CPU."""
     off_cpu = [name for name, tensor in tensors.items() if tensor.device.type != "cpu"]
     if off_cpu:
-        raise ValueError(f"{op} (CPU kernel): {', '.join(off_cpu)} not on the CPU; "
-                         "use the Triton kernels on CUDA")
+        raise ValueError(f"{op} (CPU kernel): {', '.join(off_cpu)} not on the CPU; use the Triton kernels on CUDA")
+
+
+def require_build(what: str) -> None:
+    """Raises RuntimeError with the reason where the kernels can't be built."""
+    build = extension()
+    if build.library is None:
+        raise RuntimeError(f"the CPU {what} kernel is unavailable: {build.reason}")
+
+
+def check_inputs(q, k_cache, v_cache, block_tables, seq_lens, op: str = "paged_decode_attention") -> None:
+    check_on_cpu(op, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "seq_lens": seq_lens})
     if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"{op} (CPU kernel): q, k_cache, v_cache are {q.dtype}, {k_cache.dtype}, "
                          f"{v_cache.dtype}; they must share one of {SUPPORTED_DTYPES}")
@@ -56,9 +66,7 @@ def paged_decode_attention(
 def kernel_layout(q, k_cache, v_cache, block_tables) -> tuple[torch.Tensor, ...]:
     """The tensors as the kernels take them (unit-stride rows, caches of one layout), copying only
     what is not; raises RuntimeError with the reason where the kernels can't be built."""
-    build = extension()
-    if build.library is None:
-        raise RuntimeError(f"the CPU paged attention kernel is unavailable: {build.reason}")
+    require_build("paged attention")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
@@ -93,17 +101,12 @@ def write_kv(
 ) -> None:
     """The contract of `paged_attention.write_kv`: k, v (tokens, kv_heads, head_dim) into the caches'
     slots. Raises IndexError naming the first slot outside the cache, having written nothing."""
-    tensors = {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
-    off_cpu = [name for name, tensor in tensors.items() if tensor.device.type != "cpu"]
-    if off_cpu:
-        raise ValueError(f"write_kv (CPU kernel): {', '.join(off_cpu)} not on the CPU; use the Triton kernels on CUDA")
+    check_on_cpu("write_kv", {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping})
+    require_build("KV write")
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    build = extension()
-    if build.library is None:
-        raise RuntimeError(f"the CPU KV write kernel is unavailable: {build.reason}")
     torch.ops.graphrt.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
