@@ -112,11 +112,16 @@ def test_inputs_it_cannot_take_are_refused_with_what_is_wrong():
         elementwise_cpu.silu_and_mul(randn(4, 7, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows, vocab", [(1, 49152), (32, 49152), (5, 37), (3, 1)])  # 37: two vectors and a tail
 def test_greedy_argmax_is_torch_argmax(dtype, rows, vocab):
     logits = randn(rows, vocab, dtype=dtype, seed=rows)
     assert torch.equal(elementwise_cpu.greedy_argmax(logits), argmax.greedy_argmax(logits))
+
+
+def test_greedy_argmax_keeps_float64_apart_where_float32_would_tie():
+    logits = torch.tensor([[1.0, 1.0 + 1e-12, 0.5]], dtype=torch.float64)  # equal once rounded to float32
+    assert elementwise_cpu.greedy_argmax(logits).tolist() == [1]
 
 
 def test_greedy_argmax_takes_the_first_of_equal_maxima_and_the_first_nan():
