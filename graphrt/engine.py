@@ -41,7 +41,7 @@ from graphrt.scheduler import Scheduler
 from graphrt.sequence import FinishReason, Sequence
 from graphrt.step import MicroBatch, ScheduledStep
 from graphrt.stats import EngineStats
-from graphrt.tokenizer import Tokenizer
+from graphrt.tokenizer import Tokenizer, eos_token_id_from_files
 from graphrt.transport import StageFailure
 from graphrt.weights import WeightFiles
 
@@ -52,16 +52,25 @@ GPU_MEMORY_FRACTION = 0.85  # share of free device memory the KV cache may take 
 
 
 class Engine:
-    def __init__(self, model_dir: Path, config: EngineConfig, cache_dir: Path | None = None, show_progress: bool = False):
+    def __init__(
+        self, model_dir: Path, config: EngineConfig, cache_dir: Path | None = None, show_progress: bool = False,
+        load_tokenizer: bool = True,
+    ):
+        """`load_tokenizer=False`: an engine that takes token ids only (the server's engine process,
+        whose front tokenizes) reads the tokenizer's EOS id from its files instead of loading it,
+        where the files settle it."""
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model folder {self.model_dir} does not exist; pass --model DIR of a Hugging Face style model")
         self.config = config
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        # The tokenizer (mostly importing transformers) loads on a thread beside the weights.
-        loader = ThreadPoolExecutor(1, thread_name_prefix="graphrt-tokenizer")
-        tokenizer = loader.submit(Tokenizer.from_dir, self.model_dir)
-        loader.shutdown(wait=False)
+        self.tokenizer_eos_id = None if load_tokenizer else eos_token_id_from_files(self.model_dir)
+        tokenizer: Future | None = None
+        if self.tokenizer_eos_id is None:
+            # The tokenizer (mostly importing transformers) loads on a thread beside the weights.
+            loader = ThreadPoolExecutor(1, thread_name_prefix="graphrt-tokenizer")
+            tokenizer = loader.submit(Tokenizer.from_dir, self.model_dir)
+            loader.shutdown(wait=False)
         files = WeightFiles(self.model_dir)
         self.devices = [torch.device(d) for d in (config.devices or default_devices(config.pp))]
         self.dtype = config.resolve_dtype(self.model_config, self.devices[0])
@@ -76,7 +85,7 @@ class Engine:
                 self.cluster.close()
             raise
 
-    def _start(self, files: WeightFiles, cache_dir: Path | None, show_progress: bool, tokenizer: Future) -> None:
+    def _start(self, files: WeightFiles, cache_dir: Path | None, show_progress: bool, tokenizer: Future | None) -> None:
         """Load the stages, size the KV cache, capture the graphs, and build the ring."""
         config = self.config
         self.pipeline = (load_first_stage if self.cluster else Pipeline.load)(
@@ -89,15 +98,18 @@ class Engine:
         self.backend = "cuda" if config.use_graphs and all(d.type == "cuda" for d in self.devices) else "eager"
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         forced_eager = self._check_graph_cache() if self.cache_dir is not None else set()
-        self.tokenizer = tokenizer.result()  # before timing the matmuls, which its thread would disturb
+        # Before timing the matmuls, which the tokenizer's thread would disturb.
+        self.tokenizer = tokenizer.result() if tokenizer is not None else None
+        if self.tokenizer is not None:
+            self.tokenizer_eos_id = self.tokenizer.eos_token_id
         cached_matmuls = cached_matmul_plans(read_manifest(self.cache_dir)) if self.cache_dir is not None else None
         self.pipeline.choose_matmuls(self.plan.max_batch, cached_matmuls)  # before capture: graphs read the weights
         self.pipeline.choose_cpu_kernels(self.plan.max_batch, config.block_size)
         self.ranges = Ranges()
         self._capture_graphs(forced_eager, show_progress)
         self.eos_ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
+        if self.tokenizer_eos_id is not None:
+            self.eos_ids.add(self.tokenizer_eos_id)
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch,
             eos_ids=frozenset(self.eos_ids), prefix_root=self._prefix_root() if config.prefix_caching else None,

@@ -40,8 +40,9 @@ class LLM:
 
     `model` is a Hugging Face style folder; None means the default model (SmolLM2-135M-Instruct,
     converted once into graphrt's cache). `cache` is a folder written by `graphrt capture`: it
-    supplies pp, dtype, kernels and buckets unless given, and is refused if it doesn't fit. Other
-    keyword arguments are `EngineConfig` fields; None means the default.
+    supplies pp, dtype, kernels and buckets unless given, and is refused if it doesn't fit.
+    `load_tokenizer=False` skips the tokenizer (seconds of importing transformers) where prompts
+    come as token ids only. Other keyword arguments are `EngineConfig` fields; None means the default.
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class LLM:
         devices: list[str] | None = None,
         cache: str | Path | None = None,
         show_progress: bool = False,
+        load_tokenizer: bool = True,
         **engine_options,
     ):
         options = {k: v for k, v in dict(pp=pp, dtype=dtype, devices=devices, **engine_options).items() if v is not None}
@@ -63,7 +65,9 @@ class LLM:
             for field in CACHE_DEFAULTS:
                 options.setdefault(field, manifest[field])
         model_dir = Path(model) if model is not None else default_model_dir()
-        self.engine = Engine(model_dir, EngineConfig(**options), cache_dir=cache, show_progress=show_progress)
+        self.engine = Engine(
+            model_dir, EngineConfig(**options), cache_dir=cache, show_progress=show_progress, load_tokenizer=load_tokenizer
+        )
 
     @property
     def model_dir(self) -> Path:

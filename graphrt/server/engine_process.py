@@ -272,7 +272,7 @@ def engine_process_main() -> int:
         if placement == "pin" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(len(cores) - 1)
         start = time.perf_counter()
-        engine = LLM(**llm_kwargs).engine
+        engine = LLM(**llm_kwargs, load_tokenizer=False).engine  # the front tokenizes
         banner = [
             f"[graphrt] load and capture {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, {engine.describe()}, "
             f"buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "

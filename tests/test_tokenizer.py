@@ -1,0 +1,81 @@
+"""The tokenizer's EOS id read from its files, as the server's engine process does instead of
+loading transformers (seconds of its start-up): the id transformers' tokenizer has, or None where
+the files leave it open, and then the engine loads the tokenizer after all."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from graphrt.llm import LLM
+from graphrt.tokenizer import Tokenizer, eos_token_id_from_files
+
+
+def tokenizer_folder(default_model: Path, folder: Path, **config_changes) -> Path:
+    """The default model's tokenizer files in `folder`, tokenizer_config.json changed as given
+    (a None value removes the key)."""
+    folder.mkdir(exist_ok=True)
+    shutil.copy(default_model / "tokenizer.json", folder)
+    config = json.loads((default_model / "tokenizer_config.json").read_text())
+    for key, value in config_changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_the_default_models_eos_id_is_the_one_transformers_finds(default_model):
+    assert eos_token_id_from_files(default_model) == Tokenizer.from_dir(default_model).eos_token_id == 2
+
+
+@pytest.mark.parametrize("eos_token", ["<|endoftext|>", {"__type": "AddedToken", "content": "<|im_start|>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}, "Paris"])
+def test_other_eos_tokens_get_the_id_transformers_gives_them(default_model, tmp_path, eos_token):
+    # A special token (in added_tokens), one given as an AddedToken dict, a plain vocabulary entry.
+    folder = tokenizer_folder(default_model, tmp_path / "tok", eos_token=eos_token)
+    expected = Tokenizer.from_dir(folder).eos_token_id
+    assert expected not in (None, 2)
+    assert eos_token_id_from_files(folder) == expected
+
+
+def test_added_tokens_decoder_names_the_id(default_model, tmp_path):
+    folder = tokenizer_folder(default_model, tmp_path / "tok", eos_token="<|im_end|>",
+                              added_tokens_decoder={"2": {"content": "<|im_end|>", "special": True}})
+    (folder / "tokenizer.json").write_text("{}")  # so the id can only have come from the config
+    assert eos_token_id_from_files(folder) == 2
+
+
+@pytest.mark.parametrize("case", ["no eos_token", "not in any vocabulary", "special_tokens_map disagrees", "no config", "bad json"])
+def test_files_that_leave_the_id_open_give_none(default_model, tmp_path, case):
+    folder = tokenizer_folder(default_model, tmp_path / "tok")
+    if case == "no eos_token":
+        tokenizer_folder(default_model, folder, eos_token=None)
+    elif case == "not in any vocabulary":
+        tokenizer_folder(default_model, folder, eos_token="<no such token>")
+    elif case == "special_tokens_map disagrees":
+        (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    elif case == "no config":
+        (folder / "tokenizer_config.json").unlink()
+    else:
+        (folder / "tokenizer_config.json").write_text("{not json")
+    assert eos_token_id_from_files(folder) is None
+
+
+def test_an_engine_without_its_tokenizer_stops_at_the_same_eos(tiny_model_factory, default_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_factory(), model)
+    tokenizer_folder(default_model, model, eos_token="<|endoftext|>")  # id 0, which config.json does not name
+    with_tokenizer = LLM(model, dtype="float32").engine
+    without = LLM(model, dtype="float32", load_tokenizer=False).engine
+    assert with_tokenizer.tokenizer is not None and without.tokenizer is None
+    assert 0 in with_tokenizer.eos_ids and without.eos_ids == with_tokenizer.eos_ids
+    # Where the files leave the id open, the engine loads the tokenizer after all.
+    tokenizer_folder(default_model, model, eos_token=None)
+    fallback = LLM(model, dtype="float32", load_tokenizer=False).engine
+    assert fallback.tokenizer is not None
+    for engine in (with_tokenizer, without, fallback):
+        engine.close()
