@@ -1,8 +1,20 @@
 """graphrt: pipeline-parallel LLM serving on CUDA graphs."""
 
 from graphrt.errors import GraphrtError, ModelLoadError, RequestError
-from graphrt.llm import LLM, RequestOutput
-from graphrt.sampling import SamplingParams
 
 __all__ = ["LLM", "GraphrtError", "ModelLoadError", "RequestError", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+# LLM and SamplingParams load on first use: `import graphrt` (the CLI, the server's front) then
+# costs no torch import.
+_LAZY = {"LLM": "graphrt.llm", "RequestOutput": "graphrt.llm", "SamplingParams": "graphrt.sampling"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'graphrt' has no attribute {name!r}")

@@ -18,6 +18,7 @@ from graphrt.errors import GraphrtError
 # tokens in several shorter steps, as vLLM's API server takes a smaller token budget than its LLM
 # class (benchmarks/results.md, "Smaller prefill chunks for `graphrt serve`").
 SERVE_PREFILL_CHUNK_SIZE = 256
+KERNEL_CHOICES = ("auto", "torch", "triton")  # graphrt.kernels.KERNEL_CHOICES, which imports torch
 
 
 class Group(click.Group):
@@ -43,8 +44,6 @@ def parse_devices(value: str | None) -> list[str] | None:
 
 def model_options(command):
     """Options shared by every command that builds an engine: the model, its stages, its graphs."""
-    from graphrt.kernels import KERNEL_CHOICES
-
     options = [
         click.option("--model", type=click.Path(path_type=Path), default=None, help="Hugging Face style model folder [default: SmolLM2-135M-Instruct]."),
         click.option("--pp", type=click.IntRange(min=1), default=None, help="Pipeline stages [default: 1, or the graph cache's]."),

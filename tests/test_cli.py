@@ -51,3 +51,16 @@ def test_bench_reports_throughput_and_latency(tiny_model_factory):
 def test_bench_rejects_a_bad_range(tiny_model_factory):
     result = CliRunner().invoke(main, ["bench", "--model", str(tiny_model_factory()), "--output-len", "9,3"])
     assert result.exit_code == 2 and "expected N or MIN,MAX" in result.output
+
+
+def test_the_cli_loads_without_torch_and_offers_the_kernels_there_are():
+    # `graphrt --help` and the server's front start without importing torch (seconds).
+    import subprocess
+    import sys
+
+    from graphrt import cli
+    from graphrt.kernels import KERNEL_CHOICES
+
+    code = "import sys, graphrt, graphrt.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    assert cli.KERNEL_CHOICES == KERNEL_CHOICES
