@@ -29,6 +29,10 @@ CASES = {
     "gqa5-head80-block5": (10, 2, 80, 5, [23, 5, 1]),  # a tile of 4 and one of 1; 5 vectors
     "gqa2-head20": (6, 3, 20, 16, [33, 17]),  # head_dim not a whole number of vectors (AVX2 or 512)
     "gqa2-head128": (4, 2, 128, 16, [130, 64]),  # more vectors than one register tile
+    # Batches of 8 or more rows per thread (up to 4 threads): a task is a sequence with all its KV heads.
+    "smollm2-gqa3-batch12": (9, 3, 64, 16, [1 + (11 * row) % 90 for row in range(12)]),
+    "gqa5-head80-block5-batch40": (10, 2, 80, 5, [1 + (7 * row) % 33 for row in range(40)]),
+    "gqa2-head20-batch40": (6, 3, 20, 16, [1 + (5 * row) % 50 for row in range(40)]),
 }
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -116,9 +120,12 @@ def test_int32_tables_and_a_strided_q_as_the_model_hands_them():
 
 
 @needs_kernel
-def test_two_threads_give_the_same_bits_as_one():
-    """Each (sequence, kv head) is one thread's work from start to end, so threads can't change results."""
-    inputs = decode_inputs("smollm2-gqa3-batch32", torch.float32)
+@pytest.mark.parametrize("case", ["smollm2-gqa3-batch32", "smollm2-gqa3-batch12"])
+def test_two_threads_give_the_same_bits_as_one(case):
+    """A query head's whole context is one thread's work, so threads can't change results; nor can
+    how the heads are split into tasks (12 rows: one task per sequence on one thread, one per
+    sequence and KV head on two)."""
+    inputs = decode_inputs(case, torch.float32)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -4,11 +4,13 @@
 // torch.ops.graphrt.paged_decode_attention. The prefill attention and the KV cache writes follow
 // in their own sections below.
 //
-// One task is one (sequence, kv head) and serves every query head of that GQA group, so each K/V
-// row is read once per group, straight from the cache through the block table: the reference
-// gathers the blocks into a new tensor first, copying every K/V byte once more. A task scores the
-// whole context into a scratch row, takes the softmax, then sums V weighted by it: two passes, one
-// over K and one over V. Arithmetic is in float (double for float64 inputs), as in the reference.
+// One task is one sequence with all its KV heads (one KV head where the batch is too short to
+// spread otherwise) and serves every query head of those GQA groups, so each K/V row is read once,
+// straight from the cache through the block table: the reference gathers the blocks into a new
+// tensor first, copying every K/V byte once more. A task scores the whole context into scratch
+// rows, takes the softmax, then sums V weighted by it: two passes, one over K and one over V, each
+// reading a token's rows of all its heads together. Arithmetic is in float (double for float64
+// inputs), as in the reference.
 //
 // Vector code is ATen's Vectorized<T>, the type torch's own CPU kernels and inductor's generated
 // C++ use, rather than intrinsics: one source for AVX2 and AVX-512, a vector exp (exp_u20, as in
@@ -114,23 +116,22 @@ struct Layout {
   int64_t table_stride;
 };
 
-// One task's context: the first `length` tokens of one sequence, one KV head of each.
+// One task's context: the first `length` tokens of one sequence, `num_heads` consecutive KV heads
+// of each (all of them where the batch gives every thread several sequences, one otherwise).
 struct Context {
   const int64_t* block_ids;  // the sequence's block table row
   int64_t length;
-  int64_t head_offset;  // elements from the start of a cache row (one token) to this KV head
+  int64_t head_offset;  // elements from the start of a cache row (one token) to the first KV head
+  int64_t num_heads;
 };
 
-// Calls visit(row, t) for t = 0 .. length-1 in order, row pointing at token t's (head_dim,) K or V
-// of the context's KV head. Each row's [first_dim, first_dim + num_dims) is prefetched a block
-// ahead: blocks are scattered through the cache, so the hardware prefetcher, which extrapolates
-// addresses, can't find the next one (prefetching made 120-382 token contexts ~25% faster).
+// Calls visit(rows, start, tokens, next_rows) for each block of the context in order: `rows`
+// points at the block's first token (at the context's first KV head, rows `cache_token_stride`
+// apart), `tokens` of them from context position `start`; `next_rows` the same for the next
+// block, or nullptr. Blocks are scattered through the cache, so the hardware prefetcher, which
+// extrapolates addresses, can't find the next one: visitors prefetch it themselves.
 template <typename scalar_t, typename Visit>
-inline void for_each_context_row(const scalar_t* cache, const Context& context, const Layout& layout,
-                                 int64_t first_dim, int64_t num_dims, Visit&& visit) {
-  constexpr int64_t kCacheLine = 64;
-  const int64_t first_byte = first_dim * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t end_byte = (first_dim + num_dims) * static_cast<int64_t>(sizeof(scalar_t));
+inline void for_each_block(const scalar_t* cache, const Context& context, const Layout& layout, Visit&& visit) {
   const int64_t num_blocks = (context.length + layout.block_size - 1) / layout.block_size;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const scalar_t* rows = cache + context.block_ids[b] * layout.cache_block_stride + context.head_offset;
@@ -138,23 +139,28 @@ inline void for_each_context_row(const scalar_t* cache, const Context& context, 
                                     ? cache + context.block_ids[b + 1] * layout.cache_block_stride + context.head_offset
                                     : nullptr;
     const int64_t start = b * layout.block_size;
-    const int64_t tokens = std::min(layout.block_size, context.length - start);
-    for (int64_t i = 0; i < tokens; ++i) {
-      if (next_rows != nullptr) {
-        const char* ahead = reinterpret_cast<const char*>(next_rows + i * layout.cache_token_stride);
-        for (int64_t byte = first_byte; byte < end_byte; byte += kCacheLine) {
-          __builtin_prefetch(ahead + byte);
-        }
-      }
-      visit(rows + i * layout.cache_token_stride, start + i);
-    }
+    visit(rows, start, std::min(layout.block_size, context.length - start), next_rows);
+  }
+}
+
+// Prefetches the cache lines holding elements [first, first + count) of `row` (a no-op for nullptr).
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t first, int64_t count) {
+  constexpr int64_t kCacheLine = 64;
+  if (row == nullptr) {
+    return;
+  }
+  const char* begin = reinterpret_cast<const char*>(row + first);
+  const char* end = reinterpret_cast<const char*>(row + first + count);
+  for (const char* line = begin; line < end; line += kCacheLine) {
+    __builtin_prefetch(line);
   }
 }
 
 // Query heads are taken kMaxRows at a time, and V's head_dim kValueChunks vectors at a time, so
 // that a tile's accumulators stay in registers (4 x 4 of the 32 zmm registers with AVX-512,
 // 4 x 2 of the 16 ymm ones otherwise). A GQA group wider than kMaxRows reads its K/V once per
-// tile; the second time it comes from L2.
+// tile; the second time it comes from L1.
 constexpr int64_t kMaxRows = 4;
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kValueChunks = 4;
@@ -174,51 +180,77 @@ inline void with_rows(int64_t rows, F&& f) {
   }
 }
 
-// scores[r * score_stride + t] = queries[r] . key_t for kRows query heads and every token t of the
-// context: each key is loaded (and widened) once for all kRows heads.
-// queries: (kRows, head_dim), already scaled.
+// scores[r * score_stride] = queries[r] . key for kRows query heads and one key (head_dim,): the
+// key is loaded (and widened) once for all kRows heads. queries: (kRows, head_dim), already scaled.
 template <int kRows, typename scalar_t, typename Acc>
+inline void score_key(const Acc* queries, const scalar_t* key, int64_t head_dim, Acc* scores, int64_t score_stride) {
+  using Vec = Vectorized<Acc>;
+  const int64_t vector_end = head_dim - head_dim % Vec::size();
+  Vec acc[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    acc[r] = Vec(Acc(0));
+  }
+  for (int64_t d = 0; d < vector_end; d += Vec::size()) {
+    const Vec k = load_as<Acc>(key + d);
+    for (int r = 0; r < kRows; ++r) {
+      acc[r] = at::vec::fmadd(Vec::loadu(queries + r * head_dim + d), k, acc[r]);
+    }
+  }
+  Acc sums[kRows];
+  sum_lanes_of_rows<kRows>(acc, sums);
+  for (int r = 0; r < kRows; ++r) {
+    for (int64_t d = vector_end; d < head_dim; ++d) {
+      sums[r] += queries[r * head_dim + d] * static_cast<Acc>(key[d]);
+    }
+    scores[r * score_stride] = sums[r];
+  }
+}
+
+// scores[(h * group + g) * score_stride + t] = query (h, g) . key_t of KV head h, for every query
+// head of the context's KV heads and every token t. Token by token, each token's keys of all the
+// task's heads are read at once: one contiguous run of the cache row, so a sequence whose blocks
+// follow each other in the cache is one stream the hardware prefetcher follows; the next block is
+// prefetched a token row at a time besides. queries: (heads x group, head_dim), already scaled.
+template <typename scalar_t, typename Acc>
 void score_context(const Acc* queries, const scalar_t* k_cache, const Context& context, const Layout& layout,
                    Acc* scores, int64_t score_stride) {
-  using Vec = Vectorized<Acc>;
-  const int64_t head_dim = layout.head_dim;
-  const int64_t vector_end = head_dim - head_dim % Vec::size();
-  for_each_context_row(k_cache, context, layout, 0, head_dim, [&](const scalar_t* key, int64_t t) {
-    Vec acc[kRows];
-    for (int r = 0; r < kRows; ++r) {
-      acc[r] = Vec(Acc(0));
-    }
-    for (int64_t d = 0; d < vector_end; d += Vec::size()) {
-      const Vec k = load_as<Acc>(key + d);
-      for (int r = 0; r < kRows; ++r) {
-        acc[r] = at::vec::fmadd(Vec::loadu(queries + r * head_dim + d), k, acc[r]);
+  const int64_t group_size = layout.group_size, head_dim = layout.head_dim;
+  const int64_t row_span = (context.num_heads - 1) * layout.cache_head_stride + head_dim;
+  for_each_block(k_cache, context, layout, [&](const scalar_t* rows, int64_t start, int64_t tokens, const scalar_t* next_rows) {
+    for (int64_t i = 0; i < tokens; ++i) {
+      prefetch_row(next_rows == nullptr ? nullptr : next_rows + i * layout.cache_token_stride, 0, row_span);
+      const scalar_t* row = rows + i * layout.cache_token_stride;
+      for (int64_t h = 0; h < context.num_heads; ++h) {
+        for (int64_t g = 0; g < group_size; g += kMaxRows) {
+          const int64_t query = h * group_size + g;
+          with_rows(std::min(kMaxRows, group_size - g), [&](auto r) {
+            score_key<r.value>(queries + query * head_dim, row + h * layout.cache_head_stride, head_dim,
+                               scores + query * score_stride + start + i, score_stride);
+          });
+        }
       }
-    }
-    Acc sums[kRows];
-    sum_lanes_of_rows<kRows>(acc, sums);
-    for (int r = 0; r < kRows; ++r) {
-      for (int64_t d = vector_end; d < head_dim; ++d) {
-        sums[r] += queries[r * head_dim + d] * static_cast<Acc>(key[d]);
-      }
-      scores[r * score_stride + t] = sums[r];
     }
   });
 }
 
-// outputs[r, first : first + kChunks vectors] = the sum over the context's tokens t of
-// weights[r * weight_stride + t] * value_t, for kRows query heads: one slice of head_dim, whose
-// accumulators stay in registers for the whole context. outputs: (kRows, head_dim).
+// outputs[r, first : first + kChunks vectors] += the sum over one block's `tokens` tokens t of
+// weights[r * weight_stride + t] * value_t, for kRows query heads: values (tokens, head_dim) rows
+// `token_stride` apart; the same slice of next_values (the next block's) is prefetched meanwhile.
+// The accumulators live in registers for the block and in `outputs` (L1) between blocks.
 template <int kRows, int kChunks, typename scalar_t, typename Acc>
-void sum_value_slice(const Acc* weights, int64_t weight_stride, const scalar_t* v_cache, const Context& context,
-                     const Layout& layout, int64_t first, Acc* outputs) {
+inline void sum_value_block(const Acc* weights, int64_t weight_stride, const scalar_t* values, int64_t tokens,
+                            int64_t token_stride, const scalar_t* next_values, int64_t first, int64_t head_dim,
+                            Acc* outputs) {
   using Vec = Vectorized<Acc>;
   Vec acc[kRows][kChunks];
   for (int r = 0; r < kRows; ++r) {
     for (int c = 0; c < kChunks; ++c) {
-      acc[r][c] = Vec(Acc(0));
+      acc[r][c] = Vec::loadu(outputs + r * head_dim + first + c * Vec::size());
     }
   }
-  for_each_context_row(v_cache, context, layout, first, kChunks * Vec::size(), [&](const scalar_t* value, int64_t t) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    prefetch_row(next_values == nullptr ? nullptr : next_values + t * token_stride, first, kChunks * Vec::size());
+    const scalar_t* value = values + t * token_stride;
     Vec v[kChunks];
     for (int c = 0; c < kChunks; ++c) {
       v[c] = load_as<Acc>(value + first + c * Vec::size());
@@ -229,41 +261,64 @@ void sum_value_slice(const Acc* weights, int64_t weight_stride, const scalar_t* 
         acc[r][c] = at::vec::fmadd(weight, v[c], acc[r][c]);
       }
     }
-  });
+  }
   for (int r = 0; r < kRows; ++r) {
     for (int c = 0; c < kChunks; ++c) {
-      acc[r][c].store(outputs + r * layout.head_dim + first + c * Vec::size());
+      acc[r][c].store(outputs + r * head_dim + first + c * Vec::size());
     }
   }
 }
 
-// outputs[r] = the sum over the context's tokens t of weights[r * weight_stride + t] * value_t,
-// for kRows query heads. outputs: (kRows, head_dim).
+// outputs[r] += the sum over one block's tokens t of weights[r * weight_stride + t] * value_t for
+// kRows query heads, all of head_dim: kValueChunks vectors at a time, then single vectors, then the
+// dims that are not a whole vector one at a time. outputs: (kRows, head_dim).
 template <int kRows, typename scalar_t, typename Acc>
-void sum_values(const Acc* weights, int64_t weight_stride, const scalar_t* v_cache, const Context& context,
-                const Layout& layout, Acc* outputs) {
+void sum_values_of_block(const Acc* weights, int64_t weight_stride, const scalar_t* values, int64_t tokens,
+                         int64_t token_stride, const scalar_t* next_values, int64_t head_dim, Acc* outputs) {
   using Vec = Vectorized<Acc>;
-  const int64_t head_dim = layout.head_dim;
   const int64_t vector_end = head_dim - head_dim % Vec::size();
   int64_t first = 0;
   for (; first + kValueChunks * Vec::size() <= vector_end; first += kValueChunks * Vec::size()) {
-    sum_value_slice<kRows, kValueChunks>(weights, weight_stride, v_cache, context, layout, first, outputs);
+    sum_value_block<kRows, kValueChunks>(weights, weight_stride, values, tokens, token_stride, next_values, first,
+                                         head_dim, outputs);
   }
   for (; first < vector_end; first += Vec::size()) {
-    sum_value_slice<kRows, 1>(weights, weight_stride, v_cache, context, layout, first, outputs);
+    sum_value_block<kRows, 1>(weights, weight_stride, values, tokens, token_stride, next_values, first, head_dim,
+                              outputs);
   }
   if (vector_end == head_dim) {
     return;
   }
-  // head_dim is not a whole number of vectors: the last few dims one at a time.
-  for (int r = 0; r < kRows; ++r) {
-    std::fill(outputs + r * head_dim + vector_end, outputs + (r + 1) * head_dim, Acc(0));
-  }
-  const int64_t tail_dims = head_dim - vector_end;
-  for_each_context_row(v_cache, context, layout, vector_end, tail_dims, [&](const scalar_t* value, int64_t t) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    prefetch_row(next_values == nullptr ? nullptr : next_values + t * token_stride, vector_end, head_dim - vector_end);
     for (int r = 0; r < kRows; ++r) {
       for (int64_t d = vector_end; d < head_dim; ++d) {
-        outputs[r * head_dim + d] += weights[r * weight_stride + t] * static_cast<Acc>(value[d]);
+        outputs[r * head_dim + d] += weights[r * weight_stride + t] * static_cast<Acc>(values[t * token_stride + d]);
+      }
+    }
+  }
+}
+
+// outputs[(h * group + g)] = the sum over the context's tokens t of weights[(h * group + g) *
+// weight_stride + t] * value_t of KV head h. Block by block, and within a block head by head: the
+// block's rows of all the task's heads are one contiguous run of the cache. outputs: (heads x
+// group, head_dim), zeroed here.
+template <typename scalar_t, typename Acc>
+void sum_values(const Acc* weights, int64_t weight_stride, const scalar_t* v_cache, const Context& context,
+                const Layout& layout, Acc* outputs) {
+  const int64_t group_size = layout.group_size, head_dim = layout.head_dim;
+  std::fill(outputs, outputs + context.num_heads * group_size * head_dim, Acc(0));
+  for_each_block(v_cache, context, layout, [&](const scalar_t* rows, int64_t start, int64_t tokens, const scalar_t* next_rows) {
+    for (int64_t h = 0; h < context.num_heads; ++h) {
+      const scalar_t* values = rows + h * layout.cache_head_stride;
+      const scalar_t* next_values = next_rows == nullptr ? nullptr : next_rows + h * layout.cache_head_stride;
+      for (int64_t g = 0; g < group_size; g += kMaxRows) {
+        const int64_t query = h * group_size + g;
+        with_rows(std::min(kMaxRows, group_size - g), [&](auto r) {
+          sum_values_of_block<r.value>(weights + query * weight_stride + start, weight_stride, values, tokens,
+                                       layout.cache_token_stride, g == 0 ? next_values : nullptr, head_dim,
+                                       outputs + query * head_dim);
+        });
       }
     }
   });
@@ -288,66 +343,56 @@ inline Acc softmax_unnormalized(Acc* row, int64_t padded_length) {
   return sum_lanes(running_sum);
 }
 
-// One thread's working memory, sized for the longest context in the batch and reused across
-// that thread's tasks.
+// One thread's working memory, sized for the longest context in the batch and the most query
+// heads a task takes, and reused across that thread's tasks.
 template <typename Acc>
 struct Scratch {
   int64_t score_stride;      // the longest context padded to whole vectors
-  std::vector<Acc> queries;  // (group, head_dim), scaled
-  std::vector<Acc> scores;   // (group, score_stride): scores, then softmax weights
-  std::vector<Acc> outputs;  // (group, head_dim): the unnormalized weighted sums of V
-  std::vector<Acc> weight_sums;  // (group,)
+  std::vector<Acc> queries;  // (rows, head_dim), scaled
+  std::vector<Acc> scores;   // (rows, score_stride): scores, then softmax weights
+  std::vector<Acc> outputs;  // (rows, head_dim): the unnormalized weighted sums of V
+  std::vector<Acc> weight_sums;  // (rows,)
 
-  Scratch(const Layout& layout, int64_t max_context)
+  Scratch(int64_t rows, int64_t head_dim, int64_t max_context)
       : score_stride(round_up(max_context, Vectorized<Acc>::size())),
-        queries(layout.group_size * layout.head_dim),
-        scores(layout.group_size * score_stride),
-        outputs(layout.group_size * layout.head_dim),
-        weight_sums(layout.group_size) {}
+        queries(rows * head_dim),
+        scores(rows * score_stride),
+        outputs(rows * head_dim),
+        weight_sums(rows) {}
 
   static int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 };
 
-// Attention of one sequence's query heads in one GQA group over its context.
-// q_group: (group, head_dim), rows `q_head_stride` apart; out_group: (group, head_dim) contiguous.
+// Attention of one sequence's query heads of the context's KV heads over its context: two passes,
+// K for the scores, then the softmax, then V weighted by it.
+// q_heads: (heads x group, head_dim), rows `q_head_stride` apart; out_heads: the same, contiguous.
 template <typename scalar_t>
-void attend_group(const scalar_t* q_group, const scalar_t* k_cache, const scalar_t* v_cache, const Context& context,
-                  acc_type<scalar_t> scale, const Layout& layout, Scratch<acc_type<scalar_t>>& scratch,
-                  scalar_t* out_group) {
+void attend(const scalar_t* q_heads, const scalar_t* k_cache, const scalar_t* v_cache, const Context& context,
+            acc_type<scalar_t> scale, const Layout& layout, Scratch<acc_type<scalar_t>>& scratch, scalar_t* out_heads) {
   using Acc = acc_type<scalar_t>;
-  const int64_t group_size = layout.group_size, head_dim = layout.head_dim;
+  const int64_t rows = context.num_heads * layout.group_size, head_dim = layout.head_dim;
   const int64_t score_stride = scratch.score_stride;
   const int64_t padded_length = Scratch<Acc>::round_up(context.length, Vectorized<Acc>::size());
   Acc* queries = scratch.queries.data();
   Acc* scores = scratch.scores.data();
   Acc* outputs = scratch.outputs.data();
 
-  for (int64_t g = 0; g < group_size; ++g) {
+  for (int64_t i = 0; i < rows; ++i) {
     for (int64_t d = 0; d < head_dim; ++d) {
-      queries[g * head_dim + d] = static_cast<Acc>(q_group[g * layout.q_head_stride + d]) * scale;
+      queries[i * head_dim + d] = static_cast<Acc>(q_heads[i * layout.q_head_stride + d]) * scale;
     }
-    std::fill(scores + g * score_stride + context.length, scores + g * score_stride + padded_length,
+    std::fill(scores + i * score_stride + context.length, scores + i * score_stride + padded_length,
               -std::numeric_limits<Acc>::infinity());
   }
-  for (int64_t g = 0; g < group_size; g += kMaxRows) {
-    with_rows(std::min(kMaxRows, group_size - g), [&](auto rows) {
-      score_context<rows.value>(queries + g * head_dim, k_cache, context, layout, scores + g * score_stride,
-                                score_stride);
-    });
+  score_context(queries, k_cache, context, layout, scores, score_stride);
+  for (int64_t i = 0; i < rows; ++i) {
+    scratch.weight_sums[i] = softmax_unnormalized(scores + i * score_stride, padded_length);
   }
-  for (int64_t g = 0; g < group_size; ++g) {
-    scratch.weight_sums[g] = softmax_unnormalized(scores + g * score_stride, padded_length);
-  }
-  for (int64_t g = 0; g < group_size; g += kMaxRows) {
-    with_rows(std::min(kMaxRows, group_size - g), [&](auto rows) {
-      sum_values<rows.value>(scores + g * score_stride, score_stride, v_cache, context, layout,
-                             outputs + g * head_dim);
-    });
-  }
-  for (int64_t g = 0; g < group_size; ++g) {
-    const Acc inverse_sum = Acc(1) / scratch.weight_sums[g];
+  sum_values(scores, score_stride, v_cache, context, layout, outputs);
+  for (int64_t i = 0; i < rows; ++i) {
+    const Acc inverse_sum = Acc(1) / scratch.weight_sums[i];
     for (int64_t d = 0; d < head_dim; ++d) {
-      out_group[g * head_dim + d] = static_cast<scalar_t>(outputs[g * head_dim + d] * inverse_sum);
+      out_heads[i * head_dim + d] = static_cast<scalar_t>(outputs[i * head_dim + d] * inverse_sum);
     }
   }
 }
@@ -427,17 +472,26 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     const scalar_t* k_data = k_cache.const_data_ptr<scalar_t>();
     const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
     scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
-    // A task takes microseconds (2-20 at the shapes we serve), more than waking the pool costs
-    // (about one), so grain 1: any two tasks may run on two threads.
-    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      Scratch<Acc> scratch(layout, max_context);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t row = task / num_kv_heads, kv_head = task % num_kv_heads;
-        const int64_t first_head = kv_head * layout.group_size;
-        const Context context{tables + row * layout.table_stride, lens[row], kv_head * layout.cache_head_stride};
-        attend_group<scalar_t>(q_data + row * layout.q_batch_stride + first_head * layout.q_head_stride, k_data,
-                               v_data, context, static_cast<Acc>(scale), layout, scratch,
-                               out_data + (row * num_heads + first_head) * head_dim);
+    // A task is one sequence with all its KV heads where the batch gives each thread at least
+    // kTasksPerThread of them (each token's K and V rows then read as one run of the cache), else
+    // one (sequence, KV head), so that a short batch still spreads over the threads. Either way a
+    // query head's arithmetic is the same, so results don't depend on the split. Tasks differ in
+    // context length: each thread takes the next from a shared counter.
+    constexpr int64_t kTasksPerThread = 8;
+    const int64_t num_threads = at::get_num_threads();
+    const int64_t heads_per_task = batch >= kTasksPerThread * num_threads ? num_kv_heads : 1;
+    const int64_t tasks_per_row = num_kv_heads / heads_per_task, num_tasks = batch * tasks_per_row;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) {
+      Scratch<Acc> scratch(heads_per_task * layout.group_size, head_dim, max_context);
+      for (int64_t task = next++; task < num_tasks; task = next++) {
+        const int64_t row = task / tasks_per_row, first_kv_head = task % tasks_per_row * heads_per_task;
+        const int64_t first_head = first_kv_head * layout.group_size;
+        const Context context{tables + row * layout.table_stride, lens[row], first_kv_head * layout.cache_head_stride,
+                              heads_per_task};
+        attend<scalar_t>(q_data + row * layout.q_batch_stride + first_head * layout.q_head_stride, k_data, v_data,
+                         context, static_cast<Acc>(scale), layout, scratch,
+                         out_data + (row * num_heads + first_head) * head_dim);
       }
     });
   });
