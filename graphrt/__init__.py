@@ -5,8 +5,8 @@ from graphrt.errors import GraphrtError, ModelLoadError, RequestError
 __all__ = ["LLM", "GraphrtError", "ModelLoadError", "RequestError", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
-# LLM and SamplingParams load on first use: `import graphrt` (the CLI, the server's front) then
-# costs no torch import.
+# LLM and SamplingParams load on first use, so `import graphrt` (and the CLI with it) costs no
+# torch import.
 _LAZY = {"LLM": "graphrt.llm", "RequestOutput": "graphrt.llm", "SamplingParams": "graphrt.sampling"}
 
 

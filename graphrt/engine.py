@@ -56,17 +56,18 @@ class Engine:
         self, model_dir: Path, config: EngineConfig, cache_dir: Path | None = None, show_progress: bool = False,
         load_tokenizer: bool = True,
     ):
-        """`load_tokenizer=False`: an engine that takes token ids only (the server's engine process,
-        whose front tokenizes) reads the tokenizer's EOS id from its files instead of loading it,
-        where the files settle it."""
+        """`load_tokenizer=False`: an engine that takes token ids only and leaves text to its caller
+        (the server's engine process, whose front tokenizes, detokenizes and matches stop strings)
+        reads the tokenizer's EOS id from its files instead of loading it, where the files settle it."""
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model folder {self.model_dir} does not exist; pass --model DIR of a Hugging Face style model")
         self.config = config
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer_eos_id = None if load_tokenizer else eos_token_id_from_files(self.model_dir)
+        self.tokenizer_skipped = self.tokenizer_eos_id is not None  # token ids only, on the caller's word
         tokenizer: Future | None = None
-        if self.tokenizer_eos_id is None:
+        if not self.tokenizer_skipped:
             # The tokenizer (mostly importing transformers) loads on a thread beside the weights.
             loader = ThreadPoolExecutor(1, thread_name_prefix="graphrt-tokenizer")
             tokenizer = loader.submit(Tokenizer.from_dir, self.model_dir)
@@ -262,6 +263,8 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate one request and queue it. Raises RequestError for this request only."""
         if isinstance(prompt, str):
+            if self.tokenizer_skipped:
+                raise RequestError("this engine was built without its tokenizer (load_tokenizer=False); pass prompts as lists of token ids")
             if self.tokenizer is None:
                 raise RequestError(f"{self.model_dir} has no tokenizer; pass prompts as lists of token ids")
             prompt_ids = self.tokenizer.encode(prompt)

@@ -41,8 +41,10 @@ class LLM:
     `model` is a Hugging Face style folder; None means the default model (SmolLM2-135M-Instruct,
     converted once into graphrt's cache). `cache` is a folder written by `graphrt capture`: it
     supplies pp, dtype, kernels and buckets unless given, and is refused if it doesn't fit.
-    `load_tokenizer=False` skips the tokenizer (seconds of importing transformers) where prompts
-    come as token ids only. Other keyword arguments are `EngineConfig` fields; None means the default.
+    `load_tokenizer=False` skips the tokenizer (seconds of importing transformers) for callers that
+    pass token ids and turn tokens into text themselves: outputs then have no text, and text
+    prompts and stop strings are refused (unless the tokenizer files leave the EOS id open, and it
+    is loaded after all). Other keyword arguments are `EngineConfig` fields; None means the default.
     """
 
     def __init__(
@@ -91,6 +93,8 @@ class LLM:
         Every prompt is validated before any runs: a bad one raises RequestError naming it.
         """
         params = params or SamplingParams()
+        if params.stop and self.engine.tokenizer_skipped:
+            raise RequestError("stop strings need the tokenizer, which this LLM was built without (load_tokenizer=False)")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         engine = self.engine

@@ -111,9 +111,10 @@ class Tokenizer:
 def eos_token_id_from_files(model_dir: Path) -> int | None:
     """The id `Tokenizer.from_dir(model_dir).eos_token_id` has, read from tokenizer_config.json and
     tokenizer.json without importing transformers (which takes seconds of a start-up): for an
-    engine that never sees text and needs only the id to stop at. None where these files leave it
-    open (no eos_token, one that special_tokens_map.json contradicts, or one in no vocabulary); the
-    caller then loads the tokenizer."""
+    engine that never sees text and needs only the id to stop at. As transformers' fast tokenizer
+    does, the id comes from tokenizer.json (its added tokens, then its vocabulary). None where the
+    files leave it open (no tokenizer.json, no eos_token, one that special_tokens_map.json
+    contradicts, or one in neither list); the caller then loads the tokenizer."""
     config = _read_json(model_dir / "tokenizer_config.json")
     eos = _token_content(config.get("eos_token")) if isinstance(config, dict) else None
     if eos is None:
@@ -121,18 +122,14 @@ def eos_token_id_from_files(model_dir: Path) -> int | None:
     special_tokens = _read_json(model_dir / "special_tokens_map.json")
     if isinstance(special_tokens, dict) and "eos_token" in special_tokens and _token_content(special_tokens["eos_token"]) != eos:
         return None
-    decoder = config.get("added_tokens_decoder")
-    if isinstance(decoder, dict):
-        ids = [int(i) for i, token in decoder.items() if isinstance(token, dict) and token.get("content") == eos]
-        if len(ids) == 1:
-            return ids[0]
     tokenizer = _read_json(model_dir / "tokenizer.json")
     if not isinstance(tokenizer, dict):
         return None
     added = [t.get("id") for t in tokenizer.get("added_tokens") or [] if isinstance(t, dict) and t.get("content") == eos]
-    if len(added) == 1 and isinstance(added[0], int):
-        return added[0]
-    vocab = (tokenizer.get("model") or {}).get("vocab")
+    if added:
+        return added[0] if len(added) == 1 and isinstance(added[0], int) else None
+    model = tokenizer.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
     token_id = vocab.get(eos) if isinstance(vocab, dict) else None
     return token_id if isinstance(token_id, int) else None
 

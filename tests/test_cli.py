@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from click.testing import CliRunner
 
+from graphrt import cli
 from graphrt.cli import main
+from graphrt.kernels import KERNEL_CHOICES
 
 
 def test_prompts_file_plain_and_jsonl(tiny_model_factory, tmp_path):
@@ -54,13 +58,7 @@ def test_bench_rejects_a_bad_range(tiny_model_factory):
 
 
 def test_the_cli_loads_without_torch_and_offers_the_kernels_there_are():
-    # `graphrt --help` and the server's front start without importing torch (seconds).
-    import subprocess
-    import sys
-
-    from graphrt import cli
-    from graphrt.kernels import KERNEL_CHOICES
-
+    # `graphrt --help` answers without importing torch (seconds); the commands import what they use.
     code = "import sys, graphrt, graphrt.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
     assert cli.KERNEL_CHOICES == KERNEL_CHOICES

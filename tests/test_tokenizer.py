@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from graphrt.errors import RequestError
 from graphrt.llm import LLM
+from graphrt.sampling import SamplingParams
 from graphrt.tokenizer import Tokenizer, eos_token_id_from_files
 
 
@@ -42,14 +44,19 @@ def test_other_eos_tokens_get_the_id_transformers_gives_them(default_model, tmp_
     assert eos_token_id_from_files(folder) == expected
 
 
-def test_added_tokens_decoder_names_the_id(default_model, tmp_path):
+def test_the_id_comes_from_tokenizer_json_as_in_transformers(default_model, tmp_path):
+    # A tokenizer_config.json whose added_tokens_decoder names another id: transformers' fast
+    # tokenizer takes tokenizer.json's.
     folder = tokenizer_folder(default_model, tmp_path / "tok", eos_token="<|im_end|>",
-                              added_tokens_decoder={"2": {"content": "<|im_end|>", "special": True}})
-    (folder / "tokenizer.json").write_text("{}")  # so the id can only have come from the config
-    assert eos_token_id_from_files(folder) == 2
+                              added_tokens_decoder={"49000": {"content": "<|im_end|>", "special": True}})
+    assert eos_token_id_from_files(folder) == Tokenizer.from_dir(folder).eos_token_id == 2
 
 
-@pytest.mark.parametrize("case", ["no eos_token", "not in any vocabulary", "special_tokens_map disagrees", "no config", "bad json"])
+@pytest.mark.parametrize(
+    "case",
+    ["no eos_token", "not in any vocabulary", "special_tokens_map disagrees", "no config", "bad json", "no tokenizer.json",
+     "tokenizer.json of another shape"],
+)
 def test_files_that_leave_the_id_open_give_none(default_model, tmp_path, case):
     folder = tokenizer_folder(default_model, tmp_path / "tok")
     if case == "no eos_token":
@@ -60,8 +67,12 @@ def test_files_that_leave_the_id_open_give_none(default_model, tmp_path, case):
         (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     elif case == "no config":
         (folder / "tokenizer_config.json").unlink()
-    else:
+    elif case == "bad json":
         (folder / "tokenizer_config.json").write_text("{not json")
+    elif case == "no tokenizer.json":
+        (folder / "tokenizer.json").unlink()
+    else:
+        (folder / "tokenizer.json").write_text(json.dumps({"added_tokens": "none", "model": ["a", "list"]}))
     assert eos_token_id_from_files(folder) is None
 
 
@@ -69,13 +80,19 @@ def test_an_engine_without_its_tokenizer_stops_at_the_same_eos(tiny_model_factor
     model = tmp_path / "model"
     shutil.copytree(tiny_model_factory(), model)
     tokenizer_folder(default_model, model, eos_token="<|endoftext|>")  # id 0, which config.json does not name
-    with_tokenizer = LLM(model, dtype="float32").engine
-    without = LLM(model, dtype="float32", load_tokenizer=False).engine
+    with_tokenizer = LLM(model, dtype="float32")
+    without = LLM(model, dtype="float32", load_tokenizer=False)
     assert with_tokenizer.tokenizer is not None and without.tokenizer is None
-    assert 0 in with_tokenizer.eos_ids and without.eos_ids == with_tokenizer.eos_ids
+    assert 0 in with_tokenizer.engine.eos_ids and without.engine.eos_ids == with_tokenizer.engine.eos_ids
+    # It takes token ids only, and says why where it is asked for text.
+    with pytest.raises(RequestError, match="load_tokenizer=False"):
+        without.generate("Hello", SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match="stop strings.*load_tokenizer=False"):
+        without.generate([1, 2, 3], SamplingParams(max_tokens=2, stop=["x"]))
+    assert len(without.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
     # Where the files leave the id open, the engine loads the tokenizer after all.
     tokenizer_folder(default_model, model, eos_token=None)
-    fallback = LLM(model, dtype="float32", load_tokenizer=False).engine
+    fallback = LLM(model, dtype="float32", load_tokenizer=False)
     assert fallback.tokenizer is not None
-    for engine in (with_tokenizer, without, fallback):
-        engine.close()
+    for llm in (with_tokenizer, without, fallback):
+        llm.engine.close()
