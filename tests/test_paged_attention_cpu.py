@@ -29,7 +29,7 @@ CASES = {
     "gqa5-head80-block5": (10, 2, 80, 5, [23, 5, 1]),  # a tile of 4 and one of 1; 5 vectors
     "gqa2-head20": (6, 3, 20, 16, [33, 17]),  # head_dim not a whole number of vectors (AVX2 or 512)
     "gqa2-head128": (4, 2, 128, 16, [130, 64]),  # more vectors than one register tile
-    # Batches of 8 or more rows per thread (up to 4 threads): a task is a sequence with all its KV heads.
+    # 8 or more rows per thread (the `threads` fixture runs 1 and 2): a task is a sequence with all its KV heads.
     "smollm2-gqa3-batch12": (9, 3, 64, 16, [1 + (11 * row) % 90 for row in range(12)]),
     "gqa5-head80-block5-batch40": (10, 2, 80, 5, [1 + (7 * row) % 33 for row in range(40)]),
     "gqa2-head20-batch40": (6, 3, 20, 16, [1 + (5 * row) % 50 for row in range(40)]),
@@ -67,10 +67,20 @@ def reference(q, k_cache, v_cache, block_tables, seq_lens, scale, dtype=None):
     return paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """torch's thread count for the test: the kernel splits a batch of 8 or more rows per thread
+    into one task per sequence, a shorter one into one per (sequence, KV head)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_the_reference(case, dtype):
+def test_matches_the_reference(case, dtype, threads):
     inputs = decode_inputs(case, dtype)
     got = paged_attention_cpu.paged_decode_attention(*inputs)
     assert got.dtype == dtype and got.shape == inputs[0].shape
@@ -79,7 +89,7 @@ def test_matches_the_reference(case, dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bfloat16_is_float32_math_rounded_once(case):
+def test_bfloat16_is_float32_math_rounded_once(case, threads):
     """bfloat16 K/V/q widened on load, float32 math, one rounding at the end: within half a
     bfloat16 step of the float32 reference on the same (bfloat16) inputs, and close to the
     bfloat16 reference, which rounds along the way."""

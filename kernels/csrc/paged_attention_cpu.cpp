@@ -8,9 +8,9 @@
 // spread otherwise) and serves every query head of those GQA groups, so each K/V row is read once,
 // straight from the cache through the block table: the reference gathers the blocks into a new
 // tensor first, copying every K/V byte once more. A task scores the whole context into scratch
-// rows, takes the softmax, then sums V weighted by it: two passes, one over K and one over V, each
-// reading a token's rows of all its heads together. Arithmetic is in float (double for float64
-// inputs), as in the reference.
+// rows, takes the softmax, then sums V weighted by it: two passes, K token row by token row across
+// the task's heads, V block by block. Arithmetic is in float (double for float64 inputs), as in
+// the reference.
 //
 // Vector code is ATen's Vectorized<T>, the type torch's own CPU kernels and inductor's generated
 // C++ use, rather than intrinsics: one source for AVX2 and AVX-512, a vector exp (exp_u20, as in
@@ -19,7 +19,8 @@
 // the matching -m flags; the loader refuses other CPUs, where ATen's scalar fallback measured
 // 10-20x slower). The one intrinsic function, sum_lanes_of_rows, is AVX-512 with a fallback.
 //
-// Threads: at::parallel_for over tasks, on torch's intra-op pool (torch.set_num_threads). With
+// Threads: torch's intra-op pool (torch.set_num_threads), whose threads take tasks from a shared
+// counter inside one at::parallel_for (the prefill section's tasks likewise). With
 // torch's OpenMP backend, parallel_for is an inline `#pragma omp parallel` (ATen/ParallelOpenMP.h),
 // so the build passes -fopenmp to the compiler (without it the pragma is dropped and everything
 // runs on one thread) but not to the linker: the GOMP_* calls stay undefined in this library and
@@ -36,6 +37,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -116,13 +118,13 @@ struct Layout {
   int64_t table_stride;
 };
 
-// One task's context: the first `length` tokens of one sequence, `num_heads` consecutive KV heads
-// of each (all of them where the batch gives every thread several sequences, one otherwise).
+// One task's context: the first `length` tokens of one sequence, `num_kv_heads` consecutive KV
+// heads of each (all of them where the batch gives every thread several sequences, one otherwise).
 struct Context {
   const int64_t* block_ids;  // the sequence's block table row
   int64_t length;
   int64_t head_offset;  // elements from the start of a cache row (one token) to the first KV head
-  int64_t num_heads;
+  int64_t num_kv_heads;
 };
 
 // Calls visit(rows, start, tokens, next_rows) for each block of the context in order: `rows`
@@ -150,10 +152,10 @@ inline void prefetch_row(const scalar_t* row, int64_t first, int64_t count) {
   if (row == nullptr) {
     return;
   }
-  const char* begin = reinterpret_cast<const char*>(row + first);
-  const char* end = reinterpret_cast<const char*>(row + first + count);
-  for (const char* line = begin; line < end; line += kCacheLine) {
-    __builtin_prefetch(line);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(row + first) & ~static_cast<uintptr_t>(kCacheLine - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(row + first + count);
+  for (uintptr_t line = begin; line < end; line += kCacheLine) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line));
   }
 }
 
@@ -215,12 +217,12 @@ template <typename scalar_t, typename Acc>
 void score_context(const Acc* queries, const scalar_t* k_cache, const Context& context, const Layout& layout,
                    Acc* scores, int64_t score_stride) {
   const int64_t group_size = layout.group_size, head_dim = layout.head_dim;
-  const int64_t row_span = (context.num_heads - 1) * layout.cache_head_stride + head_dim;
+  const int64_t row_span = (context.num_kv_heads - 1) * layout.cache_head_stride + head_dim;
   for_each_block(k_cache, context, layout, [&](const scalar_t* rows, int64_t start, int64_t tokens, const scalar_t* next_rows) {
     for (int64_t i = 0; i < tokens; ++i) {
       prefetch_row(next_rows == nullptr ? nullptr : next_rows + i * layout.cache_token_stride, 0, row_span);
       const scalar_t* row = rows + i * layout.cache_token_stride;
-      for (int64_t h = 0; h < context.num_heads; ++h) {
+      for (int64_t h = 0; h < context.num_kv_heads; ++h) {
         for (int64_t g = 0; g < group_size; g += kMaxRows) {
           const int64_t query = h * group_size + g;
           with_rows(std::min(kMaxRows, group_size - g), [&](auto r) {
@@ -307,9 +309,9 @@ template <typename scalar_t, typename Acc>
 void sum_values(const Acc* weights, int64_t weight_stride, const scalar_t* v_cache, const Context& context,
                 const Layout& layout, Acc* outputs) {
   const int64_t group_size = layout.group_size, head_dim = layout.head_dim;
-  std::fill(outputs, outputs + context.num_heads * group_size * head_dim, Acc(0));
+  std::fill(outputs, outputs + context.num_kv_heads * group_size * head_dim, Acc(0));
   for_each_block(v_cache, context, layout, [&](const scalar_t* rows, int64_t start, int64_t tokens, const scalar_t* next_rows) {
-    for (int64_t h = 0; h < context.num_heads; ++h) {
+    for (int64_t h = 0; h < context.num_kv_heads; ++h) {
       const scalar_t* values = rows + h * layout.cache_head_stride;
       const scalar_t* next_values = next_rows == nullptr ? nullptr : next_rows + h * layout.cache_head_stride;
       for (int64_t g = 0; g < group_size; g += kMaxRows) {
@@ -348,17 +350,17 @@ inline Acc softmax_unnormalized(Acc* row, int64_t padded_length) {
 template <typename Acc>
 struct Scratch {
   int64_t score_stride;      // the longest context padded to whole vectors
-  std::vector<Acc> queries;  // (rows, head_dim), scaled
-  std::vector<Acc> scores;   // (rows, score_stride): scores, then softmax weights
-  std::vector<Acc> outputs;  // (rows, head_dim): the unnormalized weighted sums of V
-  std::vector<Acc> weight_sums;  // (rows,)
+  std::vector<Acc> queries;  // (query heads, head_dim), scaled
+  std::vector<Acc> scores;   // (query heads, score_stride): scores, then softmax weights
+  std::vector<Acc> outputs;  // (query heads, head_dim): the unnormalized weighted sums of V
+  std::vector<Acc> weight_sums;  // (query heads,)
 
-  Scratch(int64_t rows, int64_t head_dim, int64_t max_context)
+  Scratch(int64_t num_query_heads, int64_t head_dim, int64_t max_context)
       : score_stride(round_up(max_context, Vectorized<Acc>::size())),
-        queries(rows * head_dim),
-        scores(rows * score_stride),
-        outputs(rows * head_dim),
-        weight_sums(rows) {}
+        queries(num_query_heads * head_dim),
+        scores(num_query_heads * score_stride),
+        outputs(num_query_heads * head_dim),
+        weight_sums(num_query_heads) {}
 
   static int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 };
@@ -370,14 +372,14 @@ template <typename scalar_t>
 void attend(const scalar_t* q_heads, const scalar_t* k_cache, const scalar_t* v_cache, const Context& context,
             acc_type<scalar_t> scale, const Layout& layout, Scratch<acc_type<scalar_t>>& scratch, scalar_t* out_heads) {
   using Acc = acc_type<scalar_t>;
-  const int64_t rows = context.num_heads * layout.group_size, head_dim = layout.head_dim;
+  const int64_t num_query_heads = context.num_kv_heads * layout.group_size, head_dim = layout.head_dim;
   const int64_t score_stride = scratch.score_stride;
   const int64_t padded_length = Scratch<Acc>::round_up(context.length, Vectorized<Acc>::size());
   Acc* queries = scratch.queries.data();
   Acc* scores = scratch.scores.data();
   Acc* outputs = scratch.outputs.data();
 
-  for (int64_t i = 0; i < rows; ++i) {
+  for (int64_t i = 0; i < num_query_heads; ++i) {
     for (int64_t d = 0; d < head_dim; ++d) {
       queries[i * head_dim + d] = static_cast<Acc>(q_heads[i * layout.q_head_stride + d]) * scale;
     }
@@ -385,11 +387,11 @@ void attend(const scalar_t* q_heads, const scalar_t* k_cache, const scalar_t* v_
               -std::numeric_limits<Acc>::infinity());
   }
   score_context(queries, k_cache, context, layout, scores, score_stride);
-  for (int64_t i = 0; i < rows; ++i) {
+  for (int64_t i = 0; i < num_query_heads; ++i) {
     scratch.weight_sums[i] = softmax_unnormalized(scores + i * score_stride, padded_length);
   }
   sum_values(scores, score_stride, v_cache, context, layout, outputs);
-  for (int64_t i = 0; i < rows; ++i) {
+  for (int64_t i = 0; i < num_query_heads; ++i) {
     const Acc inverse_sum = Acc(1) / scratch.weight_sums[i];
     for (int64_t d = 0; d < head_dim; ++d) {
       out_heads[i * head_dim + d] = static_cast<scalar_t>(outputs[i * head_dim + d] * inverse_sum);
@@ -473,13 +475,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
     scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
     // A task is one sequence with all its KV heads where the batch gives each thread at least
-    // kTasksPerThread of them (each token's K and V rows then read as one run of the cache), else
-    // one (sequence, KV head), so that a short batch still spreads over the threads. Either way a
+    // kTasksPerThread of them (a block's rows of all the heads, one run of the cache, are then
+    // fetched together), else one (sequence, KV head), so that a short batch still spreads over
+    // the threads. Either way a
     // query head's arithmetic is the same, so results don't depend on the split. Tasks differ in
     // context length: each thread takes the next from a shared counter.
-    constexpr int64_t kTasksPerThread = 8;
+    // A task's scores stay within kScoreBytes (L2), so very long contexts go per KV head.
+    constexpr int64_t kTasksPerThread = 8, kScoreBytes = 512 << 10;
     const int64_t num_threads = at::get_num_threads();
-    const int64_t heads_per_task = batch >= kTasksPerThread * num_threads ? num_kv_heads : 1;
+    const int64_t all_scores_bytes = num_heads * Scratch<Acc>::round_up(max_context, Vectorized<Acc>::size()) *
+                                     static_cast<int64_t>(sizeof(Acc));
+    const int64_t heads_per_task =
+        batch >= kTasksPerThread * num_threads && all_scores_bytes <= kScoreBytes ? num_kv_heads : 1;
     const int64_t tasks_per_row = num_kv_heads / heads_per_task, num_tasks = batch * tasks_per_row;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min(num_threads, num_tasks), 1, [&](int64_t, int64_t) {
