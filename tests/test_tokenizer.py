@@ -35,7 +35,11 @@ def test_the_default_models_eos_id_is_the_one_transformers_finds(default_model):
     assert eos_token_id_from_files(default_model) == Tokenizer.from_dir(default_model).eos_token_id == 2
 
 
-@pytest.mark.parametrize("eos_token", ["<|endoftext|>", {"__type": "AddedToken", "content": "<|im_start|>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}, "Paris"])
+ADDED_TOKEN = {"__type": "AddedToken", "content": "<|im_start|>", "lstrip": False, "normalized": False, "rstrip": False,
+               "single_word": False, "special": True}
+
+
+@pytest.mark.parametrize("eos_token", ["<|endoftext|>", ADDED_TOKEN, "Paris"], ids=["special", "added-token-dict", "vocabulary"])
 def test_other_eos_tokens_get_the_id_transformers_gives_them(default_model, tmp_path, eos_token):
     # A special token (in added_tokens), one given as an AddedToken dict, a plain vocabulary entry.
     folder = tokenizer_folder(default_model, tmp_path / "tok", eos_token=eos_token)
