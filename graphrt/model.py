@@ -23,6 +23,12 @@ from graphrt.config import ModelConfig
 from graphrt.kv_cache import StageKVCache
 from graphrt.weights import WeightFiles
 
+# What graphrt::decode_layers (kernels/csrc/decode_layers_cpu.cpp) runs a CPU decode step's layers
+# with: these ops, compiled, and each layer's weights in this order, the matmuls' in panels.
+DECODE_LAYER_OPS = ("rms_norm", "apply_rotary", "write_kv", "paged_decode_attention", "silu_and_mul")
+DECODE_LAYER_WEIGHTS = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
+DECODE_LAYER_MATMULS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: KernelSet):
@@ -126,6 +132,7 @@ class Stage(nn.Module):
         self.dtype = dtype
         self.matmul_plan: MatmulPlan | None = None  # set by choose_matmuls
         self.cpu_kernels: CpuKernelChoice | None = None  # set by use_cpu_kernels
+        self.compiled_decode_ops = False  # every op of DECODE_LAYER_OPS compiled: set by use_cpu_kernels
         meta = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         self.embed_tokens = meta(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in layers)
@@ -214,6 +221,15 @@ class Stage(nn.Module):
         for layer in self.layers:
             layer.ops = self.ops
         self.cpu_kernels = choice
+        self.compiled_decode_ops = all(choice.paths[op] == "compiled" for op in DECODE_LAYER_OPS)
+
+    def decode_layers_in_one_call(self) -> bool:
+        """Whether a decode step's layers run as one call of graphrt::decode_layers: every op they
+        use is compiled and every matmul weight is in panels. Checked each step, as a benchmark may
+        swap weights (benchmarks/decode_step_profile.py --dense)."""
+        return self.compiled_decode_ops and all(
+            getattr(layer, name).dim() == 4 for layer in self.layers for name in DECODE_LAYER_MATMULS
+        )
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the embedding is a gather, so it is not counted)."""
@@ -229,8 +245,18 @@ class Stage(nn.Module):
         hidden = F.embedding(x, self.embed_tokens) if self.is_first else x
         cos, sin = self.cos[meta.positions], self.sin[meta.positions]
         residual = None
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, meta, cos, sin, kv.k[i], kv.v[i])
+        if not meta.is_prefill and self.decode_layers_in_one_call():
+            # The loop below in C++, bitwise the same: no interpreter time between the ops.
+            layers, cfg = self.layers, self.cfg
+            hidden, residual = torch.ops.graphrt.decode_layers(
+                hidden, None, [getattr(layer, name) for layer in layers for name in DECODE_LAYER_WEIGHTS],
+                [layer.qkv_bias for layer in layers], [layer.q_norm for layer in layers], [layer.k_norm for layer in layers],
+                cos, sin, kv.k, kv.v, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, layers[0].scale,
+            )  # fmt: skip
+        else:
+            for i, layer in enumerate(self.layers):
+                hidden, residual = layer(hidden, residual, meta, cos, sin, kv.k[i], kv.v[i])
         if not self.is_last:
             return hidden + residual
         hidden, _ = self.ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)

@@ -31,7 +31,12 @@ import torch
 logger = logging.getLogger("graphrt")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "elementwise_cpu.cpp", CSRC / "matmul_cpu.cpp")
+SOURCES = (
+    CSRC / "paged_attention_cpu.cpp",
+    CSRC / "elementwise_cpu.cpp",
+    CSRC / "matmul_cpu.cpp",
+    CSRC / "decode_layers_cpu.cpp",
+)
 
 
 def default_cache_root() -> Path:

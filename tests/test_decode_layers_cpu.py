@@ -1,0 +1,114 @@
+"""A CPU decode step's layers in one call (graphrt::decode_layers, kernels/csrc/decode_layers_cpu.cpp):
+bitwise what the Python loop over DecoderLayer.forward computes, logits and KV cache alike, for
+plain Llama, Qwen2's q/k/v bias and Qwen3's per-head norms; taken only where every op is compiled
+and every matmul is in panels."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from graphrt import LLM
+from graphrt.batch import StepMetadata
+from graphrt.kernels.linear import can_use_panels
+from graphrt.model import Stage
+
+CPU = torch.device("cpu")
+CONTEXTS = [1, 5, 16, 17, 40, 63]  # one token, within a block, a block exactly, across blocks
+
+
+def llm_for(model, dtype: str, monkeypatch, kernels: str = "compiled", matmul: str = "panel") -> LLM:
+    monkeypatch.setenv("GRAPHRT_CPU_KERNELS", kernels)
+    monkeypatch.setenv("GRAPHRT_MATMUL", matmul)
+    return LLM(model=model, dtype=dtype, kv_cache_tokens=1024, block_size=16, buckets=[len(CONTEXTS)])
+
+
+def decode_step(llm: LLM, seed: int = 0) -> tuple[torch.Tensor, StepMetadata]:
+    """Token ids and metadata of a decode step over sequences of CONTEXTS tokens (this step's
+    included), their earlier KV random, their blocks scattered over the cache."""
+    engine, rng = llm.engine, random.Random(seed)
+    block_size = engine.config.block_size
+    free = engine.allocator.allocate(engine.allocator.num_free)
+    rng.shuffle(free)
+    tables, slots = [], []
+    for context in CONTEXTS:
+        blocks = [free.pop() for _ in range(-(-context // block_size))]
+        tables.append(blocks)
+        slots.append(blocks[(context - 1) // block_size] * block_size + (context - 1) % block_size)
+    width = max(map(len, tables))
+    generator = torch.Generator().manual_seed(seed)
+    for cache in engine.pipeline.caches:
+        cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
+    meta = StepMetadata(
+        positions=torch.tensor([c - 1 for c in CONTEXTS]),
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        seq_lens=torch.tensor(CONTEXTS),
+        logits_indices=torch.arange(len(CONTEXTS)),
+        seq_lens_host=list(CONTEXTS),
+    )
+    token_ids = torch.randint(0, engine.model_config.vocab_size, (len(CONTEXTS),), generator=generator)
+    return token_ids, meta
+
+
+def forward(llm: LLM, token_ids: torch.Tensor, meta: StepMetadata, one_call: bool, monkeypatch):
+    """The stage's logits and its caches after the step, from the caches as they are now (left so)."""
+    stage, cache = llm.engine.pipeline.stages[0], llm.engine.pipeline.caches[0]
+    assert stage.decode_layers_in_one_call()
+    k, v = cache.k.clone(), cache.v.clone()
+    with monkeypatch.context() as patch:
+        if not one_call:
+            patch.setattr(Stage, "decode_layers_in_one_call", lambda self: False)
+        with torch.inference_mode():
+            logits = stage(token_ids, meta, cache)
+    after = cache.k.clone(), cache.v.clone()
+    cache.k.copy_(k)
+    cache.v.copy_(v)
+    return logits, after
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["llama-gqa-tied", "qwen2-qkv-bias", "qwen3-qk-norm"])
+def test_one_call_computes_bitwise_what_the_python_loop_does(tiny_model_factory, monkeypatch, variant, dtype):
+    if not can_use_panels(CPU, getattr(torch, dtype)):
+        pytest.skip(f"the panel matmuls don't run {dtype} on this CPU")
+    llm = llm_for(tiny_model_factory(variant), dtype, monkeypatch)
+    token_ids, meta = decode_step(llm)
+    logits, (k, v) = forward(llm, token_ids, meta, one_call=True, monkeypatch=monkeypatch)
+    expected_logits, (expected_k, expected_v) = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
+    assert torch.equal(logits, expected_logits)
+    assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+    # The step wrote this step's K/V: the comparison above is not of two untouched caches.
+    assert not torch.equal(k, llm.engine.pipeline.caches[0].k)
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+@pytest.mark.parametrize(("kernels", "matmul"), [("torch", "panel"), ("compiled", "dense")])
+def test_a_reference_op_or_a_dense_weight_keeps_the_python_loop(tiny_model_factory, monkeypatch, kernels, matmul):
+    if not can_use_panels(CPU, torch.float32):
+        pytest.skip("the panel matmuls don't run on this CPU")
+    llm = llm_for(tiny_model_factory(), "float32", monkeypatch, kernels=kernels, matmul=matmul)
+    assert not llm.engine.pipeline.stages[0].decode_layers_in_one_call()
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+def test_the_op_names_a_call_with_weights_missing(tiny_model_factory, monkeypatch):
+    if not can_use_panels(CPU, torch.float32):
+        pytest.skip("the panel matmuls don't run on this CPU")
+    llm = llm_for(tiny_model_factory(), "float32", monkeypatch)
+    stage, cache = llm.engine.pipeline.stages[0], llm.engine.pipeline.caches[0]
+    token_ids, meta = decode_step(llm)
+    layer = stage.layers[0]
+    hidden = torch.randn(len(CONTEXTS), stage.cfg.hidden_size)
+    cos, sin = stage.cos[meta.positions], stage.sin[meta.positions]
+    nones = [None] * len(stage.layers)
+    with pytest.raises(RuntimeError, match="6 weights, a bias and two head norms per layer of the caches; got 2 weights for 4 layers"):
+        torch.ops.graphrt.decode_layers(
+            hidden, None, [layer.input_norm, layer.qkv_proj], nones, nones, nones, cos, sin, cache.k, cache.v,
+            meta.slot_mapping, meta.block_tables, meta.seq_lens, stage.cfg.num_heads, stage.cfg.num_kv_heads,
+            stage.cfg.rms_norm_eps, layer.scale,
+        )  # fmt: skip
