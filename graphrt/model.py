@@ -16,7 +16,7 @@ from torch import nn
 
 from graphrt.kernels import KernelSet, rotary_cos_sin
 from graphrt.kernels.cpu_kernel_choice import CpuKernelChoice
-from graphrt.kernels.linear import convert, linear
+from graphrt.kernels.linear import convert, linear, panel_linear_silu_and_mul
 from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, available_paths, choose_path
 from graphrt.batch import StepMetadata
 from graphrt.config import ModelConfig
@@ -48,6 +48,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = empty(cfg.hidden_size)
         self.gate_up_proj = empty(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = empty(cfg.hidden_size, cfg.intermediate_size)
+        # silu_and_mul compiled (Stage.use_cpu_kernels): with gate_up in panels, the matmul ends in it.
+        self.fuse_silu_and_mul = False
 
     @staticmethod
     def hf_names(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
@@ -103,7 +105,10 @@ class DecoderLayer(nn.Module):
             )
         hidden = linear(attn.reshape(-1, self.q_size), self.o_proj)
         hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, eps, residual)
-        hidden = linear(ops.silu_and_mul(linear(hidden, self.gate_up_proj)), self.down_proj)
+        if self.fuse_silu_and_mul and self.gate_up_proj.dim() == 4:
+            hidden = linear(panel_linear_silu_and_mul(hidden, self.gate_up_proj), self.down_proj)
+        else:
+            hidden = linear(ops.silu_and_mul(linear(hidden, self.gate_up_proj)), self.down_proj)
         return hidden, residual
 
 
@@ -220,6 +225,7 @@ class Stage(nn.Module):
         self.ops = choice.apply(self.ops)
         for layer in self.layers:
             layer.ops = self.ops
+            layer.fuse_silu_and_mul = choice.paths["silu_and_mul"] == "compiled"
         self.cpu_kernels = choice
         self.compiled_decode_ops = all(choice.paths[op] == "compiled" for op in DECODE_LAYER_OPS)
 

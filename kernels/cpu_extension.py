@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (csrc/*.cpp), built on first use into one extension library.
+"""The compiled CPU kernels (csrc/), built on first use into one extension library.
 
 The kernels are torch ops under `torch.ops.graphrt`: paged decode attention
 (paged_attention_cpu.py), the elementwise ops of a decoder layer (elementwise_cpu.py) and matmuls
@@ -36,6 +36,7 @@ SOURCES = (
     CSRC / "elementwise_cpu.cpp",
     CSRC / "matmul_cpu.cpp",
     CSRC / "decode_layers_cpu.cpp",
+    CSRC / "silu_and_mul.h",  # included by two of them: hashed and copied with them, not compiled alone
 )
 
 
@@ -164,7 +165,7 @@ def build(source_paths: tuple[Path, ...], cache_root: Path) -> Build:
                 # cpp_extension renames a build whose inputs changed since the last one of that
                 # name in this process (name_v1, ...): one name per key keeps each build's own.
                 name=f"{EXTENSION_NAME}_{key}",
-                sources=[str(build_dir / name) for name in sources],
+                sources=[str(build_dir / name) for name in sources if not name.endswith(".h")],
                 extra_cflags=flags,
                 build_directory=str(build_dir),
                 is_python_module=False,

@@ -123,3 +123,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x = torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
     out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return out[:rows] if rows < MIN_ROWS else out
+
+
+def panel_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(linear(x, weight)) for a gate/up weight in panels (gate columns first), in one
+    pass, bitwise what the compiled silu_and_mul computes from the panel matmul's output."""
+    return torch.ops.graphrt.panel_linear_silu_and_mul(x if x.stride(-1) == 1 else x.contiguous(), weight)

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+import graphrt.model
 from graphrt import LLM
 from graphrt.batch import StepMetadata
 from graphrt.kernels.linear import can_use_panels
@@ -57,7 +58,6 @@ def decode_step(llm: LLM, seed: int = 0) -> tuple[torch.Tensor, StepMetadata]:
 def forward(llm: LLM, token_ids: torch.Tensor, meta: StepMetadata, one_call: bool, monkeypatch):
     """The stage's logits and its caches after the step, from the caches as they are now (left so)."""
     stage, cache = llm.engine.pipeline.stages[0], llm.engine.pipeline.caches[0]
-    assert stage.decode_layers_in_one_call()
     k, v = cache.k.clone(), cache.v.clone()
     with monkeypatch.context() as patch:
         if not one_call:
@@ -77,6 +77,7 @@ def test_one_call_computes_bitwise_what_the_python_loop_does(tiny_model_factory,
     if not can_use_panels(CPU, getattr(torch, dtype)):
         pytest.skip(f"the panel matmuls don't run {dtype} on this CPU")
     llm = llm_for(tiny_model_factory(variant), dtype, monkeypatch)
+    assert llm.engine.pipeline.stages[0].decode_layers_in_one_call()
     token_ids, meta = decode_step(llm)
     logits, (k, v) = forward(llm, token_ids, meta, one_call=True, monkeypatch=monkeypatch)
     expected_logits, (expected_k, expected_v) = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
@@ -112,3 +113,24 @@ def test_the_op_names_a_call_with_weights_missing(tiny_model_factory, monkeypatc
             meta.slot_mapping, meta.block_tables, meta.seq_lens, stage.cfg.num_heads, stage.cfg.num_kv_heads,
             stage.cfg.rms_norm_eps, layer.scale,
         )  # fmt: skip
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+@pytest.mark.parametrize("kernels", ["compiled", "torch"])
+def test_the_python_loop_ends_gate_up_in_silu_and_mul_where_that_op_is_compiled(tiny_model_factory, monkeypatch, kernels):
+    if not can_use_panels(CPU, torch.float32):
+        pytest.skip("the panel matmuls don't run on this CPU")
+    llm = llm_for(tiny_model_factory(), "float32", monkeypatch, kernels=kernels)
+    layers = llm.engine.pipeline.stages[0].layers
+    token_ids, meta = decode_step(llm)
+    fused_calls = []
+    fused_op = graphrt.model.panel_linear_silu_and_mul
+    monkeypatch.setattr(graphrt.model, "panel_linear_silu_and_mul", lambda *a: fused_calls.append(1) or fused_op(*a))
+    logits, caches = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
+    assert len(fused_calls) == (len(layers) if kernels == "compiled" else 0)
+    if kernels == "compiled":
+        for layer in layers:
+            monkeypatch.setattr(layer, "fuse_silu_and_mul", False)
+        unfused_logits, unfused_caches = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
+        assert len(fused_calls) == len(layers)
+        assert torch.equal(unfused_logits, logits) and all(map(torch.equal, unfused_caches, caches))

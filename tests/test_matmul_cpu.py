@@ -1,6 +1,7 @@
 """The compiled panel matmul (kernels/csrc/matmul_cpu.cpp, via graphrt/kernels/linear.py) against
 F.linear and a float64 reference: every tile shape the kernel has, panels in groups and remainders,
-strided rows, bias, threads, and the messages for bad inputs."""
+strided rows, bias, threads, and the messages for bad inputs; and the gate/up matmul that ends in
+silu_and_mul, against the two ops it fuses."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from graphrt import LLM, SamplingParams
-from graphrt.kernels.linear import PANEL_WIDTH, can_use_panels, dense_weight, linear, pack_panels, weight_form
+from graphrt.kernels import elementwise_cpu
+from graphrt.kernels.linear import (
+    PANEL_WIDTH, can_use_panels, dense_weight, linear, pack_panels, panel_linear_silu_and_mul, weight_form,
+)
 
 CPU = torch.device("cpu")
 DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(not can_use_panels(CPU, dtype), reason=f"no panel kernel for {dtype} here"))
@@ -155,6 +159,35 @@ def test_bad_inputs_are_named(dtype):
         op(torch.randn(2, 64).to(dtype), panels, torch.randn(31).to(dtype))
     with pytest.raises(RuntimeError, match="unit-stride rows"):
         op(torch.randn(64, 2).to(dtype).T, panels, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_the_gate_up_matmul_ending_in_silu_and_mul_is_bitwise_the_two_ops(dtype, rows, num_threads):
+    # 13 gate panels and their 13 up partners: on one thread a group of 4 pairs and the rest, on two
+    # 7 pairs and 6, cut into tiles of 1 pair (8 rows), 2 (4 rows, and 16 rows or more), 4 (2 rows
+    # and 1) and narrower ones for the rest; with a long k (768 in float32), groups of 2 pairs.
+    generator = torch.Generator().manual_seed(rows)
+    for k in (96, 768):
+        weight = pack_panels((torch.randn(2 * 13 * PANEL_WIDTH, k, generator=generator) * 0.2).to(dtype))
+        x = torch.randn(rows, k, generator=generator).to(dtype)
+        with threads(num_threads):
+            fused = panel_linear_silu_and_mul(x, weight)
+            expected = elementwise_cpu.silu_and_mul(linear(x, weight))
+        assert fused.shape == (rows, 13 * PANEL_WIDTH) and fused.dtype == dtype
+        assert torch.equal(fused, expected)
+    # The gate half is silu'd, the up half multiplies: swapping them changes the result.
+    swapped = torch.cat([weight[13:], weight[:13]])
+    assert not torch.equal(panel_linear_silu_and_mul(x, swapped), fused)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_gate_up_matmul_names_a_weight_without_pairs(dtype):
+    with pytest.raises(RuntimeError, match="panel_linear_silu_and_mul: the gate/up weight must have as many up columns"):
+        panel_linear_silu_and_mul(torch.randn(2, 64).to(dtype), pack_panels(torch.randn(48, 64).to(dtype)))
+    with pytest.raises(RuntimeError, match="panel_linear_silu_and_mul: x has 48 features but the weight was packed for 64"):
+        panel_linear_silu_and_mul(torch.randn(2, 48).to(dtype), pack_panels(torch.randn(64, 64).to(dtype)))
 
 
 @pytest.mark.skipif(not can_use_panels(CPU, torch.float32), reason="no panel kernel for float32 here")

@@ -1,6 +1,7 @@
 // A stage's decoder layers for one decode step in one call: the loop of DecoderLayer.forward
 // (graphrt/model.py) over every layer, run here rather than in Python. It calls the same compiled
-// ops in the same order through the dispatcher, so its output is bitwise the Python loop's
+// ops in the same order through the dispatcher (the gate/up matmul ending in silu_and_mul, as the
+// loop runs it where both are compiled), so its output is bitwise the Python loop's
 // (tests/test_decode_layers_cpu.py), without the interpreter's time per op: about 16 ops a layer,
 // 500 a step, which on a 2-core CPU cost a few percent of a decode step, time the other thread spends
 // waiting. The CPU's counterpart of a CUDA graph: one launch per micro-batch. Stage.forward takes it
@@ -45,8 +46,8 @@ struct Ops {
       decode_attention = graphrt_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                const at::Tensor&, const at::Tensor&, double)>(
           "graphrt::paged_decode_attention");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
-      graphrt_op<at::Tensor(const at::Tensor&)>("graphrt::silu_and_mul");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> panel_linear_silu_and_mul =
+      graphrt_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("graphrt::panel_linear_silu_and_mul");
 };
 
 const Ops& ops() {
@@ -102,8 +103,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     hidden = op.panel_linear.call(attn.reshape({-1, q_size}), w[kOProj], std::nullopt);
     std::tie(normed, summed) = op.rms_norm.call(hidden, residual, w[kPostAttentionNorm], eps);
     residual = summed;
-    const at::Tensor gate_up = op.panel_linear.call(normed, w[kGateUpProj], std::nullopt);
-    hidden = op.panel_linear.call(op.silu_and_mul.call(gate_up), w[kDownProj], std::nullopt);
+    const at::Tensor act = op.panel_linear_silu_and_mul.call(normed, w[kGateUpProj]);
+    hidden = op.panel_linear.call(act, w[kDownProj], std::nullopt);
   }
   return {hidden, *residual};
 }

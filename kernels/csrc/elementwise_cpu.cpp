@@ -22,6 +22,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "silu_and_mul.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -184,26 +186,6 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::T
   return {q_out, k_out};
 }
 
-// One row of silu(gate) * up, each step rounded to the dtype as F.silu(gate) * up is.
-template <typename scalar_t>
-void silu_and_mul_row(const scalar_t* gate, const scalar_t* up, int64_t size, scalar_t* out) {
-  using Vec = Vectorized<scalar_t>;
-  constexpr int64_t kStep = Vec::size();
-  for (int64_t i = 0; i < size; i += kStep) {
-    const int64_t count = std::min(kStep, size - i);
-    Vec silu;
-    if constexpr (std::is_same_v<scalar_t, acc_type<scalar_t>>) {
-      const Vec g = Vec::loadu(gate + i, count);
-      silu = g / (Vec(1) + g.neg().exp());
-    } else {  // torch's silu kernel for reduced floats: in float, then rounded
-      auto [low, high] = at::vec::convert_to_float<scalar_t>(Vec::loadu(gate + i, count));
-      const Vectorized<float> one(1);
-      silu = at::vec::convert_from_float<scalar_t>(low / (one + low.neg().exp()), high / (one + high.neg().exp()));
-    }
-    (silu * Vec::loadu(up + i, count)).store(out + i, count);
-  }
-}
-
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               "silu_and_mul: gate_up must be (rows, 2 * size) with unit-stride rows");
@@ -216,7 +198,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     at::parallel_for(0, rows, grain_rows(2 * size), [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
         const scalar_t* gate = in_data + row * in_stride;
-        silu_and_mul_row<scalar_t>(gate, gate + size, size, out_data + row * size);
+        graphrt_cpu::silu_and_mul_row<scalar_t>(gate, gate + size, size, out_data + row * size);
       }
     });
   });

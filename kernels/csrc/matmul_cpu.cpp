@@ -19,6 +19,12 @@
 // (as oneDNN's bfloat16 matmul does on these CPUs); the bias is added in float32; the result is
 // rounded to the dtype once, to nearest even.
 //
+// The MLP's gate/up matmul can end in silu_and_mul (`panel_linear_silu_and_mul`): its tiles take
+// gate panels and their up partners from the weight's second half together, and each tile's
+// products, rounded as above, go through silu_and_mul's own row function (silu_and_mul.h) before
+// they are stored, so the (rows, 2 * intermediate) product is never written out and read back, and
+// the result is bitwise the two ops'. A prefill chunk spent 4% of its time in that pass.
+//
 // Threads: at::parallel_for gives each thread an even share of the panels; see
 // paged_attention_cpu.cpp on OpenMP. Each output is one thread's sum in one order, so the result
 // does not depend on the number of threads or on the other rows.
@@ -37,6 +43,8 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+
+#include "silu_and_mul.h"
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -64,23 +72,37 @@ inline void prefetch_ahead(const void* src) {
 }
 
 // Bytes still to be brought into L2 ahead of use: the next group of panels, asked for a cache line
-// per step of k by the tiles that read the current group from L2 (see rows_by_panels).
+// per step of k by the tiles that read the current group from L2 (see rows_by_panels). Two ranges,
+// for the gate/up matmul whose group is gate panels and the up panels that pair with them.
 struct L2Prefetch {
   const char* next = nullptr;
   const char* end = nullptr;
+  const char* then = nullptr;
+  const char* then_end = nullptr;
 
   inline void step() {
     if (next < end) {
       _mm_prefetch(next, _MM_HINT_T1);
       next += 64;
+    } else if (then < then_end) {
+      _mm_prefetch(then, _MM_HINT_T1);
+      then += 64;
     }
   }
 };
 
+// Where a tile's panel p (of NR) starts, in elements after its first: panels follow each other
+// `panel_stride` apart, except that in a gate/up tile (kGlu) the second half, the up panels, starts
+// `up_offset` after the first half's gate panels.
+template <int NR, bool kGlu>
+inline int64_t panel_offset(int p, int64_t panel_stride, int64_t up_offset) {
+  return kGlu && p >= NR / 2 ? up_offset + (p - NR / 2) * panel_stride : p * panel_stride;
+}
+
 // out[m, p * 16 + c] for m < MR, p < NR panels, c < 16 = sum over k of x[m, k] * w[p][k][c].
-// `w` points at the first panel; panels are `panel_stride` elements apart.
-template <int MR, int NR>
-void tile_f32(const float* x, int64_t ldx, const float* w, int64_t panel_stride, int64_t k_size,
+// `w` points at the first panel; the others are where panel_offset says.
+template <int MR, int NR, bool kGlu>
+void tile_f32(const float* x, int64_t ldx, const float* w, int64_t panel_stride, int64_t up_offset, int64_t k_size,
               const float* bias, float* out, int64_t ldo, L2Prefetch& l2) {
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
@@ -88,7 +110,9 @@ void tile_f32(const float* x, int64_t ldx, const float* w, int64_t panel_stride,
   for (int64_t k = 0; k < k_size; ++k) {
     l2.step();
     __m512 wv[NR];
-    for (int p = 0; p < NR; ++p) wv[p] = _mm512_loadu_ps(w + p * panel_stride + k * kPanel);
+    for (int p = 0; p < NR; ++p) {
+      wv[p] = _mm512_loadu_ps(w + panel_offset<NR, kGlu>(p, panel_stride, up_offset) + k * kPanel);
+    }
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
       for (int p = 0; p < NR; ++p) acc[m][p] = _mm512_fmadd_ps(xb, wv[p], acc[m][p]);
@@ -109,10 +133,11 @@ __attribute__((target("avx512bf16"))) inline __m512 load_bf16_as_f32(const at::B
 }
 
 // As tile_f32, for bfloat16: each step of k is a pair, x's pair broadcast as one 32-bit value.
-template <int MR, int NR>
+template <int MR, int NR, bool kGlu>
 __attribute__((target("avx512bf16"))) void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
-                                                      int64_t panel_stride, int64_t k_size, const at::BFloat16* bias,
-                                                      at::BFloat16* out, int64_t ldo, L2Prefetch& l2) {
+                                                      int64_t panel_stride, int64_t up_offset, int64_t k_size,
+                                                      const at::BFloat16* bias, at::BFloat16* out, int64_t ldo,
+                                                      L2Prefetch& l2) {
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int p = 0; p < NR; ++p) acc[m][p] = _mm512_setzero_ps();
@@ -120,7 +145,7 @@ __attribute__((target("avx512bf16"))) void tile_bf16(const at::BFloat16* x, int6
     l2.step();
     __m512bh wv[NR];
     for (int p = 0; p < NR; ++p) {
-      const at::BFloat16* src = w + p * panel_stride + k * kPanel;
+      const at::BFloat16* src = w + panel_offset<NR, kGlu>(p, panel_stride, up_offset) + k * kPanel;
       prefetch_ahead(src);
       wv[p] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(src));
     }
@@ -147,46 +172,61 @@ bool cpu_has_avx512_bf16() {
 
 #endif  // GRAPHRT_PANEL_BF16
 
-template <typename T, int MR, int NR>
-inline void tile(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_t k_size, const T* bias, T* out,
-                 int64_t ldo, L2Prefetch& l2) {
+template <typename T, int MR, int NR, bool kGlu>
+inline void tile(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_t up_offset, int64_t k_size,
+                 const T* bias, T* out, int64_t ldo, L2Prefetch& l2) {
   if constexpr (std::is_same_v<T, float>) {
-    tile_f32<MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo, l2);
+    tile_f32<MR, NR, kGlu>(x, ldx, w, panel_stride, up_offset, k_size, bias, out, ldo, l2);
   } else {
 #if defined(GRAPHRT_PANEL_BF16)
-    tile_bf16<MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo, l2);
+    tile_bf16<MR, NR, kGlu>(x, ldx, w, panel_stride, up_offset, k_size, bias, out, ldo, l2);
 #endif
   }
 }
 
-// MR rows by `num_panels` panels (at most NR) in one tile.
-template <typename T, int MR, int NR>
-void row_block(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_t k_size, const T* bias,
-               int64_t num_panels, T* out, int64_t ldo, L2Prefetch& l2) {
-  static_assert(NR >= 1 && NR <= 8);
+// MR rows by `num_panels` panels (at most NR) in one tile. A gate/up tile (kGlu: NR / 2 gate
+// panels, then their up partners) computes both halves as the plain matmul would, rounded to T, and
+// writes silu(gate) * up, NR / 2 panels wide, as the silu_and_mul op computes it from them.
+template <typename T, int MR, int NR, bool kGlu>
+void row_block(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_t up_offset, int64_t k_size,
+               const T* bias, int64_t num_panels, T* out, int64_t ldo, L2Prefetch& l2) {
+  constexpr int kStep = kGlu ? 2 : 1;  // panels per output panel
+  static_assert(NR >= kStep && NR <= 8 && NR % kStep == 0);
   if (num_panels == NR) {
-    tile<T, MR, NR>(x, ldx, w, panel_stride, k_size, bias, out, ldo, l2);
-  } else if constexpr (NR > 1) {
-    row_block<T, MR, NR - 1>(x, ldx, w, panel_stride, k_size, bias, num_panels, out, ldo, l2);
+    if constexpr (kGlu) {
+      constexpr int64_t kWidth = NR * kPanel, kHalf = kWidth / 2;
+      alignas(64) T both[MR * kWidth];
+      tile<T, MR, NR, true>(x, ldx, w, panel_stride, up_offset, k_size, nullptr, both, kWidth, l2);
+      for (int m = 0; m < MR; ++m) {
+        graphrt_cpu::silu_and_mul_row<T>(both + m * kWidth, both + m * kWidth + kHalf, kHalf, out + m * ldo);
+      }
+    } else {
+      tile<T, MR, NR, false>(x, ldx, w, panel_stride, up_offset, k_size, bias, out, ldo, l2);
+    }
+  } else if constexpr (NR > kStep) {
+    row_block<T, MR, NR - kStep, kGlu>(x, ldx, w, panel_stride, up_offset, k_size, bias, num_panels, out, ldo, l2);
   }
 }
 
-// Rows [0, num_rows) of x against `num_panels` panels (at most 8) starting at `w`. The first row
-// block reads the panels from memory; the blocks after it find them in L2 and, as they compute,
-// ask for `next` (the group of panels that comes after this one) to be brought into L2 too, so
-// the next group's first block does not wait on memory with the FMA units idle.
-template <typename T>
-void rows_by_panels(const T* x, int64_t ldx, int64_t num_rows, const T* w, int64_t panel_stride, int64_t k_size,
-                    const T* bias, int64_t num_panels, T* out, int64_t ldo, L2Prefetch next) {
+// Rows [0, num_rows) of x against `num_panels` panels (at most 8) starting at `w` (with kGlu,
+// num_panels / 2 gate panels and their up partners). The first row block reads the panels from
+// memory; the blocks after it find them in L2 and, as they compute, ask for `next` (the group of
+// panels that comes after this one) to be brought into L2 too, so the next group's first block
+// does not wait on memory with the FMA units idle.
+template <typename T, bool kGlu>
+void rows_by_panels(const T* x, int64_t ldx, int64_t num_rows, const T* w, int64_t panel_stride, int64_t up_offset,
+                    int64_t k_size, const T* bias, int64_t num_panels, T* out, int64_t ldo, L2Prefetch next) {
+  constexpr int kStep = kGlu ? 2 : 1;
   int64_t m = 0;
   L2Prefetch none;
   auto run = [&](auto mr, auto nr) {
     constexpr int MR = decltype(mr)::value, NR = decltype(nr)::value;
     L2Prefetch& l2 = m == 0 ? none : next;
     for (int64_t p = 0; p < num_panels; p += NR) {
-      row_block<T, MR, NR>(x + m * ldx, ldx, w + p * panel_stride, panel_stride, k_size,
-                           bias != nullptr ? bias + p * kPanel : nullptr, std::min<int64_t>(NR, num_panels - p),
-                           out + m * ldo + p * kPanel, ldo, l2);
+      const int64_t column = p / kStep * kPanel;  // of the output, whose panel p / kStep this tile starts
+      row_block<T, MR, NR, kGlu>(x + m * ldx, ldx, w + p / kStep * panel_stride, panel_stride, up_offset, k_size,
+                                 bias != nullptr ? bias + column : nullptr, std::min<int64_t>(NR, num_panels - p),
+                                 out + m * ldo + column, ldo, l2);
     }
   };
   if (num_rows >= 16) {  // panels from L2 after the first tile: 4 loads and 4 broadcasts per 16 products
@@ -198,43 +238,52 @@ void rows_by_panels(const T* x, int64_t ldx, int64_t num_rows, const T* w, int64
   if (m + 1 <= num_rows) { run(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{}); m += 1; }
 }
 
-template <typename T>
+// A thread takes an even share of the weight's units (a panel; for kGlu a gate panel with its up
+// partner, the second half of the weight: up_offset = half its panels) and runs them in groups,
+// chunk of rows by chunk, so shapes of few panels still split evenly. A group and the next one,
+// which is brought in while it is used, must both fit L2 (1-2 MB on the CPUs we run on): 8 panels
+// (128 columns) where k is short, down to 4 (one 4x4 tile's panels) where it is long; where even 4
+// panels are more than a group's share of L2 (k over 1536 in float32), nothing is fetched ahead.
+template <typename T, bool kGlu>
 void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& out) {
+  constexpr int64_t kStep = kGlu ? 2 : 1;
   const int64_t num_rows = x.size(0), k_size = x.size(1), ldx = x.stride(0);
-  const int64_t num_panels = w.size(0), panel_stride = w.stride(0);
+  const int64_t num_units = w.size(0) / kStep, panel_stride = w.stride(0);
+  const int64_t up_offset = kGlu ? num_units * panel_stride : 0;
   const T* x_data = x.const_data_ptr<T>();
   const T* w_data = w.const_data_ptr<T>();
   const T* bias_data = bias != nullptr ? bias->const_data_ptr<T>() : nullptr;
   T* out_data = out.mutable_data_ptr<T>();
   const int64_t ldo = out.stride(0);
-  // A thread takes an even share of the panels (so shapes of few panels still split evenly) and
-  // runs them in groups, chunk of rows by chunk. A group and the next one, which is brought in
-  // while it is used, must both fit L2 (1-2 MB on the CPUs we run on): 8 panels (128 columns)
-  // where k is short, down to 4 (one 4x4 tile's panels) where it is long; where even 4 panels
-  // are more than a group's share of L2 (k over 1536 in float32), nothing is fetched ahead.
   constexpr int64_t kGroupBytes = 384 << 10;
-  const int64_t panel_bytes = panel_stride * int64_t(sizeof(T));
-  const int64_t group = std::clamp<int64_t>(kGroupBytes / panel_bytes, 4, 8);
-  const bool fetch_ahead = group * panel_bytes <= kGroupBytes;
-  const int64_t work_per_panel = std::max<int64_t>(1, kPanel * k_size * std::min<int64_t>(num_rows, 8));
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / work_per_panel);
-  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-    // The group this thread runs after [p0, p0 + group) of rows [r0, r0 + kRowChunk): the next
+  const int64_t unit_bytes = kStep * panel_stride * int64_t(sizeof(T));
+  const int64_t group = std::clamp<int64_t>(kGroupBytes / unit_bytes, 4 / kStep, 8 / kStep);
+  const bool fetch_ahead = group * unit_bytes <= kGroupBytes;
+  const int64_t work_per_unit = std::max<int64_t>(1, kStep * kPanel * k_size * std::min<int64_t>(num_rows, 8));
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / work_per_unit);
+  at::parallel_for(0, num_units, grain, [&](int64_t begin, int64_t end) {
+    // The group this thread runs after [u0, u0 + group) of rows [r0, r0 + kRowChunk): the next
     // group of its share, or the first one again for the next chunk of rows.
-    auto group_after = [&](int64_t r0, int64_t p0) {
-      const int64_t next = p0 + group < end ? p0 + group : (r0 + kRowChunk < num_rows ? begin : end);
+    auto group_after = [&](int64_t r0, int64_t u0) {
+      const int64_t next = u0 + group < end ? u0 + group : (r0 + kRowChunk < num_rows ? begin : end);
       if (!fetch_ahead || next == end) {
         return L2Prefetch{};
       }
       const char* start = reinterpret_cast<const char*>(w_data + next * panel_stride);
-      return L2Prefetch{start, start + std::min(group, end - next) * panel_bytes};
+      const int64_t bytes = std::min(group, end - next) * panel_stride * int64_t(sizeof(T));
+      if (!kGlu) {
+        return L2Prefetch{start, start + bytes};
+      }
+      const char* up = start + up_offset * int64_t(sizeof(T));
+      return L2Prefetch{start, start + bytes, up, up + bytes};
     };
     for (int64_t r0 = 0; r0 < num_rows; r0 += kRowChunk) {
       const int64_t chunk_rows = std::min(kRowChunk, num_rows - r0);
-      for (int64_t p0 = begin; p0 < end; p0 += group) {
-        rows_by_panels<T>(x_data + r0 * ldx, ldx, chunk_rows, w_data + p0 * panel_stride, panel_stride, k_size,
-                          bias_data != nullptr ? bias_data + p0 * kPanel : nullptr, std::min(group, end - p0),
-                          out_data + r0 * ldo + p0 * kPanel, ldo, group_after(r0, p0));
+      for (int64_t u0 = begin; u0 < end; u0 += group) {
+        rows_by_panels<T, kGlu>(x_data + r0 * ldx, ldx, chunk_rows, w_data + u0 * panel_stride, panel_stride, up_offset,
+                                k_size, bias_data != nullptr ? bias_data + u0 * kPanel : nullptr,
+                                kStep * std::min(group, end - u0), out_data + r0 * ldo + u0 * kPanel, ldo,
+                                group_after(r0, u0));
       }
     }
   });
@@ -243,50 +292,67 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 #endif  // CPU_CAPABILITY_AVX512
 
 // x: (rows, in_features) with unit-stride rows; w: (out_features / 16, in_features / k_step, 16,
-// k_step) as kernels/linear.py packs it; bias: (out_features,) or None. Returns (rows, out_features).
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "panel_linear: x must be (rows, in_features) with unit-stride rows");
+// k_step) as kernels/linear.py packs it; bias: (out_features,) or None. Returns (rows, out_features),
+// or with kGlu (the gate/up weight, gate first, no bias) (rows, out_features / 2): silu(gate) * up.
+template <bool kGlu>
+at::Tensor panel_matmul(const char* op, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be (rows, in_features) with unit-stride rows");
   TORCH_CHECK(w.dim() == 4 && w.size(2) == kPanel && w.is_contiguous(),
-              "panel_linear: the weight must be packed by graphrt.kernels.linear.pack_panels "
+              op, ": the weight must be packed by graphrt.kernels.linear.pack_panels "
               "(panels, in_features / k_step, 16, k_step), contiguous");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "panel_linear: x is ", x.scalar_type(), " but the weight is ",
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), op, ": x is ", x.scalar_type(), " but the weight is ",
               w.scalar_type());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "panel_linear: float32 and bfloat16 only, not ", x.scalar_type());
+              op, ": float32 and bfloat16 only, not ", x.scalar_type());
   const int64_t k_step = x.scalar_type() == at::kBFloat16 ? 2 : 1;
-  TORCH_CHECK(w.size(3) == k_step && w.size(1) * k_step == x.size(1), "panel_linear: x has ", x.size(1),
+  TORCH_CHECK(w.size(3) == k_step && w.size(1) * k_step == x.size(1), op, ": x has ", x.size(1),
               " features but the weight was packed for ", w.size(1) * w.size(3));
   const int64_t out_features = w.size(0) * kPanel;
+  TORCH_CHECK(!kGlu || w.size(0) % 2 == 0, op, ": the gate/up weight must have as many up columns as gate columns, ",
+              "each half whole panels of 16; got ", out_features, " columns");
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
                     bias->scalar_type() == x.scalar_type(),
-                "panel_linear: bias must be a contiguous (", out_features, ",) tensor of x's dtype");
+                op, ": bias must be a contiguous (", out_features, ",) tensor of x's dtype");
   }
-  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  at::Tensor out = at::empty({x.size(0), kGlu ? out_features / 2 : out_features}, x.options());
+  const at::Tensor* bias_or_null = bias.has_value() ? &*bias : nullptr;
 #if defined(CPU_CAPABILITY_AVX512)
   if (x.scalar_type() == at::kBFloat16) {
 #if defined(GRAPHRT_PANEL_BF16)
-    TORCH_CHECK(cpu_has_avx512_bf16(), "panel_linear: bfloat16 needs a CPU with AVX512-BF16; use F.linear");
-    panel_linear_impl<at::BFloat16>(x, w, bias.has_value() ? &*bias : nullptr, out);
+    TORCH_CHECK(cpu_has_avx512_bf16(), op, ": bfloat16 needs a CPU with AVX512-BF16; use F.linear");
+    panel_linear_impl<at::BFloat16, kGlu>(x, w, bias_or_null, out);
 #else
-    TORCH_CHECK(false, "panel_linear: built by a compiler without AVX512-BF16 support (g++ 10 or clang 11 "
+    TORCH_CHECK(false, op, ": built by a compiler without AVX512-BF16 support (g++ 10 or clang 11 "
                 "have it), so no bfloat16; use F.linear");
 #endif
   } else {
-    panel_linear_impl<float>(x, w, bias.has_value() ? &*bias : nullptr, out);
+    panel_linear_impl<float, kGlu>(x, w, bias_or_null, out);
   }
 #else
-  TORCH_CHECK(false, "panel_linear: built without AVX-512 (torch's CPU capability here is AVX2); use F.linear");
+  TORCH_CHECK(false, op, ": built without AVX-512 (torch's CPU capability here is AVX2); use F.linear");
 #endif
   return out;
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  return panel_matmul<false>("panel_linear", x, w, bias);
+}
+
+// silu_and_mul(panel_linear(x, w)) in one pass, bitwise: each tile ends in silu_and_mul's own row
+// function (silu_and_mul.h), so the (rows, 2 * size) product is never written out and read back.
+at::Tensor panel_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& w) {
+  return panel_matmul<true>("panel_linear_silu_and_mul", x, w, std::nullopt);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(graphrt, m) {
   m.def("panel_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("panel_linear_silu_and_mul(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graphrt, CPU, m) {
   m.impl("panel_linear", &panel_linear);
+  m.impl("panel_linear_silu_and_mul", &panel_linear_silu_and_mul);
 }
