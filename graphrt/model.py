@@ -253,13 +253,15 @@ class Stage(nn.Module):
         residual = None
         if not meta.is_prefill and self.decode_layers_in_one_call():
             # The loop below in C++, bitwise the same: no interpreter time between the ops.
-            layers, cfg = self.layers, self.cfg
+            weights = [getattr(layer, name) for layer in self.layers for name in DECODE_LAYER_WEIGHTS]
+            biases, q_norms, k_norms = (
+                [getattr(layer, name) for layer in self.layers] for name in ("qkv_bias", "q_norm", "k_norm")
+            )
             hidden, residual = torch.ops.graphrt.decode_layers(
-                hidden, None, [getattr(layer, name) for layer in layers for name in DECODE_LAYER_WEIGHTS],
-                [layer.qkv_bias for layer in layers], [layer.q_norm for layer in layers], [layer.k_norm for layer in layers],
-                cos, sin, kv.k, kv.v, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, layers[0].scale,
-            )  # fmt: skip
+                hidden, None, weights, biases, q_norms, k_norms, cos, sin, kv.k, kv.v, meta.slot_mapping,
+                meta.block_tables, meta.seq_lens, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.rms_norm_eps,
+                self.layers[0].scale,
+            )
         else:
             for i, layer in enumerate(self.layers):
                 hidden, residual = layer(hidden, residual, meta, cos, sin, kv.k[i], kv.v[i])
