@@ -122,7 +122,8 @@ class Pipeline:
         stage = self.stages[0]
         if stage.cpu_kernels is None:
             return f"kernels: the {stage.ops.name} kernels on {stage.device.type}"
-        return stage.cpu_kernels.summary()
+        one_call = "; a decode step's layers in one call (graphrt::decode_layers)" if stage.decode_layers_in_one_call() else ""
+        return stage.cpu_kernels.summary() + one_call
 
     def matmul_plans(self) -> list[MatmulPlan]:
         """What each stage chose (what a graph cache records), in stage order."""

@@ -78,6 +78,7 @@ def test_one_call_computes_bitwise_what_the_python_loop_does(tiny_model_factory,
         pytest.skip(f"the panel matmuls don't run {dtype} on this CPU")
     llm = llm_for(tiny_model_factory(variant), dtype, monkeypatch)
     assert llm.engine.pipeline.stages[0].decode_layers_in_one_call()
+    assert "; a decode step's layers in one call (graphrt::decode_layers)" in llm.engine.kernel_summary()
     token_ids, meta = decode_step(llm)
     logits, (k, v) = forward(llm, token_ids, meta, one_call=True, monkeypatch=monkeypatch)
     expected_logits, (expected_k, expected_v) = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
@@ -94,6 +95,7 @@ def test_a_reference_op_or_a_dense_weight_keeps_the_python_loop(tiny_model_facto
         pytest.skip("the panel matmuls don't run on this CPU")
     llm = llm_for(tiny_model_factory(), "float32", monkeypatch, kernels=kernels, matmul=matmul)
     assert not llm.engine.pipeline.stages[0].decode_layers_in_one_call()
+    assert "in one call" not in llm.engine.kernel_summary()
 
 
 @pytest.mark.usefixtures("built_cpu_kernels")
