@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphrt.model
-from graphrt import LLM
+from graphrt import LLM, SamplingParams
 from graphrt.batch import StepMetadata
 from graphrt.kernels.linear import can_use_panels
 from graphrt.model import Stage
@@ -136,3 +136,20 @@ def test_the_python_loop_ends_gate_up_in_silu_and_mul_where_that_op_is_compiled(
         unfused_logits, unfused_caches = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
         assert len(fused_calls) == len(layers)
         assert torch.equal(unfused_logits, logits) and all(map(torch.equal, unfused_caches, caches))
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+def test_two_stages_in_one_call_each_generate_what_one_stage_does(tiny_model_factory, monkeypatch):
+    if not can_use_panels(CPU, torch.float32):
+        pytest.skip("the panel matmuls don't run on this CPU")
+    monkeypatch.setenv("GRAPHRT_CPU_KERNELS", "compiled")
+    monkeypatch.setenv("GRAPHRT_MATMUL", "panel")
+    prompts = [[5, 9, 2, 41], list(range(3, 40)), [7] * 20]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for pp in (1, 2):
+        llm = LLM(model=tiny_model_factory(), pp=pp, dtype="float32", kv_cache_tokens=1024, block_size=16)
+        assert all(stage.decode_layers_in_one_call() for stage in llm.engine.pipeline.stages)
+        outputs[pp] = [out.token_ids for out in llm.generate(prompts, params)]
+        llm.engine.close()
+    assert outputs[1] == outputs[2] and all(len(tokens) == 12 for tokens in outputs[1])
