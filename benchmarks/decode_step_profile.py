@@ -95,6 +95,7 @@ def swap_weights(stage, weights: dict[tuple[int, str], torch.Tensor]) -> dict[tu
         owner = stage if index < 0 else stage.layers[index]
         replaced[(index, name)] = getattr(owner, name)
         setattr(owner, name, torch.nn.Parameter(weight, requires_grad=False))
+    stage.weights_changed()
     return replaced
 
 

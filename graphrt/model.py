@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrt.kernels import KernelSet, rotary_cos_sin
-from graphrt.kernels.cpu_kernel_choice import CpuKernelChoice
+from graphrt.kernels.cpu_kernel_choice import CpuKernelChoice, compiled_ops
 from graphrt.kernels.linear import convert, linear, panel_linear_silu_and_mul
 from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, available_paths, choose_path
 from graphrt.batch import StepMetadata
@@ -24,7 +24,8 @@ from graphrt.kv_cache import StageKVCache
 from graphrt.weights import WeightFiles
 
 # What graphrt::decode_layers (kernels/csrc/decode_layers_cpu.cpp) runs a CPU decode step's layers
-# with: these ops, compiled, and each layer's weights in this order, the matmuls' in panels.
+# with: these ops, compiled, and each layer's weights in this order (its LayerWeight enum), the
+# matmuls' in panels, gate/up's with whole panels of up columns (it ends in silu_and_mul).
 DECODE_LAYER_OPS = ("rms_norm", "apply_rotary", "write_kv", "paged_decode_attention", "silu_and_mul")
 DECODE_LAYER_WEIGHTS = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
 DECODE_LAYER_MATMULS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -48,8 +49,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = empty(cfg.hidden_size)
         self.gate_up_proj = empty(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = empty(cfg.hidden_size, cfg.intermediate_size)
-        # silu_and_mul compiled (Stage.use_cpu_kernels): with gate_up in panels, the matmul ends in it.
-        self.fuse_silu_and_mul = False
+        self.compiled_silu_and_mul: Callable | None = None  # set by Stage.use_cpu_kernels
+
+    def ends_gate_up_in_silu_and_mul(self) -> bool:
+        """Whether the gate/up matmul ends in silu_and_mul (kernels/linear.py): where the layer
+        runs the compiled silu_and_mul and its gate/up weight is in panels, up's as whole panels."""
+        gate_up = self.gate_up_proj
+        return (
+            self.ops.silu_and_mul is self.compiled_silu_and_mul and gate_up.dim() == 4 and gate_up.shape[0] % 2 == 0
+        )
 
     @staticmethod
     def hf_names(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
@@ -80,6 +88,8 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # kernels/csrc/decode_layers_cpu.cpp runs this same loop body for CPU decode steps
+        # (Stage.forward): a change here is a change there (tests/test_decode_layers_cpu.py).
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
         hidden, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
@@ -105,7 +115,7 @@ class DecoderLayer(nn.Module):
             )
         hidden = linear(attn.reshape(-1, self.q_size), self.o_proj)
         hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, eps, residual)
-        if self.fuse_silu_and_mul and self.gate_up_proj.dim() == 4:
+        if self.ends_gate_up_in_silu_and_mul():
             hidden = linear(panel_linear_silu_and_mul(hidden, self.gate_up_proj), self.down_proj)
         else:
             hidden = linear(ops.silu_and_mul(linear(hidden, self.gate_up_proj)), self.down_proj)
@@ -137,7 +147,9 @@ class Stage(nn.Module):
         self.dtype = dtype
         self.matmul_plan: MatmulPlan | None = None  # set by choose_matmuls
         self.cpu_kernels: CpuKernelChoice | None = None  # set by use_cpu_kernels
-        self.compiled_decode_ops = False  # every op of DECODE_LAYER_OPS compiled: set by use_cpu_kernels
+        self.compiled_functions: dict[str, Callable] = {}  # op -> its compiled kernel: set by use_cpu_kernels
+        # What decode_layers_in_one_call decided, and for which layer ops: see _decode_layers_weights.
+        self._decode_layers_decision: tuple[list[KernelSet], tuple | None] | None = None
         meta = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         self.embed_tokens = meta(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in layers)
@@ -217,25 +229,54 @@ class Stage(nn.Module):
             choices.append(choice)
         measured = any(c.source == "measured" and c.seconds for c in choices)
         self.matmul_plan = MatmulPlan(tuple(choices), rows, timer() - start if measured else 0.0)
+        self.weights_changed()
         return self.matmul_plan
 
     def use_cpu_kernels(self, choice: CpuKernelChoice) -> None:
         """Run each op on the implementation chosen for it, compiled or torch reference
         (graphrt/kernels/cpu_kernel_choice.py)."""
         self.ops = choice.apply(self.ops)
+        self.cpu_kernels = choice
+        # Which functions are the compiled kernels, to tell what a layer runs from its own `ops`,
+        # which tests and benchmarks replace (tests/test_informative_models.py).
+        self.compiled_functions = compiled_ops() if "compiled" in choice.paths.values() else {}
         for layer in self.layers:
             layer.ops = self.ops
-            layer.fuse_silu_and_mul = choice.paths["silu_and_mul"] == "compiled"
-        self.cpu_kernels = choice
-        self.compiled_decode_ops = all(choice.paths[op] == "compiled" for op in DECODE_LAYER_OPS)
+            layer.compiled_silu_and_mul = self.compiled_functions.get("silu_and_mul")
+        self.weights_changed()
 
     def decode_layers_in_one_call(self) -> bool:
-        """Whether a decode step's layers run as one call of graphrt::decode_layers: every op they
-        use is compiled and every matmul weight is in panels. Checked each step, as a benchmark may
-        swap weights (benchmarks/decode_step_profile.py --dense)."""
-        return self.compiled_decode_ops and all(
-            getattr(layer, name).dim() == 4 for layer in self.layers for name in DECODE_LAYER_MATMULS
-        )
+        """Whether a decode step's layers run as one call of graphrt::decode_layers: every layer runs
+        the compiled kernel of every op it uses, and its matmuls on panels, ending gate/up in
+        silu_and_mul."""
+        return self._decode_layers_weights() is not None
+
+    def weights_changed(self) -> None:
+        """Call after replacing a layer's weights (benchmarks/decode_step_profile.py --dense does), so
+        that the next step decides again whether its layers run in one call."""
+        self._decode_layers_decision = None
+
+    def _decode_layers_weights(self) -> tuple | None:
+        """graphrt::decode_layers' weight arguments (weights, q/k/v biases, q norms, k norms) where it
+        runs this stage's decode steps, else None. Decided once (checking 30 layers' parameters takes
+        about 0.3 ms, 1% of a step) and again when a layer's `ops` is replaced (tests do) or after
+        weights_changed()."""
+        ops = [layer.ops for layer in self.layers]
+        decision = self._decode_layers_decision
+        if decision is None or any(now is not then for now, then in zip(ops, decision[0])):
+            compiled = self.compiled_functions
+            runs = bool(compiled) and all(
+                all(getattr(layer.ops, op) is compiled[op] for op in DECODE_LAYER_OPS)
+                and all(getattr(layer, name).dim() == 4 for name in DECODE_LAYER_MATMULS)
+                and layer.ends_gate_up_in_silu_and_mul()
+                for layer in self.layers
+            )
+            weights = (
+                [getattr(layer, name) for layer in self.layers for name in DECODE_LAYER_WEIGHTS],
+                *([getattr(layer, name) for layer in self.layers] for name in ("qkv_bias", "q_norm", "k_norm")),
+            )
+            decision = self._decode_layers_decision = (ops, weights if runs else None)
+        return decision[1]
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the embedding is a gather, so it is not counted)."""
@@ -253,12 +294,9 @@ class Stage(nn.Module):
         residual = None
         if not meta.is_prefill and self.decode_layers_in_one_call():
             # The loop below in C++, bitwise the same: no interpreter time between the ops.
-            weights = [getattr(layer, name) for layer in self.layers for name in DECODE_LAYER_WEIGHTS]
-            biases, q_norms, k_norms = (
-                [getattr(layer, name) for layer in self.layers] for name in ("qkv_bias", "q_norm", "k_norm")
-            )
+            weights, biases, q_norms, k_norms = self._decode_layers_weights()
             hidden, residual = torch.ops.graphrt.decode_layers(
-                hidden, None, weights, biases, q_norms, k_norms, cos, sin, kv.k, kv.v, meta.slot_mapping,
+                hidden, weights, biases, q_norms, k_norms, cos, sin, kv.k, kv.v, meta.slot_mapping,
                 meta.block_tables, meta.seq_lens, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.rms_norm_eps,
                 self.layers[0].scale,
             )

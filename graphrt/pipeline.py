@@ -122,8 +122,9 @@ class Pipeline:
         stage = self.stages[0]
         if stage.cpu_kernels is None:
             return f"kernels: the {stage.ops.name} kernels on {stage.device.type}"
-        one_call = "; a decode step's layers in one call (graphrt::decode_layers)" if stage.decode_layers_in_one_call() else ""
-        return stage.cpu_kernels.summary() + one_call
+        cpu_stages = [s for s in self.stages if s.device.type == "cpu"]
+        one_call = all(s.decode_layers_in_one_call() for s in cpu_stages)
+        return stage.cpu_kernels.summary() + ("; a decode step's layers in one call (graphrt::decode_layers)" if one_call else "")
 
     def matmul_plans(self) -> list[MatmulPlan]:
         """What each stage chose (what a graph cache records), in stage order."""

@@ -96,8 +96,11 @@ TINY_INIT_STD = {
 TINY_QK_NORM_GAIN = 3.0
 
 
-def make_tiny_model(path: Path, variant: str, seed: int = 0, num_layers: int | None = None) -> Path:
-    """Write a randomly initialised transformers model of `variant` to `path` (safetensors, no tokenizer)."""
+def make_tiny_model(
+    path: Path, variant: str, seed: int = 0, num_layers: int | None = None, overrides: dict | None = None
+) -> Path:
+    """Write a randomly initialised transformers model of `variant` to `path` (safetensors, no tokenizer);
+    `overrides`: config values to change (e.g. intermediate_size)."""
     import transformers
 
     family, extra = TINY_VARIANTS[variant]
@@ -107,7 +110,7 @@ def make_tiny_model(path: Path, variant: str, seed: int = 0, num_layers: int | N
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
     }[family]
-    options = {**TINY_COMMON, **extra}
+    options = {**TINY_COMMON, **extra, **(overrides or {})}
     if num_layers is not None:
         options["num_hidden_layers"] = num_layers
     config = config_cls(**options)

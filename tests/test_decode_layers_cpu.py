@@ -15,6 +15,7 @@ from graphrt import LLM, SamplingParams
 from graphrt.batch import StepMetadata
 from graphrt.kernels.linear import can_use_panels
 from graphrt.model import Stage
+from graphrt.synthetic import make_tiny_model
 
 CPU = torch.device("cpu")
 CONTEXTS = [1, 5, 16, 17, 40, 63]  # one token, within a block, a block exactly, across blocks
@@ -56,14 +57,19 @@ def decode_step(llm: LLM, seed: int = 0) -> tuple[torch.Tensor, StepMetadata]:
 
 
 def forward(llm: LLM, token_ids: torch.Tensor, meta: StepMetadata, one_call: bool, monkeypatch):
-    """The stage's logits and its caches after the step, from the caches as they are now (left so)."""
+    """The stage's logits and its caches after the step, from the caches as they are now (left so);
+    checks that graphrt::decode_layers ran (once) exactly where `one_call` says."""
     stage, cache = llm.engine.pipeline.stages[0], llm.engine.pipeline.caches[0]
     k, v = cache.k.clone(), cache.v.clone()
+    calls = []
+    op = torch.ops.graphrt.decode_layers
     with monkeypatch.context() as patch:
+        patch.setattr(torch.ops.graphrt, "decode_layers", lambda *args: calls.append(1) or op(*args))
         if not one_call:
             patch.setattr(Stage, "decode_layers_in_one_call", lambda self: False)
         with torch.inference_mode():
             logits = stage(token_ids, meta, cache)
+    assert len(calls) == (1 if one_call else 0)
     after = cache.k.clone(), cache.v.clone()
     cache.k.copy_(k)
     cache.v.copy_(v)
@@ -99,22 +105,30 @@ def test_a_reference_op_or_a_dense_weight_keeps_the_python_loop(tiny_model_facto
 
 
 @pytest.mark.usefixtures("built_cpu_kernels")
-def test_the_op_names_a_call_with_weights_missing(tiny_model_factory, monkeypatch):
+def test_the_op_names_what_a_call_lacks(tiny_model_factory, monkeypatch):
     if not can_use_panels(CPU, torch.float32):
         pytest.skip("the panel matmuls don't run on this CPU")
     llm = llm_for(tiny_model_factory(), "float32", monkeypatch)
     stage, cache = llm.engine.pipeline.stages[0], llm.engine.pipeline.caches[0]
     token_ids, meta = decode_step(llm)
-    layer = stage.layers[0]
-    hidden = torch.randn(len(CONTEXTS), stage.cfg.hidden_size)
-    cos, sin = stage.cos[meta.positions], stage.sin[meta.positions]
-    nones = [None] * len(stage.layers)
-    with pytest.raises(RuntimeError, match="6 weights, a bias and two head norms per layer of the caches; got 2 weights for 4 layers"):
+    layers = stage.layers
+    weights = [getattr(layer, name) for layer in layers for name in graphrt.model.DECODE_LAYER_WEIGHTS]
+    nones = [None] * len(layers)
+    norms = [layer.input_norm for layer in layers]  # refused before any shape is read
+
+    def call(weights, q_norm=nones, k_norm=nones):
         torch.ops.graphrt.decode_layers(
-            hidden, None, [layer.input_norm, layer.qkv_proj], nones, nones, nones, cos, sin, cache.k, cache.v,
-            meta.slot_mapping, meta.block_tables, meta.seq_lens, stage.cfg.num_heads, stage.cfg.num_kv_heads,
-            stage.cfg.rms_norm_eps, layer.scale,
-        )  # fmt: skip
+            torch.randn(len(CONTEXTS), stage.cfg.hidden_size), weights, nones, q_norm, k_norm,
+            stage.cos[meta.positions], stage.sin[meta.positions], cache.k, cache.v, meta.slot_mapping,
+            meta.block_tables, meta.seq_lens, stage.cfg.num_heads, stage.cfg.num_kv_heads, stage.cfg.rms_norm_eps,
+            layers[0].scale,
+        )
+
+    wanted = 6 * len(layers)
+    with pytest.raises(RuntimeError, match=f"{wanted} weights \\(6 a layer\\) for the caches' {len(layers)} layers, got 2"):
+        call(weights[:2])
+    with pytest.raises(RuntimeError, match="layer 0 has a norm for q's heads or for k's but not both"):
+        call(weights, q_norm=norms)
 
 
 @pytest.mark.usefixtures("built_cpu_kernels")
@@ -132,7 +146,7 @@ def test_the_python_loop_ends_gate_up_in_silu_and_mul_where_that_op_is_compiled(
     assert len(fused_calls) == (len(layers) if kernels == "compiled" else 0)
     if kernels == "compiled":
         for layer in layers:
-            monkeypatch.setattr(layer, "fuse_silu_and_mul", False)
+            monkeypatch.setattr(layer, "compiled_silu_and_mul", None)
         unfused_logits, unfused_caches = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
         assert len(fused_calls) == len(layers)
         assert torch.equal(unfused_logits, logits) and all(map(torch.equal, unfused_caches, caches))
@@ -149,7 +163,22 @@ def test_two_stages_in_one_call_each_generate_what_one_stage_does(tiny_model_fac
     outputs = {}
     for pp in (1, 2):
         llm = LLM(model=tiny_model_factory(), pp=pp, dtype="float32", kv_cache_tokens=1024, block_size=16)
-        assert all(stage.decode_layers_in_one_call() for stage in llm.engine.pipeline.stages)
-        outputs[pp] = [out.token_ids for out in llm.generate(prompts, params)]
-        llm.engine.close()
+        try:
+            assert all(stage.decode_layers_in_one_call() for stage in llm.engine.pipeline.stages)
+            outputs[pp] = [out.token_ids for out in llm.generate(prompts, params)]
+        finally:
+            llm.engine.close()
     assert outputs[1] == outputs[2] and all(len(tokens) == 12 for tokens in outputs[1])
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+def test_up_columns_that_are_not_whole_panels_keep_the_two_ops(tmp_path, monkeypatch):
+    """intermediate_size 40: gate/up's 80 columns are 5 panels, so up does not start on a panel."""
+    if not can_use_panels(CPU, torch.float32):
+        pytest.skip("the panel matmuls don't run on this CPU")
+    llm = llm_for(make_tiny_model(tmp_path, "llama-gqa-tied", overrides={"intermediate_size": 40}), "float32", monkeypatch)
+    stage = llm.engine.pipeline.stages[0]
+    assert stage.layers[0].gate_up_proj.dim() == 4 and stage.layers[0].gate_up_proj.shape[0] == 5
+    assert not stage.layers[0].ends_gate_up_in_silu_and_mul() and not stage.decode_layers_in_one_call()
+    tokens = llm.generate([[5, 9, 2, 41]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].token_ids
+    assert len(tokens) == 6

@@ -165,11 +165,12 @@ def test_bad_inputs_are_named(dtype):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_the_gate_up_matmul_ending_in_silu_and_mul_is_bitwise_the_two_ops(dtype, rows, num_threads):
-    # 13 gate panels and their 13 up partners: on one thread a group of 4 pairs and the rest, on two
-    # 7 pairs and 6, cut into tiles of 1 pair (8 rows), 2 (4 rows, and 16 rows or more), 4 (2 rows
-    # and 1) and narrower ones for the rest; with a long k (768 in float32), groups of 2 pairs.
+    # 13 gate panels and their 13 up partners (split 7 and 6 between two threads from 8 rows up), in
+    # groups of 4 pairs, of 2 where k is long (1280 in float32) and without fetching ahead past 1536
+    # (1600), cut into tiles of 1 pair (8 rows), 2 (4 rows, and 16 rows or more), 4 (2 rows and 1)
+    # and narrower ones for the rest.
     generator = torch.Generator().manual_seed(rows)
-    for k in (96, 768):
+    for k in (96, 768, 1280, 1600):
         weight = pack_panels((torch.randn(2 * 13 * PANEL_WIDTH, k, generator=generator) * 0.2).to(dtype))
         x = torch.randn(rows, k, generator=generator).to(dtype)
         with threads(num_threads):

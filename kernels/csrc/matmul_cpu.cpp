@@ -77,31 +77,31 @@ inline void prefetch_ahead(const void* src) {
 struct L2Prefetch {
   const char* next = nullptr;
   const char* end = nullptr;
-  const char* then = nullptr;
-  const char* then_end = nullptr;
+  const char* up_next = nullptr;  // the up panels that pair with the gate panels above
+  const char* up_end = nullptr;
 
   inline void step() {
     if (next < end) {
       _mm_prefetch(next, _MM_HINT_T1);
       next += 64;
-    } else if (then < then_end) {
-      _mm_prefetch(then, _MM_HINT_T1);
-      then += 64;
+    } else if (up_next < up_end) {
+      _mm_prefetch(up_next, _MM_HINT_T1);
+      up_next += 64;
     }
   }
 };
 
 // Where a tile's panel p (of NR) starts, in elements after its first: panels follow each other
-// `panel_stride` apart, except that in a gate/up tile (kGlu) the second half, the up panels, starts
+// `panel_stride` apart, except that in a gate/up tile (kGateUp) the second half, the up panels, starts
 // `up_offset` after the first half's gate panels.
-template <int NR, bool kGlu>
+template <int NR, bool kGateUp>
 inline int64_t panel_offset(int p, int64_t panel_stride, int64_t up_offset) {
-  return kGlu && p >= NR / 2 ? up_offset + (p - NR / 2) * panel_stride : p * panel_stride;
+  return kGateUp && p >= NR / 2 ? up_offset + (p - NR / 2) * panel_stride : p * panel_stride;
 }
 
 // out[m, p * 16 + c] for m < MR, p < NR panels, c < 16 = sum over k of x[m, k] * w[p][k][c].
 // `w` points at the first panel; the others are where panel_offset says.
-template <int MR, int NR, bool kGlu>
+template <int MR, int NR, bool kGateUp>
 void tile_f32(const float* x, int64_t ldx, const float* w, int64_t panel_stride, int64_t up_offset, int64_t k_size,
               const float* bias, float* out, int64_t ldo, L2Prefetch& l2) {
   __m512 acc[MR][NR];
@@ -111,7 +111,7 @@ void tile_f32(const float* x, int64_t ldx, const float* w, int64_t panel_stride,
     l2.step();
     __m512 wv[NR];
     for (int p = 0; p < NR; ++p) {
-      wv[p] = _mm512_loadu_ps(w + panel_offset<NR, kGlu>(p, panel_stride, up_offset) + k * kPanel);
+      wv[p] = _mm512_loadu_ps(w + panel_offset<NR, kGateUp>(p, panel_stride, up_offset) + k * kPanel);
     }
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
@@ -133,7 +133,7 @@ __attribute__((target("avx512bf16"))) inline __m512 load_bf16_as_f32(const at::B
 }
 
 // As tile_f32, for bfloat16: each step of k is a pair, x's pair broadcast as one 32-bit value.
-template <int MR, int NR, bool kGlu>
+template <int MR, int NR, bool kGateUp>
 __attribute__((target("avx512bf16"))) void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w,
                                                       int64_t panel_stride, int64_t up_offset, int64_t k_size,
                                                       const at::BFloat16* bias, at::BFloat16* out, int64_t ldo,
@@ -145,7 +145,7 @@ __attribute__((target("avx512bf16"))) void tile_bf16(const at::BFloat16* x, int6
     l2.step();
     __m512bh wv[NR];
     for (int p = 0; p < NR; ++p) {
-      const at::BFloat16* src = w + panel_offset<NR, kGlu>(p, panel_stride, up_offset) + k * kPanel;
+      const at::BFloat16* src = w + panel_offset<NR, kGateUp>(p, panel_stride, up_offset) + k * kPanel;
       prefetch_ahead(src);
       wv[p] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(src));
     }
@@ -172,28 +172,28 @@ bool cpu_has_avx512_bf16() {
 
 #endif  // GRAPHRT_PANEL_BF16
 
-template <typename T, int MR, int NR, bool kGlu>
+template <typename T, int MR, int NR, bool kGateUp>
 inline void tile(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_t up_offset, int64_t k_size,
                  const T* bias, T* out, int64_t ldo, L2Prefetch& l2) {
   if constexpr (std::is_same_v<T, float>) {
-    tile_f32<MR, NR, kGlu>(x, ldx, w, panel_stride, up_offset, k_size, bias, out, ldo, l2);
+    tile_f32<MR, NR, kGateUp>(x, ldx, w, panel_stride, up_offset, k_size, bias, out, ldo, l2);
   } else {
 #if defined(GRAPHRT_PANEL_BF16)
-    tile_bf16<MR, NR, kGlu>(x, ldx, w, panel_stride, up_offset, k_size, bias, out, ldo, l2);
+    tile_bf16<MR, NR, kGateUp>(x, ldx, w, panel_stride, up_offset, k_size, bias, out, ldo, l2);
 #endif
   }
 }
 
-// MR rows by `num_panels` panels (at most NR) in one tile. A gate/up tile (kGlu: NR / 2 gate
+// MR rows by `num_panels` panels (at most NR) in one tile. A gate/up tile (kGateUp: NR / 2 gate
 // panels, then their up partners) computes both halves as the plain matmul would, rounded to T, and
 // writes silu(gate) * up, NR / 2 panels wide, as the silu_and_mul op computes it from them.
-template <typename T, int MR, int NR, bool kGlu>
+template <typename T, int MR, int NR, bool kGateUp>
 void row_block(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_t up_offset, int64_t k_size,
                const T* bias, int64_t num_panels, T* out, int64_t ldo, L2Prefetch& l2) {
-  constexpr int kStep = kGlu ? 2 : 1;  // panels per output panel
+  constexpr int kStep = kGateUp ? 2 : 1;  // panels per output panel
   static_assert(NR >= kStep && NR <= 8 && NR % kStep == 0);
   if (num_panels == NR) {
-    if constexpr (kGlu) {
+    if constexpr (kGateUp) {
       constexpr int64_t kWidth = NR * kPanel, kHalf = kWidth / 2;
       alignas(64) T both[MR * kWidth];
       tile<T, MR, NR, true>(x, ldx, w, panel_stride, up_offset, k_size, nullptr, both, kWidth, l2);
@@ -204,19 +204,19 @@ void row_block(const T* x, int64_t ldx, const T* w, int64_t panel_stride, int64_
       tile<T, MR, NR, false>(x, ldx, w, panel_stride, up_offset, k_size, bias, out, ldo, l2);
     }
   } else if constexpr (NR > kStep) {
-    row_block<T, MR, NR - kStep, kGlu>(x, ldx, w, panel_stride, up_offset, k_size, bias, num_panels, out, ldo, l2);
+    row_block<T, MR, NR - kStep, kGateUp>(x, ldx, w, panel_stride, up_offset, k_size, bias, num_panels, out, ldo, l2);
   }
 }
 
-// Rows [0, num_rows) of x against `num_panels` panels (at most 8) starting at `w` (with kGlu,
+// Rows [0, num_rows) of x against `num_panels` panels (at most 8) starting at `w` (with kGateUp,
 // num_panels / 2 gate panels and their up partners). The first row block reads the panels from
 // memory; the blocks after it find them in L2 and, as they compute, ask for `next` (the group of
 // panels that comes after this one) to be brought into L2 too, so the next group's first block
 // does not wait on memory with the FMA units idle.
-template <typename T, bool kGlu>
+template <typename T, bool kGateUp>
 void rows_by_panels(const T* x, int64_t ldx, int64_t num_rows, const T* w, int64_t panel_stride, int64_t up_offset,
                     int64_t k_size, const T* bias, int64_t num_panels, T* out, int64_t ldo, L2Prefetch next) {
-  constexpr int kStep = kGlu ? 2 : 1;
+  constexpr int kStep = kGateUp ? 2 : 1;
   int64_t m = 0;
   L2Prefetch none;
   auto run = [&](auto mr, auto nr) {
@@ -224,7 +224,7 @@ void rows_by_panels(const T* x, int64_t ldx, int64_t num_rows, const T* w, int64
     L2Prefetch& l2 = m == 0 ? none : next;
     for (int64_t p = 0; p < num_panels; p += NR) {
       const int64_t column = p / kStep * kPanel;  // of the output, whose panel p / kStep this tile starts
-      row_block<T, MR, NR, kGlu>(x + m * ldx, ldx, w + p / kStep * panel_stride, panel_stride, up_offset, k_size,
+      row_block<T, MR, NR, kGateUp>(x + m * ldx, ldx, w + p / kStep * panel_stride, panel_stride, up_offset, k_size,
                                  bias != nullptr ? bias + column : nullptr, std::min<int64_t>(NR, num_panels - p),
                                  out + m * ldo + column, ldo, l2);
     }
@@ -238,18 +238,18 @@ void rows_by_panels(const T* x, int64_t ldx, int64_t num_rows, const T* w, int64
   if (m + 1 <= num_rows) { run(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{}); m += 1; }
 }
 
-// A thread takes an even share of the weight's units (a panel; for kGlu a gate panel with its up
+// A thread takes an even share of the weight's units (a panel; for kGateUp a gate panel with its up
 // partner, the second half of the weight: up_offset = half its panels) and runs them in groups,
 // chunk of rows by chunk, so shapes of few panels still split evenly. A group and the next one,
 // which is brought in while it is used, must both fit L2 (1-2 MB on the CPUs we run on): 8 panels
 // (128 columns) where k is short, down to 4 (one 4x4 tile's panels) where it is long; where even 4
 // panels are more than a group's share of L2 (k over 1536 in float32), nothing is fetched ahead.
-template <typename T, bool kGlu>
+template <typename T, bool kGateUp>
 void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& out) {
-  constexpr int64_t kStep = kGlu ? 2 : 1;
+  constexpr int64_t kStep = kGateUp ? 2 : 1;
   const int64_t num_rows = x.size(0), k_size = x.size(1), ldx = x.stride(0);
   const int64_t num_units = w.size(0) / kStep, panel_stride = w.stride(0);
-  const int64_t up_offset = kGlu ? num_units * panel_stride : 0;
+  const int64_t up_offset = kGateUp ? num_units * panel_stride : 0;
   const T* x_data = x.const_data_ptr<T>();
   const T* w_data = w.const_data_ptr<T>();
   const T* bias_data = bias != nullptr ? bias->const_data_ptr<T>() : nullptr;
@@ -271,7 +271,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       }
       const char* start = reinterpret_cast<const char*>(w_data + next * panel_stride);
       const int64_t bytes = std::min(group, end - next) * panel_stride * int64_t(sizeof(T));
-      if (!kGlu) {
+      if (!kGateUp) {
         return L2Prefetch{start, start + bytes};
       }
       const char* up = start + up_offset * int64_t(sizeof(T));
@@ -280,7 +280,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     for (int64_t r0 = 0; r0 < num_rows; r0 += kRowChunk) {
       const int64_t chunk_rows = std::min(kRowChunk, num_rows - r0);
       for (int64_t u0 = begin; u0 < end; u0 += group) {
-        rows_by_panels<T, kGlu>(x_data + r0 * ldx, ldx, chunk_rows, w_data + u0 * panel_stride, panel_stride, up_offset,
+        rows_by_panels<T, kGateUp>(x_data + r0 * ldx, ldx, chunk_rows, w_data + u0 * panel_stride, panel_stride, up_offset,
                                 k_size, bias_data != nullptr ? bias_data + u0 * kPanel : nullptr,
                                 kStep * std::min(group, end - u0), out_data + r0 * ldo + u0 * kPanel, ldo,
                                 group_after(r0, u0));
@@ -293,8 +293,8 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 // x: (rows, in_features) with unit-stride rows; w: (out_features / 16, in_features / k_step, 16,
 // k_step) as kernels/linear.py packs it; bias: (out_features,) or None. Returns (rows, out_features),
-// or with kGlu (the gate/up weight, gate first, no bias) (rows, out_features / 2): silu(gate) * up.
-template <bool kGlu>
+// or with kGateUp (the gate/up weight, gate first, no bias) (rows, out_features / 2): silu(gate) * up.
+template <bool kGateUp>
 at::Tensor panel_matmul(const char* op, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be (rows, in_features) with unit-stride rows");
   TORCH_CHECK(w.dim() == 4 && w.size(2) == kPanel && w.is_contiguous(),
@@ -308,26 +308,27 @@ at::Tensor panel_matmul(const char* op, const at::Tensor& x, const at::Tensor& w
   TORCH_CHECK(w.size(3) == k_step && w.size(1) * k_step == x.size(1), op, ": x has ", x.size(1),
               " features but the weight was packed for ", w.size(1) * w.size(3));
   const int64_t out_features = w.size(0) * kPanel;
-  TORCH_CHECK(!kGlu || w.size(0) % 2 == 0, op, ": the gate/up weight must have as many up columns as gate columns, ",
+  TORCH_CHECK(!kGateUp || w.size(0) % 2 == 0, op, ": the gate/up weight must have as many up columns as gate columns, ",
               "each half whole panels of 16; got ", out_features, " columns");
+  TORCH_CHECK(!kGateUp || !bias.has_value(), op, ": takes no bias");  // the tiles would add the wrong columns
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous() &&
                     bias->scalar_type() == x.scalar_type(),
                 op, ": bias must be a contiguous (", out_features, ",) tensor of x's dtype");
   }
-  at::Tensor out = at::empty({x.size(0), kGlu ? out_features / 2 : out_features}, x.options());
+  at::Tensor out = at::empty({x.size(0), kGateUp ? out_features / 2 : out_features}, x.options());
   const at::Tensor* bias_or_null = bias.has_value() ? &*bias : nullptr;
 #if defined(CPU_CAPABILITY_AVX512)
   if (x.scalar_type() == at::kBFloat16) {
 #if defined(GRAPHRT_PANEL_BF16)
     TORCH_CHECK(cpu_has_avx512_bf16(), op, ": bfloat16 needs a CPU with AVX512-BF16; use F.linear");
-    panel_linear_impl<at::BFloat16, kGlu>(x, w, bias_or_null, out);
+    panel_linear_impl<at::BFloat16, kGateUp>(x, w, bias_or_null, out);
 #else
     TORCH_CHECK(false, op, ": built by a compiler without AVX512-BF16 support (g++ 10 or clang 11 "
                 "have it), so no bfloat16; use F.linear");
 #endif
   } else {
-    panel_linear_impl<float, kGlu>(x, w, bias_or_null, out);
+    panel_linear_impl<float, kGateUp>(x, w, bias_or_null, out);
   }
 #else
   TORCH_CHECK(false, op, ": built without AVX-512 (torch's CPU capability here is AVX2); use F.linear");
