@@ -272,10 +272,14 @@ class Stage(nn.Module):
                 for layer in self.layers
             )
             weights = (
-                [getattr(layer, name) for layer in self.layers for name in DECODE_LAYER_WEIGHTS],
-                *([getattr(layer, name) for layer in self.layers] for name in ("qkv_bias", "q_norm", "k_norm")),
+                (
+                    [getattr(layer, name) for layer in self.layers for name in DECODE_LAYER_WEIGHTS],
+                    *([getattr(layer, name) for layer in self.layers] for name in ("qkv_bias", "q_norm", "k_norm")),
+                )
+                if runs
+                else None
             )
-            decision = self._decode_layers_decision = (ops, weights if runs else None)
+            decision = self._decode_layers_decision = (ops, weights)
         return decision[1]
 
     def weight_bytes(self) -> int:
@@ -292,9 +296,10 @@ class Stage(nn.Module):
         hidden = F.embedding(x, self.embed_tokens) if self.is_first else x
         cos, sin = self.cos[meta.positions], self.sin[meta.positions]
         residual = None
-        if not meta.is_prefill and self.decode_layers_in_one_call():
+        one_call = None if meta.is_prefill else self._decode_layers_weights()
+        if one_call is not None:
             # The loop below in C++, bitwise the same: no interpreter time between the ops.
-            weights, biases, q_norms, k_norms = self._decode_layers_weights()
+            weights, biases, q_norms, k_norms = one_call
             hidden, residual = torch.ops.graphrt.decode_layers(
                 hidden, weights, biases, q_norms, k_norms, cos, sin, kv.k, kv.v, meta.slot_mapping,
                 meta.block_tables, meta.seq_lens, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.rms_norm_eps,

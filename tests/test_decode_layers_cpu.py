@@ -66,7 +66,7 @@ def forward(llm: LLM, token_ids: torch.Tensor, meta: StepMetadata, one_call: boo
     with monkeypatch.context() as patch:
         patch.setattr(torch.ops.graphrt, "decode_layers", lambda *args: calls.append(1) or op(*args))
         if not one_call:
-            patch.setattr(Stage, "decode_layers_in_one_call", lambda self: False)
+            patch.setattr(Stage, "_decode_layers_weights", lambda self: None)
         with torch.inference_mode():
             logits = stage(token_ids, meta, cache)
     assert len(calls) == (1 if one_call else 0)
