@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -30,7 +31,7 @@ from graphrt.kernels import argmax
 from graphrt.kernels.cpu_kernel_choice import choose_greedy_argmax
 from graphrt.kernels.cpu_kernel_choice import mode_from_env as cpu_kernel_mode_from_env
 from graphrt.kv_cache import bytes_per_block
-from graphrt.openmp import release_thread_pool
+from graphrt.openmp import LoadWatch, release_thread_pool
 from graphrt.pipeline import Pipeline, default_devices, partition_layers
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline
@@ -59,6 +60,7 @@ class Engine:
         """`load_tokenizer=False`: an engine that takes token ids only and leaves text to its caller
         (the server's engine process, whose front tokenizes, detokenizes and matches stop strings)
         reads the tokenizer's EOS id from its files instead of loading it, where the files settle it."""
+        load_watch = LoadWatch()  # what other processes do while this loads: the kernels are timed for it
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model folder {self.model_dir} does not exist; pass --model DIR of a Hugging Face style model")
@@ -79,14 +81,16 @@ class Engine:
         # With procs, stages 1..pp-1 live in worker processes (started now, so they boot meanwhile).
         self.cluster = Cluster.start(self.model_dir, config) if config.procs else None
         try:
-            self._start(files, cache_dir, show_progress, tokenizer)
+            self._start(files, cache_dir, show_progress, tokenizer, load_watch)
         except BaseException as exc:
             if self.cluster is not None:  # workers must not wait out their timeouts for a dead engine
                 self.cluster.fail(f"the engine (rank 0) failed to start: {exc}")
                 self.cluster.close()
             raise
 
-    def _start(self, files: WeightFiles, cache_dir: Path | None, show_progress: bool, tokenizer: Future | None) -> None:
+    def _start(
+        self, files: WeightFiles, cache_dir: Path | None, show_progress: bool, tokenizer: Future | None, load_watch: LoadWatch
+    ) -> None:
         """Load the stages, size the KV cache, capture the graphs, and build the ring."""
         config = self.config
         self.pipeline = (load_first_stage if self.cluster else Pipeline.load)(
@@ -104,8 +108,16 @@ class Engine:
         if self.tokenizer is not None:
             self.tokenizer_eos_id = self.tokenizer.eos_token_id
         cached_matmuls = cached_matmul_plans(read_manifest(self.cache_dir)) if self.cache_dir is not None else None
-        self.pipeline.choose_matmuls(self.plan.max_batch, cached_matmuls)  # before capture: graphs read the weights
-        self.pipeline.choose_cpu_kernels(self.plan.max_batch, config.block_size)
+        greedy_argmax, self.argmax_summary = argmax.greedy_argmax, None
+        on_cpu = any(device.type == "cpu" for device in self.devices)
+        # Beside busy neighbours the CPU kernels are timed on the smaller team the stage threads will run.
+        with load_watch.timing_team() if on_cpu else contextlib.nullcontext() as self.timing_note:
+            self.pipeline.choose_matmuls(self.plan.max_batch, cached_matmuls)  # before capture: graphs read the weights
+            self.pipeline.choose_cpu_kernels(self.plan.max_batch, config.block_size)
+            if not self.cluster:  # with stage processes the last one samples, and chooses for itself
+                greedy_argmax, self.argmax_summary = choose_greedy_argmax(
+                    self.devices[-1], self.model_config.vocab_size, self.plan.max_batch, cpu_kernel_mode_from_env()
+                )
         self.ranges = Ranges()
         self._capture_graphs(forced_eager, show_progress)
         self.eos_ids = set(self.model_config.eos_token_ids)
@@ -115,11 +127,6 @@ class Engine:
             self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch,
             eos_ids=frozenset(self.eos_ids), prefix_root=self._prefix_root() if config.prefix_caching else None,
         )
-        greedy_argmax, self.argmax_summary = argmax.greedy_argmax, None
-        if not self.cluster:  # with stage processes the last one samples, and chooses for itself
-            greedy_argmax, self.argmax_summary = choose_greedy_argmax(
-                self.devices[-1], self.model_config.vocab_size, self.plan.max_batch, cpu_kernel_mode_from_env()
-            )
         self.sampler = Sampler(self.devices[-1], config.seed, greedy_argmax)
         self.timeline = Timeline(self.devices) if config.timeline else None
         self.stage_plan = self._stage_plan(num_blocks)
@@ -135,14 +142,13 @@ class Engine:
         self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
         self.stats = EngineStats()
         self._ids = itertools.count()
-        if any(device.type == "cpu" for device in self.devices):
+        if on_cpu:
             release_thread_pool()  # the stage threads compute from here on (see graphrt.openmp)
 
     def kernel_summary(self) -> str:
-        """The start-up banner's line on kernels: the stages' (Pipeline.kernel_summary), then the
-        sampler's greedy argmax where it was chosen."""
-        line = self.pipeline.kernel_summary()
-        return f"{line}; {self.argmax_summary}" if self.argmax_summary else line
+        """The start-up banner's line on kernels: the stages' (Pipeline.kernel_summary), the sampler's
+        greedy argmax where it was chosen, and the smaller team they were timed on, if they were."""
+        return "; ".join(filter(None, [self.pipeline.kernel_summary(), self.argmax_summary, self.timing_note]))
 
     def _prefix_root(self) -> bytes:
         """Where prefix-cache keys start: what, besides the tokens, decides a block's K/V."""

@@ -22,10 +22,16 @@ beside busy neighbours, one thread (no barriers at all) when they take a whole c
 covers graphrt's compiled kernels, torch's own ops and oneDNN (the packed matmuls); MKL (the dense
 `F.linear` path) keeps torch's thread count. Not covered: the stage processes of `--procs` (rank 0
 is), and several CPU stages in one process (each keeps torch's team, so libgomp throttles them).
+
+The host times the kernels at load (kernels/matmul_choice.py, kernels/cpu_kernel_choice.py) on
+the team a stage thread would size to beside what other processes did while the engine loaded
+(`LoadWatch`): beside two busy loops on 2 cores torch's whole team took 7.8 ms over a 32-row
+rms_norm that takes 0.011 alone, and the choices came out at random.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -33,7 +39,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -117,16 +123,34 @@ def own_ticks(proc_self_stat: str) -> int:
     return int(fields[11]) + int(fields[12])  # utime, stime
 
 
-def cpu_seconds() -> tuple[float, float] | None:
-    """(CPU seconds the CPUs this process may run on have been busy, CPU seconds this process has
-    used), both since boot; None where /proc does not say (not Linux)."""
+def cpu_seconds(colleagues: Iterable[int] = ()) -> tuple[float, float] | None:
+    """(CPU seconds the CPUs this process may run on have been busy, CPU seconds this process and
+    the `colleagues` processes still alive have used), both since boot; None where /proc does not
+    say (not Linux)."""
     try:
         busy = busy_ticks(PROC_STAT.read_text(), os.sched_getaffinity(0))
         own = own_ticks(PROC_SELF_STAT.read_text())
     except (OSError, AttributeError, ValueError, IndexError):
         return None
+    for pid in colleagues:
+        with contextlib.suppress(OSError, ValueError, IndexError):  # gone since: its seconds are lost
+            own += own_ticks(Path(f"/proc/{pid}/stat").read_text())
     tick = os.sysconf("SC_CLK_TCK")
     return busy / tick, own / tick
+
+
+_load_colleagues: set[int] = set()
+
+
+def share_load_with(pid: int) -> None:
+    """Count process `pid`'s CPU as this process's own while an engine loads here (`LoadWatch`): the
+    server's front, which loads its tokenizer while its engine process loads the weights."""
+    _load_colleagues.add(pid)
+
+
+def affinity_cores() -> int:
+    """CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def team_size(max_threads: int, num_cores: int, others: float) -> int:
@@ -155,7 +179,7 @@ class TeamSizer:
         num_cores: int | None = None,
     ):
         self.clock, self.usage, self.apply = clock, usage, apply
-        self.num_cores = num_cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        self.num_cores = num_cores or affinity_cores()
         self.max_threads: int | None = None  # the team torch gives the thread: the most it gets back
         self.num_threads: int | None = None
         self.others = 0.0  # cores other processes used in the last measurement
@@ -183,3 +207,50 @@ class TeamSizer:
             logger.info("OpenMP team of %s: %d -> %d threads (other processes used %.2f cores)",
                         threading.current_thread().name, self.num_threads, num_threads, self.others)
             self.num_threads = num_threads
+
+
+class LoadWatch:
+    """What other processes do with the cores while the engine loads, from the moment it is made
+    (processes named to `share_load_with` count as this one); `timing_team` then sizes the calling
+    thread's team for timing the kernels as `TeamSizer` would size a stage thread's."""
+
+    MIN_WINDOW_S = 0.05  # shorter (a tiny model loads in milliseconds): too few clock ticks to tell
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        usage: Callable[[], tuple[float, float] | None] | None = None,
+        apply: Callable[[int], bool] = set_team_size,
+        num_cores: int | None = None,
+    ):
+        self.clock, self.apply = clock, apply
+        self.usage = usage or (lambda: cpu_seconds(tuple(_load_colleagues)))
+        self.num_cores = num_cores or affinity_cores()
+        self.started, self.start_usage = clock(), self.usage()
+
+    def others(self) -> float | None:
+        """Cores other processes kept busy since the watch began; None where /proc does not say or
+        the window is too short to tell."""
+        now, usage = self.clock(), self.usage()
+        if usage is None or self.start_usage is None or now - self.started < self.MIN_WINDOW_S:
+            return None
+        (busy0, own0), (busy, own) = self.start_usage, usage
+        return max(0.0, (busy - busy0) - (own - own0)) / (now - self.started)
+
+    @contextlib.contextmanager
+    def timing_team(self) -> Iterator[str | None]:
+        """Within: the calling thread's team sized to the cores others left during the load (torch's
+        whole team where they left enough); torch's team again after. Yields a note for the start-up
+        banner where the team was made smaller, else None."""
+        others = self.others()
+        max_threads = torch.get_num_threads()
+        num_threads = max_threads if others is None else team_size(max_threads, self.num_cores, others)
+        if num_threads == max_threads or not self.apply(num_threads):
+            yield None
+            return
+        logger.info("timing the kernels on %d of %d threads: other processes used %.2f cores while loading",
+                    num_threads, max_threads, others)
+        try:
+            yield f"timed on {num_threads} of {max_threads} threads (other processes used {others:.2f} cores while loading)"
+        finally:
+            self.apply(max_threads)

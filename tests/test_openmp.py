@@ -17,8 +17,10 @@ import torch
 
 from graphrt.llm import LLM
 from graphrt.openmp import (
+    LoadWatch,
     TeamSizer,
     busy_ticks,
+    cpu_seconds,
     openmp_available,
     own_ticks,
     release_thread_pool,
@@ -134,6 +136,24 @@ def test_own_ticks_reads_utime_and_stime_past_a_command_with_parentheses():
     assert own_ticks(text) == 1234 + 56
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")
+def test_cpu_seconds_counts_colleagues_as_own_and_skips_those_gone():
+    import subprocess
+    import sys
+
+    burner = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nwhile time.process_time() < 0.3: pass\nprint('done', flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert burner.stdout.readline().strip() == "done"
+        alone, with_burner = cpu_seconds(), cpu_seconds([burner.pid, 2**22 + 1])  # the second pid: no such process
+        assert with_burner[1] - alone[1] >= 0.25  # the burner's 0.3 s of CPU, give or take a clock tick
+    finally:
+        burner.stdin.close()
+        burner.wait()
+
+
 class FakeMachine:
     """A clock and /proc's CPU seconds that a test moves by hand."""
 
@@ -192,6 +212,73 @@ def test_team_sizer_without_proc_changes_nothing():
     for _ in range(3):
         sizer.fit()
     assert applied == [] and sizer.num_threads is None
+
+
+def watch_on(machine: FakeMachine) -> LoadWatch:
+    return LoadWatch(clock=lambda: machine.now, usage=lambda: (machine.busy, machine.own),
+                     apply=lambda n: machine.applied.append(n) or True, num_cores=2)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_load_watch_times_on_the_team_a_stage_would_size_to_beside_busy_neighbours():
+    machine = FakeMachine()
+    watch = watch_on(machine)
+    machine.run(3.0, own_cores=1.0, other_cores=1.1)  # two busy loops beside the load
+    assert watch.others() == pytest.approx(1.1)
+    with watch.timing_team() as note:
+        assert machine.applied == [1]
+    assert machine.applied == [1, 2]  # torch's whole team again for whatever follows
+    assert note == "timed on 1 of 2 threads (other processes used 1.10 cores while loading)"
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_load_watch_keeps_the_whole_team_when_neighbours_leave_enough_or_cannot_tell():
+    machine = FakeMachine()
+    watch = watch_on(machine)
+    machine.run(3.0, own_cores=1.5, other_cores=0.5)  # an HTTP front starting beside the engine
+    with watch.timing_team() as note:
+        pass
+    assert machine.applied == [] and note is None
+    machine = FakeMachine()
+    watch = watch_on(machine)
+    machine.run(0.01, own_cores=1.0, other_cores=1.0)  # a tiny model: too short a load to tell
+    assert watch.others() is None
+    with watch.timing_team() as note:
+        pass
+    assert machine.applied == [] and note is None
+    no_proc = LoadWatch(clock=lambda: machine.now, usage=lambda: None, apply=machine.applied.append, num_cores=2)
+    machine.run(3.0, own_cores=0.0, other_cores=2.0)
+    assert no_proc.others() is None
+
+
+@needs_libgomp
+@pytest.mark.usefixtures("two_threads")
+def test_engine_times_its_kernels_on_the_sized_team_and_says_so(tiny_model_factory, monkeypatch):
+    import graphrt.engine
+    import graphrt.pipeline
+
+    machine = FakeMachine()
+
+    def watch_beside_busy_loops() -> LoadWatch:
+        watch = LoadWatch(clock=lambda: machine.now, usage=lambda: (machine.busy, machine.own))
+        machine.run(2.0, own_cores=1.0, other_cores=1.0)  # what /proc says once the load is done
+        return watch
+
+    monkeypatch.setattr(graphrt.engine, "LoadWatch", watch_beside_busy_loops)
+    timed_on = []
+    choose = graphrt.pipeline.Pipeline.choose_cpu_kernels
+    monkeypatch.setattr(graphrt.pipeline.Pipeline, "choose_cpu_kernels",
+                        lambda self, *args, **kwargs: timed_on.append(torch.get_num_threads()) or choose(self, *args, **kwargs))
+    model = tiny_model_factory()
+
+    def build():
+        llm = LLM(model, dtype="float32")
+        llm.engine.close()
+        return llm.engine.kernel_summary(), torch.get_num_threads()
+
+    summary, threads_after = on_new_thread(build)
+    assert timed_on == [1] and threads_after == 2
+    assert summary.endswith("; timed on 1 of 2 threads (other processes used 1.00 cores while loading)")
 
 
 @needs_libgomp

@@ -268,7 +268,9 @@ def engine_process_main() -> int:
         import torch
 
         from graphrt.llm import LLM
+        from graphrt.openmp import share_load_with
 
+        share_load_with(os.getppid())  # the front loads its tokenizer meanwhile: not a busy neighbour
         if placement == "pin" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(len(cores) - 1)
         start = time.perf_counter()
