@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrt.kernels import KernelSet, rotary_cos_sin
-from graphrt.kernels.cpu_kernel_choice import CpuKernelChoice, compiled_ops
+from graphrt.kernels.cpu_kernel_choice import DECODE_LAYER_OPS, CpuKernelChoice, compiled_ops
 from graphrt.kernels.linear import convert, linear, panel_linear_silu_and_mul
 from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, available_paths, choose_path
 from graphrt.batch import StepMetadata
@@ -24,9 +24,8 @@ from graphrt.kv_cache import StageKVCache
 from graphrt.weights import WeightFiles
 
 # What graphrt::decode_layers (kernels/csrc/decode_layers_cpu.cpp) runs a CPU decode step's layers
-# with: these ops, compiled, and each layer's weights in this order (its LayerWeight enum), the
-# matmuls' in panels, gate/up's with whole panels of up columns (it ends in silu_and_mul).
-DECODE_LAYER_OPS = ("rms_norm", "apply_rotary", "write_kv", "paged_decode_attention", "silu_and_mul")
+# with: the DECODE_LAYER_OPS, compiled, and each layer's weights in this order (its LayerWeight
+# enum), the matmuls' in panels, gate/up's with whole panels of up columns (it ends in silu_and_mul).
 DECODE_LAYER_WEIGHTS = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
 DECODE_LAYER_MATMULS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 

@@ -19,7 +19,9 @@ What keeps the timing honest:
   by another process then moves the median, not a whole sweep). No test asserts a winner.
 - A weight is kept in one form (two would double its memory), so a shape's path must serve one row
   and a full batch: each path scores its time over the fastest at each row count, summed, so both
-  regimes weigh the same; another path must beat `F.linear` by MARGIN, so noise does not flip a tie.
+  regimes weigh the same; another path must beat `F.linear` by MARGIN, so noise does not flip a tie,
+  and within MARGIN of the fastest the compiled panels win: they let a decode step's gate/up end in
+  SiLU-and-mul and its layers run in one call (graphrt::decode_layers), which a tie does not repay.
 - Timing holds the swept weights in every candidate form at once: for a shape of one weight (the
   LM head) that is two copies beside the dense one while it is timed.
 """
@@ -191,11 +193,14 @@ def median_seconds(
 
 def pick_path(seconds: Mapping[str, Mapping[int, float]], margin: float = MARGIN) -> str:
     """The path with the lowest time relative to the fastest at each row count, summed over the row
-    counts; a path other than dense must beat dense's score by `margin`."""
+    counts, panel where it is within `margin` of that; a path other than dense must beat dense's
+    score by `margin`."""
     rows = sorted(next(iter(seconds.values())))
     best = {r: max(min(by_rows[r] for by_rows in seconds.values()), 1e-12) for r in rows}
     score = {path: sum(by_rows[r] / best[r] for r in rows) for path, by_rows in seconds.items()}
     fastest = min(score, key=score.get)
+    if "panel" in score and score["panel"] * (1 - margin) <= score[fastest]:
+        fastest = "panel"
     if "dense" in score and fastest != "dense" and score[fastest] > score["dense"] * (1 - margin):
         return "dense"
     return fastest

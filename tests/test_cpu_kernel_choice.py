@@ -49,26 +49,26 @@ def test_paths_alternate_and_keep_their_median_call():
     assert calls == ["compiled", "torch"] * 8
 
 
-def test_each_op_keeps_the_kernel_only_where_it_is_faster_by_the_margin(monkeypatch):
+def test_each_op_keeps_the_faster_path_and_a_tie_goes_to_what_a_decode_step_runs_in_one_call(monkeypatch):
     seconds = {
         "paged_decode_attention": {"compiled": 1.0, "torch": 3.0},
-        "paged_prefill_attention": {"compiled": 2.0, "torch": 2.5},
+        "paged_prefill_attention": {"compiled": 0.97, "torch": 1.0},  # within the margin: a tie keeps the reference
         "write_kv": {"compiled": 0.1, "torch": 1.0},
-        "rms_norm": {"compiled": 0.97, "torch": 1.0},  # within the margin: a tie keeps the reference
-        "apply_rotary": {"compiled": 2.0, "torch": 1.0},
+        "rms_norm": {"compiled": 1.03, "torch": 1.0},  # a tie on an op of graphrt::decode_layers keeps the kernel
+        "apply_rotary": {"compiled": 2.0, "torch": 1.0},  # the reference faster by more than the margin
         "silu_and_mul": {"compiled": 0.5, "torch": 1.0},
     }
     monkeypatch.setattr(cpu_extension, "unavailable_reason", lambda *_: None)
     monkeypatch.setattr(cpu_kernel_choice, "timing_inputs", lambda op, *_: (op,))
     monkeypatch.setattr(cpu_kernel_choice, "time_paths", lambda paths, inputs, timer: seconds[inputs[0]])
     choice = choose_cpu_kernels(**SHAPES)
-    assert choice.paths == {"paged_decode_attention": "compiled", "paged_prefill_attention": "compiled", "write_kv": "compiled",
-                            "rms_norm": "torch", "apply_rotary": "torch", "silu_and_mul": "compiled"}
+    assert choice.paths == {"paged_decode_attention": "compiled", "paged_prefill_attention": "torch", "write_kv": "compiled",
+                            "rms_norm": "compiled", "apply_rotary": "torch", "silu_and_mul": "compiled"}
     assert (choice.source, choice.seconds, choice.rows) == ("measured", seconds, 8)
     assert choice.summary().startswith(
-        "CPU kernels: compiled decode attention, prefill attention, KV writes, silu_and_mul; torch rms_norm, rotary (ms per "
+        "CPU kernels: compiled decode attention, KV writes, rms_norm, silu_and_mul; torch prefill attention, rotary (ms per "
         "call at 8 rows, prefill attention on 4 prompts of 128 tokens, compiled vs torch: decode attention 1000.000 vs "
-        "3000.000, prefill attention 2000.000 vs 2500.000, KV writes 100.000 vs 1000.000, rms_norm 970.000 vs 1000.000"
+        "3000.000, prefill attention 970.000 vs 1000.000, KV writes 100.000 vs 1000.000, rms_norm 1030.000 vs 1000.000"
     )
 
 

@@ -115,6 +115,11 @@ def test_a_shape_keeps_the_path_that_loses_least_over_both_row_counts():
     # Within the margin F.linear, the reference, stays.
     assert pick_path({"dense": {1: 1.0, 32: 10.0}, "packed": {1: 0.99, 32: 9.9}}) == "dense"
     assert pick_path({"dense": {1: 1.0}, "packed": {1: 0.5}}) == "packed"
+    # Panels within the margin of the fastest win (a decode step's layers then run in one call) ...
+    assert pick_path({"dense": {1: 1.0, 32: 10.0}, "packed": {1: 0.5, 32: 5.0}, "panel": {1: 0.51, 32: 5.05}}) == "panel"
+    # ... but not past it, nor where dense is as fast
+    assert pick_path({"dense": {1: 1.0, 32: 10.0}, "packed": {1: 0.5, 32: 5.0}, "panel": {1: 0.55, 32: 5.0}}) == "packed"
+    assert pick_path({"dense": {1: 1.0, 32: 10.0}, "panel": {1: 0.99, 32: 9.9}}) == "dense"
 
 
 def test_forcing_a_path_comes_before_any_measurement_and_a_bad_value_is_named():
