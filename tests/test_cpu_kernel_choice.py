@@ -117,7 +117,8 @@ def test_an_engine_on_the_compiled_kernels_generates_what_the_references_do(tiny
         assert stage.layers[0].ops.paged_decode_attention is attention
         assert stage.layers[0].ops.write_kv is {"torch": TORCH.write_kv, "compiled": paged_attention_cpu.write_kv}[mode]
         assert llm.engine.sampler.greedy_argmax is {"torch": argmax.greedy_argmax, "compiled": elementwise_cpu.greedy_argmax}[mode]
-        assert llm.engine.kernel_summary().endswith(f"; greedy argmax: {mode} (forced by GRAPHRT_CPU_KERNELS)")
+        # (followed by the team it was timed on where a neighbour was busy during the load)
+        assert f"; greedy argmax: {mode} (forced by GRAPHRT_CPU_KERNELS)" in llm.engine.kernel_summary()
         prefill = stage.layers[0].ops.paged_prefill_attention  # the reference, given the chosen kernels
         assert prefill.keywords["decode_attention"] is attention
         assert prefill.keywords.get("prompt_attention") is {"torch": None, "compiled": paged_attention_cpu.prompt_attention}[mode]
