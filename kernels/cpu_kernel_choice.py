@@ -38,7 +38,7 @@ OP_NAMES = {"paged_decode_attention": "decode attention", "paged_prefill_attenti
             "write_kv": "KV writes", "apply_rotary": "rotary"}
 PREFILL_PROMPTS, PREFILL_TOKENS = 4, 128  # prefill attention is timed on a chunk of 4 prompts of 128 tokens
 # The ops graphrt::decode_layers (csrc/decode_layers_cpu.cpp) runs a decode step's layers with, all
-# compiled. One call saves 5-10% of a step, more than a tie on one op is worth, so within the margin
+# compiled. One call saves 4-10% of a step, more than a tie on one op is worth, so within the margin
 # these keep the compiled kernel, and torch's reference must win by the margin to be taken.
 DECODE_LAYER_OPS = ("rms_norm", "apply_rotary", "write_kv", "paged_decode_attention", "silu_and_mul")
 

@@ -21,7 +21,7 @@ What keeps the timing honest:
   and a full batch: each path scores its time over the fastest at each row count, summed, so both
   regimes weigh the same; another path must beat `F.linear` by MARGIN, so noise does not flip a tie,
   and within MARGIN of the fastest the compiled panels win: they let a decode step's gate/up end in
-  SiLU-and-mul and its layers run in one call (graphrt::decode_layers), which a tie does not repay.
+  SiLU-and-mul and its layers run in one call (graphrt::decode_layers), worth more than a tie.
 - Timing holds the swept weights in every candidate form at once: for a shape of one weight (the
   LM head) that is two copies beside the dense one while it is timed.
 """
