@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import platform
 import shutil
+import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Callable
@@ -23,6 +24,7 @@ from graphrt.cpu_info import cpu_bf16_support, cpu_model_name
 from graphrt.config import EngineConfig
 from graphrt.kernels.cpu_kernel_choice import LayerShapes, choose_cpu_kernels, choose_greedy_argmax
 from graphrt.kernels.matmul_choice import measure_shapes
+from graphrt.openmp import LoadWatch
 from graphrt.profiling.nvtx import find_backend
 
 GIB = 1 << 30
@@ -143,6 +145,9 @@ def peer_table(gpus: list[Gpu], access: dict[tuple[int, int], bool], links: dict
     return lines
 
 
+NEIGHBOUR_WATCH_S = 0.3  # how long `cpu_report` watches other processes before timing anything
+
+
 def cpu_report() -> list[str]:
     """The CPU, what `--dtype auto` gives a CPU stage, and the matmul paths a CPU stage of the
     default model would choose in each dtype worth running here (measured now, on random weights)."""
@@ -153,15 +158,22 @@ def cpu_report() -> list[str]:
         f"{bf16 or 'none (emulated: slow)'}; --dtype auto on the CPU gives {auto}",
         f"  CPU matmul paths and kernels for the default model's shapes (random values, measured now):",
     ]
-    for dtype in (torch.float32, torch.bfloat16) if bf16 else (torch.float32,):
-        plan = measure_shapes(DEFAULT_MODEL_MATMULS, dtype, (1, CPU_DEFAULT_MAX_BATCH))
-        lines.append(f"    {str(dtype).removeprefix('torch.')}: {plan.summary()}")
-        kernels = choose_cpu_kernels(
-            DEFAULT_MODEL_LAYER, EngineConfig.block_size, dtype, torch.device("cpu"), CPU_DEFAULT_MAX_BATCH
-        )
-        lines.append(f"    {str(dtype).removeprefix('torch.')}: {kernels.summary()}")
-    vocab_size = DEFAULT_MODEL_MATMULS["lm_head"][0]
-    lines.append(f"    {choose_greedy_argmax(torch.device('cpu'), vocab_size, CPU_DEFAULT_MAX_BATCH)[1]}")
+    # Timed as an engine would time them: on the team its stages would run beside what other
+    # processes do now (graphrt.openmp.LoadWatch), watched while this process sits idle.
+    watch = LoadWatch(window="just before")
+    time.sleep(NEIGHBOUR_WATCH_S)
+    with watch.timing_team() as note:
+        for dtype in (torch.float32, torch.bfloat16) if bf16 else (torch.float32,):
+            plan = measure_shapes(DEFAULT_MODEL_MATMULS, dtype, (1, CPU_DEFAULT_MAX_BATCH))
+            lines.append(f"    {str(dtype).removeprefix('torch.')}: {plan.summary()}")
+            kernels = choose_cpu_kernels(
+                DEFAULT_MODEL_LAYER, EngineConfig.block_size, dtype, torch.device("cpu"), CPU_DEFAULT_MAX_BATCH
+            )
+            lines.append(f"    {str(dtype).removeprefix('torch.')}: {kernels.summary()}")
+        vocab_size = DEFAULT_MODEL_MATMULS["lm_head"][0]
+        lines.append(f"    {choose_greedy_argmax(torch.device('cpu'), vocab_size, CPU_DEFAULT_MAX_BATCH)[1]}")
+    if note is not None:
+        lines.append(f"    all {note}")
     return lines
 
 

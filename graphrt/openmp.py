@@ -222,8 +222,10 @@ class LoadWatch:
         usage: Callable[[], tuple[float, float] | None] | None = None,
         apply: Callable[[int], bool] = set_team_size,
         num_cores: int | None = None,
+        window: str = "while loading",
     ):
-        self.clock, self.apply = clock, apply
+        """`window`: how the banner's note names the time watched."""
+        self.clock, self.apply, self.window = clock, apply, window
         self.usage = usage or (lambda: cpu_seconds(tuple(_load_colleagues)))
         self.num_cores = num_cores or affinity_cores()
         self.started, self.start_usage = clock(), self.usage()
@@ -248,9 +250,9 @@ class LoadWatch:
         if num_threads == max_threads or not self.apply(num_threads):
             yield None
             return
-        logger.info("timing the kernels on %d of %d threads: other processes used %.2f cores while loading",
-                    num_threads, max_threads, others)
+        note = f"timed on {num_threads} of {max_threads} threads (other processes used {others:.2f} cores {self.window})"
+        logger.info("kernels %s", note)
         try:
-            yield f"timed on {num_threads} of {max_threads} threads (other processes used {others:.2f} cores while loading)"
+            yield note
         finally:
             self.apply(max_threads)
