@@ -31,3 +31,47 @@ def test_the_peer_table_reads_row_to_column():
     assert lines[0].split() == ["GPU0", "GPU1", "GPU2"]
     assert lines[1].split()[:4] == ["GPU0", "-", "P2P,", "NVLink"]
     assert "no P2P" in lines[3] and lines[3].index("no P2P") < lines[3].index("-")
+
+
+def test_doctor_times_the_cpu_kernels_on_the_team_busy_neighbours_leave(monkeypatch):
+    import threading
+
+    import graphrt.doctor as doctor
+    from graphrt.openmp import LoadWatch, openmp_available
+
+    if not openmp_available():
+        pytest.skip("needs torch on libgomp")
+    clock = {"now": 0.0, "busy": 0.0}
+
+    def busy_neighbours() -> LoadWatch:  # /proc saying two busy loops took a core while doctor watched
+        watch = LoadWatch(clock=lambda: clock["now"], usage=lambda: (clock["busy"], 0.0), window="just before")
+        clock["now"] += 0.3
+        clock["busy"] += 0.3
+        return watch
+
+    timed_on = []
+
+    def spy(result):
+        def record(*args, **kwargs):
+            timed_on.append(torch.get_num_threads())
+            return result
+        return record
+
+    monkeypatch.setattr(doctor, "LoadWatch", lambda window: busy_neighbours())
+    monkeypatch.setattr(doctor, "NEIGHBOUR_WATCH_S", 0.0)
+    monkeypatch.setattr(doctor, "measure_shapes", spy(type("Plan", (), {"summary": lambda self: "matmuls"})()))
+    monkeypatch.setattr(doctor, "choose_cpu_kernels", spy(type("Choice", (), {"summary": lambda self: "kernels"})()))
+    monkeypatch.setattr(doctor, "choose_greedy_argmax", spy((None, "argmax")))
+    box = {}
+
+    def report():  # on a thread of its own, so this thread's team size is left alone
+        torch.set_num_threads(2)
+        box["lines"], box["after"] = doctor.cpu_report(), torch.get_num_threads()
+
+    before = torch.get_num_threads()
+    thread = threading.Thread(target=report)
+    thread.start()
+    thread.join()
+    torch.set_num_threads(before)  # torch's default for new threads, as the suite had it
+    assert timed_on and set(timed_on) == {1} and box["after"] == 2
+    assert box["lines"][-1] == "    all timed on 1 of 2 threads (other processes used 1.00 cores just before)"
