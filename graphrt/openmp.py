@@ -139,6 +139,12 @@ def cpu_seconds(colleagues: Iterable[int] = ()) -> tuple[float, float] | None:
     return busy / tick, own / tick
 
 
+def others_cores(before: tuple[float, float], after: tuple[float, float], seconds: float) -> float:
+    """Cores other processes kept busy between two `cpu_seconds` readings `seconds` apart."""
+    (busy0, own0), (busy1, own1) = before, after
+    return max(0.0, (busy1 - busy0) - (own1 - own0)) / seconds
+
+
 _load_colleagues: set[int] = set()
 
 
@@ -196,7 +202,7 @@ class TeamSizer:
             self.max_threads = self.num_threads = torch.get_num_threads()
         if self._last is not None and now - self._last[0] <= self.STALE_S:
             then, busy, own = self._last
-            self.others = max(0.0, (usage[0] - busy) - (usage[1] - own)) / (now - then)
+            self.others = others_cores((busy, own), usage, now - then)
             self._resize(team_size(self.max_threads, self.num_cores, self.others))
         self._last = (now, *usage)
 
@@ -236,8 +242,7 @@ class LoadWatch:
         now, usage = self.clock(), self.usage()
         if usage is None or self.start_usage is None or now - self.started < self.MIN_WINDOW_S:
             return None
-        (busy0, own0), (busy, own) = self.start_usage, usage
-        return max(0.0, (busy - busy0) - (own - own0)) / (now - self.started)
+        return others_cores(self.start_usage, usage, now - self.started)
 
     @contextlib.contextmanager
     def timing_team(self) -> Iterator[str | None]:
