@@ -2,7 +2,8 @@
 
 CUDA graphs hold raw device addresses and cannot be written to disk. What the cache keeps is the
 plan (stages, buckets, which (stage, bucket) pairs must stay eager), the measurements, the CPU
-matmul path each stage measured fastest per weight shape, the compiled Triton kernels, and an
+matmul path each stage measured fastest per weight shape and the CPU kernel of each op (so a
+restart runs the same code, and gives the same bfloat16 output), the compiled Triton kernels, and an
 identity of model + machine that a later start checks field by field before it re-records the
 graphs from the plan.
 """
@@ -99,6 +100,21 @@ def cached_matmul_plans(manifest: dict) -> list[MatmulPlan] | None:
         return [MatmulPlan.from_json(plan) for plan in manifest["matmuls"]]
     except (TypeError, ValueError) as exc:
         raise StaleCacheError(f"the graph cache's matmul plans cannot be read ({exc}); rebuild it with `graphrt capture`") from None
+
+
+def cached_cpu_kernels(manifest: dict) -> tuple[dict[str, str] | None, str | None]:
+    """The CPU kernels a cache recorded: each op's path (kernels/cpu_kernel_choice.py) and the greedy
+    argmax's, or None for what it did not record (a CUDA cache, or one written before they were:
+    they are timed again)."""
+    raw = manifest.get("cpu_kernels")
+    if raw is None:
+        return None, None
+    paths = ("torch", "compiled")
+    ops = raw.get("ops") if isinstance(raw, dict) else None
+    argmax = raw.get("greedy_argmax") if isinstance(raw, dict) else None
+    if not isinstance(ops, dict) or any(path not in paths for path in ops.values()) or argmax not in (None, *paths):
+        raise StaleCacheError(f"the graph cache's CPU kernel choices are malformed ({raw!r}); rebuild it with `graphrt capture`")
+    return ops, argmax
 
 
 def write_manifest(out_dir: Path, manifest: dict) -> Path:

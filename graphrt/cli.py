@@ -251,6 +251,8 @@ def build_manifest(engine) -> dict:
         "null_reasons": null_reasons,
         "matmuls": [plan.to_json() for plan in engine.pipeline.matmul_plans()],  # a start with --cache reuses them
     }
+    if engine.cpu_kernels_record() is not None:
+        extra["cpu_kernels"] = engine.cpu_kernels_record()  # and these
     return new_manifest(engine.identity(), extra, [r.to_json() for r in engine.graph_records])
 
 

@@ -16,6 +16,7 @@ from graphrt.capture.buckets import BucketPlan, default_buckets, default_max_bat
 from graphrt.capture.capture import capture_stage
 from graphrt.capture.manifest import (
     StaleCacheError,
+    cached_cpu_kernels,
     cached_matmul_plans,
     device_name,
     model_fingerprint,
@@ -28,7 +29,7 @@ from graphrt.errors import ModelLoadError, RequestError, StageError
 from graphrt.handshake import StagePlan
 from graphrt.block_allocator import BlockAllocator
 from graphrt.kernels import argmax
-from graphrt.kernels.cpu_kernel_choice import choose_greedy_argmax
+from graphrt.kernels.cpu_kernel_choice import argmax_path, choose_greedy_argmax
 from graphrt.kernels.cpu_kernel_choice import mode_from_env as cpu_kernel_mode_from_env
 from graphrt.kv_cache import bytes_per_block
 from graphrt.openmp import LoadWatch, release_thread_pool
@@ -107,16 +108,19 @@ class Engine:
         self.tokenizer = tokenizer.result() if tokenizer is not None else None
         if self.tokenizer is not None:
             self.tokenizer_eos_id = self.tokenizer.eos_token_id
-        cached_matmuls = cached_matmul_plans(read_manifest(self.cache_dir)) if self.cache_dir is not None else None
+        manifest = read_manifest(self.cache_dir) if self.cache_dir is not None else {}
+        cached_matmuls = cached_matmul_plans(manifest) if manifest else None
+        cached_ops, cached_argmax = cached_cpu_kernels(manifest)
         greedy_argmax, self.argmax_summary = argmax.greedy_argmax, None
         on_cpu = any(device.type == "cpu" for device in self.devices)
         # Beside busy neighbours the CPU kernels are timed on the smaller team the stage threads will run.
         with load_watch.timing_team() if on_cpu else contextlib.nullcontext() as self.timing_note:
             self.pipeline.choose_matmuls(self.plan.max_batch, cached_matmuls)  # before capture: graphs read the weights
-            self.pipeline.choose_cpu_kernels(self.plan.max_batch, config.block_size)
+            self.pipeline.choose_cpu_kernels(self.plan.max_batch, config.block_size, cached=cached_ops)
             if not self.cluster:  # with stage processes the last one samples, and chooses for itself
                 greedy_argmax, self.argmax_summary = choose_greedy_argmax(
-                    self.devices[-1], self.model_config.vocab_size, self.plan.max_batch, cpu_kernel_mode_from_env()
+                    self.devices[-1], self.model_config.vocab_size, self.plan.max_batch, cpu_kernel_mode_from_env(),
+                    cached=cached_argmax,
                 )
         self.ranges = Ranges()
         self._capture_graphs(forced_eager, show_progress)
@@ -144,6 +148,18 @@ class Engine:
         self._ids = itertools.count()
         if on_cpu:
             release_thread_pool()  # the stage threads compute from here on (see graphrt.openmp)
+
+    def cpu_kernels_record(self) -> dict | None:
+        """What a graph cache records of the CPU kernels, so that a start with --cache runs the same:
+        the first CPU stage's op paths (all CPU stages share them) and the greedy argmax's; None
+        without a CPU stage."""
+        stage = next((s for s in self.pipeline.stages if s.cpu_kernels is not None), None)
+        if stage is None:
+            return None
+        record = {"ops": stage.cpu_kernels.to_json()}
+        if not self.cluster and self.devices[-1].type == "cpu":
+            record["greedy_argmax"] = argmax_path(self.sampler.greedy_argmax)
+        return record
 
     def kernel_summary(self) -> str:
         """The start-up banner's line on kernels: the stages' (Pipeline.kernel_summary), the sampler's

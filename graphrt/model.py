@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrt.kernels import KernelSet, rotary_cos_sin
+from graphrt.kernels import ForcedModes, KernelSet, as_forced, rotary_cos_sin
 from graphrt.kernels.cpu_kernel_choice import DECODE_LAYER_OPS, CpuKernelChoice, compiled_ops
 from graphrt.kernels.linear import convert, linear, panel_linear_silu_and_mul
 from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, available_paths, choose_path
@@ -196,28 +196,31 @@ class Stage(nn.Module):
     def choose_matmuls(
         self,
         max_rows: int,
-        mode: str = "auto",
+        mode: ForcedModes | str = "auto",
         previous: dict[str, MatmulChoice] | None = None,
         timer: Callable[[], float] = time.perf_counter,
     ) -> MatmulPlan:
         """Run each weight shape on F.linear, packed oneDNN or the compiled panel kernel, whichever
-        this machine runs fastest at one row and at `max_rows` (graphrt/kernels/matmul_choice.py),
-        and convert the weights of each shape to its path's form. `previous`: choices to reuse by
+        this machine runs fastest at one row and at `max_rows` (graphrt/kernels/matmul_choice.py), or
+        the path `mode` forces for it, and convert the weights of each shape to its path's form.
+        `previous`: choices to reuse by
         shape name (the graph cache's, or another stage's on the same device). Runs once; the
         result is `self.matmul_plan`."""
         if self.matmul_plan is not None:
             return self.matmul_plan
         owners_of = self.matmul_owners()
+        modes = as_forced(mode)
         # Before the clock starts: finding out whether the panel kernel runs may mean building it.
         paths_of = {
-            name: available_paths(self.device, self.dtype, tuple(getattr(*owners[0]).shape), mode) for name, owners in owners_of.items()
+            name: available_paths(self.device, self.dtype, tuple(getattr(*owners[0]).shape), modes.of(name))
+            for name, owners in owners_of.items()
         }
         start = timer()
         rows = tuple(sorted({1, max_rows}))
         choices = []
         for name, owners in owners_of.items():
             weights = [getattr(o, a) for o, a in owners]
-            choice, trial = choose_path(name, weights, rows, mode, paths_of[name], (previous or {}).get(name), timer)
+            choice, trial = choose_path(name, weights, rows, modes.of(name), paths_of[name], (previous or {}).get(name), timer)
             del weights
             if choice.path != "dense":
                 for index, (owner, attr) in enumerate(owners):
@@ -264,7 +267,8 @@ class Stage(nn.Module):
         decision = self._decode_layers_decision
         if decision is None or any(now is not then for now, then in zip(ops, decision[0])):
             compiled = self.compiled_functions
-            runs = bool(compiled) and all(
+            one_call_allowed = self.cpu_kernels is not None and self.cpu_kernels.one_call
+            runs = bool(compiled) and one_call_allowed and all(
                 all(getattr(layer.ops, op) is compiled[op] for op in DECODE_LAYER_OPS)
                 and all(getattr(layer, name).dim() == 4 for name in DECODE_LAYER_MATMULS)
                 and layer.ends_gate_up_in_silu_and_mul()

@@ -7,7 +7,7 @@ import torch
 from graphrt.batch import StepMetadata
 from graphrt.config import ModelConfig
 from graphrt.errors import GraphrtError
-from graphrt.kernels import kernel_set
+from graphrt.kernels import ForcedModes, kernel_set
 from graphrt.kernels.cpu_kernel_choice import CpuKernelChoice, LayerShapes, choose_cpu_kernels
 from graphrt.kernels.cpu_kernel_choice import mode_from_env as cpu_kernel_mode_from_env
 from graphrt.kernels.matmul_choice import MatmulChoice, MatmulPlan, mode_from_env, summarize
@@ -86,12 +86,14 @@ class Pipeline:
             stages.append(stage)
         return Pipeline(stages, [])
 
-    def choose_matmuls(self, max_rows: int, cached: list[MatmulPlan] | None = None, mode: str | None = None) -> None:
+    def choose_matmuls(
+        self, max_rows: int, cached: list[MatmulPlan] | None = None, mode: ForcedModes | str | None = None
+    ) -> None:
         """Each stage runs each weight shape on F.linear, packed oneDNN or compiled panels, whichever
         is fastest here at one row and at `max_rows` (Stage.choose_matmuls). A stage reuses what
         `cached` (the graph cache's plans, by stage) or an earlier stage on the same device chose
-        for a shape, so a shape is timed once per device. `mode`: auto, dense, packed or panel;
-        None reads GRAPHRT_MATMUL."""
+        for a shape, so a shape is timed once per device. `mode`: auto, dense, packed or panel, for
+        every shape or by shape name; None reads GRAPHRT_MATMUL. What it forces comes before `cached`."""
         mode = mode_from_env() if mode is None else mode
         known: dict[torch.device, dict[str, MatmulChoice]] = {}
         for position, stage in enumerate(self.stages):
@@ -101,10 +103,13 @@ class Pipeline:
             plan = stage.choose_matmuls(max_rows, mode, previous)
             known.setdefault(stage.device, {}).update(plan.by_name())
 
-    def choose_cpu_kernels(self, max_rows: int, block_size: int, mode: str | None = None) -> None:
+    def choose_cpu_kernels(
+        self, max_rows: int, block_size: int, mode: ForcedModes | str | None = None, cached: dict[str, str] | None = None
+    ) -> None:
         """Each CPU stage runs each hot-path op on its compiled kernel or its torch reference,
         whichever is faster here at `max_rows` (kernels/cpu_kernel_choice.py); timed once per device.
-        `mode`: auto, torch or compiled; None reads GRAPHRT_CPU_KERNELS."""
+        `mode`: auto, torch or compiled, for every op or by op; None reads GRAPHRT_CPU_KERNELS.
+        `cached`: op -> path, the graph cache's, taken for the ops `mode` leaves to be timed."""
         mode = cpu_kernel_mode_from_env() if mode is None else mode
         chosen: dict[torch.device, CpuKernelChoice] = {}
         for stage in self.stages:
@@ -112,7 +117,7 @@ class Pipeline:
                 continue  # a CUDA stage keeps its kernel set's (--kernels)
             if stage.device not in chosen:
                 chosen[stage.device] = choose_cpu_kernels(
-                    LayerShapes.of(stage.cfg), block_size, stage.dtype, stage.device, max_rows, mode
+                    LayerShapes.of(stage.cfg), block_size, stage.dtype, stage.device, max_rows, mode, cached=cached
                 )
             stage.use_cpu_kernels(chosen[stage.device])
 

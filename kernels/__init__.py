@@ -6,7 +6,7 @@ signatures run on CUDA. A stage calls them through the `KernelSet` chosen by `--
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from graphrt.kernels import activation, paged_attention, rmsnorm, rotary
@@ -37,13 +37,53 @@ TORCH = KernelSet(
 )
 
 
-def mode_from_env(name: str, modes: tuple[str, ...], environ: Mapping[str, str]) -> str:
-    """The mode an environment variable forces (GRAPHRT_MATMUL, GRAPHRT_CPU_KERNELS): one of `modes`,
-    case-insensitive; unset or empty is "auto". Raises ValueError naming the variable."""
-    mode = environ.get(name, "auto").strip().lower() or "auto"
-    if mode not in modes:
-        raise ValueError(f"{name} must be one of {', '.join(modes)}, got {environ[name]!r}")
-    return mode
+@dataclass(frozen=True)
+class ForcedModes:
+    """What an environment variable (GRAPHRT_MATMUL, GRAPHRT_CPU_KERNELS) forces, name by name: the
+    mode of each name in `by_name` (a weight shape, an op), `default` for the others. "auto" leaves
+    a name to be measured."""
+
+    default: str = "auto"
+    by_name: Mapping[str, str] = field(default_factory=dict)
+
+    def of(self, name: str) -> str:
+        return self.by_name.get(name, self.default)
+
+    def describe(self, names: tuple[str, ...]) -> str:
+        """What is forced among `names`, e.g. "o_proj=panel, qkv_proj=packed"; "" if nothing is."""
+        return ", ".join(f"{name}={self.of(name)}" for name in names if self.of(name) != "auto")
+
+
+def as_forced(mode: ForcedModes | str) -> ForcedModes:
+    """A bare mode forces it for every name."""
+    return mode if isinstance(mode, ForcedModes) else ForcedModes(mode)
+
+
+def mode_from_env(
+    name: str, modes: tuple[str, ...], environ: Mapping[str, str], names: Mapping[str, tuple[str, ...]] | None = None
+) -> ForcedModes:
+    """What an environment variable forces: a comma-separated list of a mode for every name and of
+    NAME=MODE for one, case-insensitive, e.g. GRAPHRT_MATMUL=packed, GRAPHRT_MATMUL=o_proj=panel
+    (the other shapes measured) or GRAPHRT_MATMUL=o_proj=panel,packed. `modes` are the modes a bare
+    entry may take; `names` the names an entry may give, each with its own modes (default: `modes`).
+    Unset or empty is "auto" for all. Raises ValueError naming the variable and what it accepts."""
+    text = environ.get(name, "").strip().lower()
+    names = names or {}
+    default, by_name = "auto", {}
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = entry.rpartition("=")
+        key, value = key.strip(), value.strip()
+        if not key:
+            if value not in modes:
+                raise ValueError(f"{name} must be one of {', '.join(modes)}, or NAME=MODE entries, got {environ[name]!r}")
+            default = value
+            continue
+        if key not in names:
+            raise ValueError(f"{name} names {key!r}, which is not one of {', '.join(names)}; got {environ[name]!r}")
+        if value not in names[key]:
+            raise ValueError(f"{name}: {key} must be one of {', '.join(names[key])}, got {value!r}")
+        by_name[key] = value
+    return ForcedModes(default, by_name)
 
 
 def kernel_set(name: str, device_type: str) -> KernelSet:
@@ -59,4 +99,4 @@ def kernel_set(name: str, device_type: str) -> KernelSet:
     return triton_ops.TRITON
 
 
-__all__ = ["KERNEL_CHOICES", "TORCH", "KernelSet", "kernel_set", "mode_from_env", "rotary_cos_sin"]
+__all__ = ["KERNEL_CHOICES", "TORCH", "ForcedModes", "KernelSet", "as_forced", "kernel_set", "mode_from_env", "rotary_cos_sin"]

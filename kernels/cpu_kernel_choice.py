@@ -23,13 +23,13 @@ from typing import Callable, Mapping
 import torch
 
 from graphrt.config import ModelConfig
-from graphrt.kernels import TORCH, KernelSet
+from graphrt.kernels import TORCH, ForcedModes, KernelSet, as_forced
 from graphrt.kernels import mode_from_env as env_mode
 
 logger = logging.getLogger("graphrt")
 
 MODES = ("auto", "torch", "compiled")
-MODE_ENV = "GRAPHRT_CPU_KERNELS"  # forces a path for tests and benchmarks; auto (measure) by default
+MODE_ENV = "GRAPHRT_CPU_KERNELS"  # forces paths, for every op or by name (tests, benchmarks); auto (measure) by default
 NUM_CALLS = 7  # per path, alternating
 MAX_CONTEXT = 384  # tokens: a long chat turn; longer contexts favour the compiled attention further
 MARGIN = 0.05  # the kernel must beat the reference by this much, so noise does not flip a tie
@@ -43,8 +43,15 @@ PREFILL_PROMPTS, PREFILL_TOKENS = 4, 128  # prefill attention is timed on a chun
 DECODE_LAYER_OPS = ("rms_norm", "apply_rotary", "write_kv", "paged_decode_attention", "silu_and_mul")
 
 
-def mode_from_env(environ: Mapping[str, str] = os.environ) -> str:
-    return env_mode(MODE_ENV, MODES, environ)
+# Besides the ops, GRAPHRT_CPU_KERNELS names the sampler's greedy argmax and the one-call decode step
+# (graphrt::decode_layers, which runs wherever every layer qualifies unless it is turned off).
+FORCEABLE = {**{op: MODES for op in OPS}, "greedy_argmax": MODES, "decode_layers": ("auto", "off")}
+
+
+def mode_from_env(environ: Mapping[str, str] = os.environ) -> ForcedModes:
+    """GRAPHRT_CPU_KERNELS: a path for every op (`compiled`), or by op (`paged_prefill_attention=torch`,
+    the others measured; `rms_norm=torch,compiled`), and `decode_layers=off`."""
+    return env_mode(MODE_ENV, MODES, environ, FORCEABLE)
 
 
 @dataclass(frozen=True)
@@ -83,14 +90,19 @@ class CpuKernelChoice:
     """The kernels of a CPU stage, op by op, and why."""
 
     paths: dict[str, str]  # op (a KernelSet field) -> torch | compiled
-    source: str  # measured | forced (GRAPHRT_CPU_KERNELS) | only (the kernels can't run here: `note`)
-    seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # op -> path -> median s per call
+    # measured (some ops timed) | forced (GRAPHRT_CPU_KERNELS) | cached (the graph cache's, some
+    # perhaps forced) | only (the kernels can't run here: `note`)
+    source: str
+    seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # op -> path -> median s per call (the timed ops)
     rows: int = 0
     note: str | None = None
+    # Where not every op's path came the same way: op -> forced | cached (the timed ops are in `seconds`).
+    settled: dict[str, str] = field(default_factory=dict)
+    one_call: bool = True  # whether a decode step's layers may run in one call (GRAPHRT_CPU_KERNELS=decode_layers=off)
 
     @classmethod
-    def everywhere(cls, path: str, source: str, note: str | None = None) -> CpuKernelChoice:
-        return cls({op: path for op in OPS}, source, note=note)
+    def everywhere(cls, path: str, source: str, note: str | None = None, one_call: bool = True) -> CpuKernelChoice:
+        return cls({op: path for op in OPS}, source, note=note, one_call=one_call)
 
     def functions(self) -> dict[str, Callable]:
         """op -> the function that runs it."""
@@ -111,15 +123,27 @@ class CpuKernelChoice:
         line = "CPU kernels: " + (f"compiled {', '.join(compiled)}" if compiled else "torch references")
         if len(compiled) not in (0, len(OPS)):
             line += f"; torch {', '.join(name(op) for op in OPS if self.paths[op] == 'torch')}"
+        why = []
         if self.source == "measured":
             times = ", ".join(
-                f"{name(op)} {self.seconds[op]['compiled'] * 1e3:.3f} vs {self.seconds[op]['torch'] * 1e3:.3f}" for op in OPS
+                f"{name(op)} {self.seconds[op]['compiled'] * 1e3:.3f} vs {self.seconds[op]['torch'] * 1e3:.3f}" for op in self.seconds
             )
-            return (f"{line} (ms per call at {self.rows} rows, prefill attention on {PREFILL_PROMPTS} prompts of "
-                    f"{PREFILL_TOKENS} tokens, compiled vs torch: {times})")
-        if self.source == "forced":
-            return f"{line} (forced by {MODE_ENV})"
-        return f"{line} ({self.note})"
+            why.append(f"ms per call at {self.rows} rows, prefill attention on {PREFILL_PROMPTS} prompts of "
+                       f"{PREFILL_TOKENS} tokens, compiled vs torch: {times}")
+        elif self.source == "only":
+            why.append(self.note)
+        for how, words in (("forced", f"forced by {MODE_ENV}"), ("cached", "from the graph cache")):
+            ops = [op for op in OPS if self.settled.get(op) == how]
+            if self.source == how and len(ops) in (0, len(OPS)):
+                why.append(words)  # every op, or (`settled` empty) every op came this way
+            elif ops:
+                why.append(f"{', '.join(map(name, ops))} {words}")
+        line = f"{line} ({'; '.join(why)})"
+        return line if self.one_call else f"{line}; decode layers one by one ({MODE_ENV}=decode_layers=off)"
+
+    def to_json(self) -> dict:
+        """What a graph cache records: each op's path."""
+        return dict(self.paths)
 
 
 def timing_inputs(op: str, shapes: LayerShapes, rows: int, block_size: int, dtype: torch.dtype, seed: int = 0) -> tuple:
@@ -212,16 +236,25 @@ def faster(seconds: Mapping[str, float], tie: str = "torch") -> str:
 
 
 def choose_greedy_argmax(
-    device: torch.device, vocab_size: int, rows: int, mode: str = "auto", timer: Callable[[], float] = time.perf_counter
+    device: torch.device,
+    vocab_size: int,
+    rows: int,
+    mode: ForcedModes | str = "auto",
+    timer: Callable[[], float] = time.perf_counter,
+    cached: str | None = None,
 ) -> tuple[Callable, str | None]:
     """The greedy argmax for a sampler on `device` and one line saying which and why (None on CUDA,
     which runs torch's): on a CPU the compiled one or torch's, timed on float32 logits of `rows`
-    rows as the ops above are timed, or the one `mode` forces."""
+    rows as the ops above are timed, or the one `mode` forces (for `greedy_argmax`), or the one a
+    graph cache recorded (`cached`: compiled or torch)."""
     from graphrt.kernels import argmax, elementwise_cpu
 
+    mode = as_forced(mode).of("greedy_argmax")
     functions = {"compiled": elementwise_cpu.greedy_argmax, "torch": argmax.greedy_argmax}
     if device.type != "cpu":
         return argmax.greedy_argmax, None
+    if mode == "auto" and cached in functions and settled_path("auto", torch.float32, device) is None:
+        return functions[cached], f"greedy argmax: {cached} (from the graph cache)"
     settled = settled_path(mode, torch.float32, device)
     if settled is not None:
         path, note = settled
@@ -240,25 +273,47 @@ def choose_cpu_kernels(
     dtype: torch.dtype,
     device: torch.device,
     rows: int,
-    mode: str = "auto",
+    mode: ForcedModes | str = "auto",
     timer: Callable[[], float] = time.perf_counter,
+    cached: Mapping[str, str] | None = None,
 ) -> CpuKernelChoice:
-    """The kernels for a CPU stage of these shapes, at `rows` rows (its largest decode bucket); a
-    forced `mode` comes first. A CUDA stage has no choice: it runs its kernel set's (--kernels)."""
+    """The kernels for a CPU stage of these shapes, at `rows` rows (its largest decode bucket): per
+    op, the path `mode` forces, else the one `cached` (the graph cache's) gives, else the faster. A
+    CUDA stage has no choice: it runs its kernel set's (--kernels)."""
     if device.type != "cpu":
         raise ValueError(f"only a CPU stage chooses its CPU kernels; a {device.type} stage runs its kernel set's")
-    settled = settled_path(mode, dtype, device)
-    if settled is not None:
-        path, note = settled
-        if note is None:
-            return CpuKernelChoice.everywhere(path, "forced")
-        logger.warning("CPU kernels: the torch references, as %s", note)
-        return CpuKernelChoice.everywhere(path, "only", note=note)
+    modes = as_forced(mode)
+    one_call = modes.of("decode_layers") != "off"
+    by_op = {op: modes.of(op) for op in OPS}
+    if set(by_op.values()) == {"torch"}:
+        return CpuKernelChoice.everywhere("torch", "forced", one_call=one_call)
+    for op, op_mode in by_op.items():
+        settled = settled_path(op_mode, dtype, device)  # raises where `compiled` is forced and can't run here
+        if settled is not None and settled[1] is not None:  # the compiled kernels can't run here
+            logger.warning("CPU kernels: the torch references, as %s", settled[1])
+            return CpuKernelChoice.everywhere("torch", "only", note=settled[1], one_call=one_call)
+    settled_how = {op: "forced" for op, op_mode in by_op.items() if op_mode != "auto"}
+    for op in OPS:
+        if by_op[op] == "auto" and (cached or {}).get(op) in ("torch", "compiled"):
+            by_op[op], settled_how[op] = cached[op], "cached"
+    timed = [op for op, op_mode in by_op.items() if op_mode == "auto"]
+    if not timed:
+        source = "cached" if "cached" in settled_how.values() else "forced"
+        mixed = len(set(settled_how.values())) > 1
+        return CpuKernelChoice(by_op, source, rows=rows, settled=settled_how if mixed else {}, one_call=one_call)
     compiled = compiled_ops()
     seconds = {
         op: time_paths({"compiled": compiled[op], "torch": TORCH_OPS[op]},
                        timing_inputs(op, shapes, rows, block_size, dtype), timer)
-        for op in OPS
+        for op in timed
     }
-    paths = {op: faster(s, tie="compiled" if op in DECODE_LAYER_OPS else "torch") for op, s in seconds.items()}
-    return CpuKernelChoice(paths, "measured", seconds, rows)
+    paths = {op: faster(seconds[op], tie="compiled" if op in DECODE_LAYER_OPS else "torch") if op in seconds else by_op[op]
+             for op in OPS}
+    return CpuKernelChoice(paths, "measured", seconds, rows, settled=settled_how, one_call=one_call)
+
+
+def argmax_path(greedy_argmax: Callable) -> str:
+    """Which greedy argmax a sampler runs, as a graph cache records it: compiled or torch."""
+    from graphrt.kernels import elementwise_cpu
+
+    return "compiled" if greedy_argmax is elementwise_cpu.greedy_argmax else "torch"

@@ -37,12 +37,14 @@ from typing import Callable, Hashable, Mapping
 import torch
 
 from graphrt.cpu_info import cpu_l3_bytes
+from graphrt.kernels import ForcedModes
 from graphrt.kernels import mode_from_env as env_mode
 from graphrt.kernels.linear import can_pack, can_use_panels, convert, linear
 
 PATH_NAMES = {"dense": "F.linear", "packed": "packed oneDNN", "panel": "compiled panels"}  # dense, the reference, first
 MODES = ("auto", *PATH_NAMES)
-MODE_ENV = "GRAPHRT_MATMUL"  # forces a path for tests and benchmarks; auto (measure) by default
+MODE_ENV = "GRAPHRT_MATMUL"  # forces paths, for every shape or by name (tests, benchmarks); auto (measure) by default
+SHAPE_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")  # a stage's weight shapes
 
 # Timing one weight shape: rounds until SHAPE_BUDGET_S is spent and every path and row count has
 # MIN_SAMPLES calls timed, never past SHAPE_LIMIT_S. For the default model 0.45 to 0.95 s in all,
@@ -56,8 +58,10 @@ MARGIN = 0.03
 FAR_BEHIND = 2.0
 
 
-def mode_from_env(environ: Mapping[str, str] = os.environ) -> str:
-    return env_mode(MODE_ENV, MODES, environ)
+def mode_from_env(environ: Mapping[str, str] = os.environ) -> ForcedModes:
+    """GRAPHRT_MATMUL: a path for every shape (`packed`), or by shape name (`o_proj=panel,packed`:
+    o_proj in panels, the others packed; `o_proj=panel`: the others measured)."""
+    return env_mode(MODE_ENV, MODES, environ, {name: MODES for name in SHAPE_NAMES})
 
 
 @dataclass(frozen=True)

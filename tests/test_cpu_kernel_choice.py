@@ -97,6 +97,8 @@ def test_a_forced_mode_measures_nothing(monkeypatch):
         choose_cpu_kernels(**{**SHAPES, "device": torch.device("cuda")})
     with pytest.raises(ValueError, match="GRAPHRT_CPU_KERNELS must be one of auto, torch, compiled"):
         mode_from_env({"GRAPHRT_CPU_KERNELS": "fast"})
+    with pytest.raises(ValueError, match="GRAPHRT_CPU_KERNELS: decode_layers must be one of auto, off, got 'torch'"):
+        mode_from_env({"GRAPHRT_CPU_KERNELS": "decode_layers=torch"})
     with pytest.raises(ValueError, match="must be one of auto, torch, compiled, got 'fast'"):
         choose_cpu_kernels(**SHAPES, mode="fast")
 
@@ -137,3 +139,60 @@ def test_a_cuda_stage_keeps_its_kernel_set():
     pipeline = Pipeline([CudaStage()], [])
     pipeline.choose_cpu_kernels(max_rows=8, block_size=16, mode="auto")
     assert pipeline.kernel_summary() == "kernels: the triton kernels on cuda"
+
+
+def test_ops_can_be_forced_one_by_one_and_the_rest_are_timed(monkeypatch):
+    timed = []
+    monkeypatch.setattr(cpu_extension, "unavailable_reason", lambda *_: None)
+    monkeypatch.setattr(cpu_kernel_choice, "timing_inputs", lambda op, *_: (op,))
+    monkeypatch.setattr(cpu_kernel_choice, "time_paths", lambda paths, inputs, timer: timed.append(inputs[0]) or {"compiled": 1.0, "torch": 2.0})
+    modes = mode_from_env({"GRAPHRT_CPU_KERNELS": "paged_prefill_attention=torch, rms_norm=torch, decode_layers=off"})
+    choice = choose_cpu_kernels(**SHAPES, mode=modes)
+    assert timed == [op for op in OPS if op not in ("paged_prefill_attention", "rms_norm")]
+    assert choice.paths == {op: "torch" if op in ("paged_prefill_attention", "rms_norm") else "compiled" for op in OPS}
+    assert not choice.one_call
+    summary = choice.summary()
+    assert "; prefill attention, rms_norm forced by GRAPHRT_CPU_KERNELS)" in summary
+    assert summary.endswith("; decode layers one by one (GRAPHRT_CPU_KERNELS=decode_layers=off)")
+    # Every op forced: nothing is timed.
+    timed.clear()
+    choice = choose_cpu_kernels(**SHAPES, mode=mode_from_env({"GRAPHRT_CPU_KERNELS": "rms_norm=torch,compiled"}))
+    assert timed == [] and choice.source == "forced" and choice.paths["rms_norm"] == "torch"
+    assert choice.summary().endswith("(forced by GRAPHRT_CPU_KERNELS)")
+
+
+def test_the_graph_cache_gives_the_ops_nothing_forces(monkeypatch):
+    monkeypatch.setattr(cpu_extension, "unavailable_reason", lambda *_: None)
+    monkeypatch.setattr(cpu_kernel_choice, "time_paths", lambda *_: pytest.fail("timed an op the cache gave"))
+    cached = {op: "torch" if op == "write_kv" else "compiled" for op in OPS}
+    choice = choose_cpu_kernels(**SHAPES, cached=cached)
+    assert (choice.paths, choice.source) == (cached, "cached")
+    assert choice.summary().endswith("(from the graph cache)")
+    forced = choose_cpu_kernels(**SHAPES, mode=mode_from_env({"GRAPHRT_CPU_KERNELS": "write_kv=compiled"}), cached=cached)
+    assert forced.paths == {op: "compiled" for op in OPS}  # the environment comes first
+    assert forced.summary().endswith("(KV writes forced by GRAPHRT_CPU_KERNELS; decode attention, prefill attention, "
+                                     "rms_norm, rotary, silu_and_mul from the graph cache)")
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+def test_a_start_with_the_graph_cache_runs_the_cpu_kernels_it_recorded(tiny_model_factory, tmp_path, monkeypatch):
+    from graphrt.capture.manifest import read_manifest, write_manifest
+    from graphrt.cli import build_manifest
+
+    model = tiny_model_factory("llama-gqa-tied")
+    # What no timing here would choose, for the test to see it come back: the references for the
+    # attention, the kernels for the rest, and torch's argmax.
+    monkeypatch.setenv("GRAPHRT_CPU_KERNELS", "paged_decode_attention=torch,paged_prefill_attention=torch,greedy_argmax=torch,compiled")
+    engine = LLM(model=model, pp=2, dtype="float32", kv_cache_tokens=256).engine
+    write_manifest(tmp_path, build_manifest(engine))
+    recorded = read_manifest(tmp_path)["cpu_kernels"]
+    assert recorded == {"ops": engine.pipeline.stages[0].cpu_kernels.paths, "greedy_argmax": "torch"}
+    monkeypatch.setenv("GRAPHRT_CPU_KERNELS", "auto")
+    monkeypatch.setattr(cpu_kernel_choice, "time_paths", lambda *_: pytest.fail("timed a kernel the cache gave"))
+    cached = LLM(model=model, pp=2, dtype="float32", kv_cache_tokens=256, cache=tmp_path).engine
+    for stage in cached.pipeline.stages:
+        assert stage.cpu_kernels.paths == recorded["ops"]
+        assert stage.layers[0].ops.paged_decode_attention is TORCH.paged_decode_attention
+    assert cached.sampler.greedy_argmax is argmax.greedy_argmax
+    summary = cached.kernel_summary()
+    assert "(from the graph cache)" in summary and "greedy argmax: torch (from the graph cache)" in summary

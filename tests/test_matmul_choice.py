@@ -14,8 +14,10 @@ from graphrt import LLM
 from graphrt.capture.manifest import StaleCacheError, cached_matmul_plans, read_manifest, write_manifest
 from graphrt.cli import build_manifest
 from graphrt.doctor import run_doctor
+from graphrt.kernels import ForcedModes
 from graphrt.kernels.linear import can_pack, dense_weight, linear, weight_form
 from graphrt.kernels.matmul_choice import (
+    SHAPE_NAMES,
     MatmulChoice,
     MatmulPlan,
     available_paths,
@@ -133,10 +135,22 @@ def test_forcing_a_path_comes_before_any_measurement_and_a_bad_value_is_named():
     assert summarize([MatmulPlan((choice,), (1, 8))]) == "matmuls: F.linear for o_proj (F.linear where GRAPHRT_MATMUL's path can't run here)"
     choice, _ = choose_path("o_proj", weights, (1, 8), "auto", ("dense",))  # float64, or not a CPU
     assert (choice.path, choice.source) == ("dense", "only")
-    assert mode_from_env({"GRAPHRT_MATMUL": "Panel"}) == "panel"
-    assert mode_from_env({}) == "auto"
-    with pytest.raises(ValueError, match="GRAPHRT_MATMUL must be one of auto, dense, packed, panel, got 'fast'"):
+
+
+def test_graphrt_matmul_forces_a_path_for_every_shape_or_by_name():
+    assert mode_from_env({"GRAPHRT_MATMUL": "Panel"}) == ForcedModes("panel")
+    assert mode_from_env({}) == ForcedModes("auto")
+    one = mode_from_env({"GRAPHRT_MATMUL": " o_proj=panel "})
+    assert [one.of(name) for name in ("o_proj", "qkv_proj", "lm_head")] == ["panel", "auto", "auto"]
+    mixed = mode_from_env({"GRAPHRT_MATMUL": "o_proj=panel,packed,lm_head=dense"})
+    assert [mixed.of(name) for name in ("o_proj", "qkv_proj", "lm_head")] == ["panel", "packed", "dense"]
+    assert mixed.describe(SHAPE_NAMES) == "qkv_proj=packed, o_proj=panel, gate_up_proj=packed, down_proj=packed, lm_head=dense"
+    with pytest.raises(ValueError, match="GRAPHRT_MATMUL must be one of auto, dense, packed, panel, or NAME=MODE entries, got 'fast'"):
         mode_from_env({"GRAPHRT_MATMUL": "fast"})
+    with pytest.raises(ValueError, match="GRAPHRT_MATMUL names 'v_proj', which is not one of qkv_proj, o_proj"):
+        mode_from_env({"GRAPHRT_MATMUL": "v_proj=panel"})
+    with pytest.raises(ValueError, match="GRAPHRT_MATMUL: o_proj must be one of auto, dense, packed, panel, got 'fast'"):
+        mode_from_env({"GRAPHRT_MATMUL": "o_proj=fast"})
 
 
 @needs_onednn
