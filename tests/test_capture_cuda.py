@@ -22,11 +22,17 @@ from helpers import run_counting_feed_reads
 pytestmark = pytest.mark.cuda
 
 BUCKETS = [1, 2, 4, 8]
-# depth=0: a ring of 2 slots, so n decode rows travel as micro-batches of n // 2 rows.
+# depth=0 and both stages on one GPU: n decode rows travel as one micro-batch of up to 8 rows (the
+# largest bucket), not one per ring slot (EngineConfig.num_decode_micro_batches counts GPUs).
 OPTIONS = dict(pp=2, devices=["cuda:0", "cuda:0"], dtype="float32", buckets=BUCKETS, kv_cache_tokens=8192, depth=0)
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-# 1 prompt decodes in bucket 1; 6 prompts as 3 rows per micro-batch (bucket 4, one padding row); 16 as 8.
-PROMPT_SETS = [[[5, 9, 2]], [[3 + i] * (2 + 3 * i) for i in range(6)], [[(7 * i) % 90 + 1] * (4 + i) for i in range(16)]]
+# 1 prompt decodes in bucket 1; 3 in bucket 4 (one padding row); 6 in bucket 8 (two); 16 as two micro-batches of 8.
+PROMPT_SETS = [
+    [[5, 9, 2]],
+    [[3 + i] * (2 + 3 * i) for i in range(3)],
+    [[3 + i] * (2 + 3 * i) for i in range(6)],
+    [[(7 * i) % 90 + 1] * (4 + i) for i in range(16)],
+]
 
 
 def build(model, kernels: str = "torch", **options) -> LLM:

@@ -22,10 +22,12 @@ from graphrt.capture.capture import CaptureError
 from graphrt.model import Stage
 
 model, case, broken = sys.argv[1], sys.argv[2], int(sys.argv[3])
-OPTIONS = dict(pp=2, devices=["cuda:0", "cuda:0"], dtype="float32", buckets=[1, 2, 4, 8], kv_cache_tokens=8192, kernels="torch")
+OPTIONS = dict(pp=2, devices=["cuda:0", "cuda:0"], dtype="float32", buckets=[1, 2, 4, 8], kv_cache_tokens=8192, kernels="torch", depth=0)
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-# Two slots (pp 2, depth 0): 2 * (broken - 1) prompts decode as broken - 1 rows, in the broken bucket.
-PROMPTS = [[3 + i] * (2 + 3 * i % 11) for i in range(2 * (broken - 1))]
+# Both stages on one GPU, depth 0: a decode round's rows go in one micro-batch
+# (EngineConfig.num_decode_micro_batches), so broken - 1 prompts decode as broken - 1 rows, in the
+# broken bucket (with one padding row) at every step.
+PROMPTS = [[3 + i] * (2 + 3 * i % 11) for i in range(broken - 1)]
 forward = Stage.forward
 
 

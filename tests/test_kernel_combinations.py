@@ -121,3 +121,36 @@ def test_every_kernel_combination_matches_float64(model, reference, prompts, mon
                 f"{run}, prompt of {len(seq.prompt_ids)}: mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f} "
                 f"({engine.pipeline.matmul_summary()}; {engine.kernel_summary()})"
             )
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("built_cpu_kernels")
+def test_a_server_on_that_choice_answers_a_prefix_hit_as_it_answered_the_first_time(default_model, monkeypatch):
+    """Issue 29's server, on this CPU: bfloat16, the engine in its own process (which inherits the
+    forced choice), the chat question four times, streamed and not, the last three prefix hits."""
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    from helpers import running_server
+
+    monkeypatch.setenv("GRAPHRT_MATMUL", "o_proj=panel,packed")
+    monkeypatch.setenv("GRAPHRT_CPU_KERNELS", "compiled")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with running_server("process", model=default_model, dtype="bfloat16") as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        answers = []
+        for stream in (False, True, False, True):
+            request = dict(model=default_model.name, messages=question, max_tokens=24, temperature=0, logprobs=True)
+            if stream:
+                chunks = list(client.chat.completions.create(**request, stream=True))
+                scored = [entry for chunk in chunks for choice in chunk.choices if choice.logprobs for entry in (choice.logprobs.content or [])]
+            else:
+                scored = client.chat.completions.create(**request).choices[0].logprobs.content
+            answers.append([(entry.token, entry.logprob) for entry in scored])
+        metrics = httpx.get(f"{server.url}/metrics").text
+    hits = next(line for line in metrics.splitlines() if line.startswith("graphrt_prefix_cache_hits_total "))
+    assert float(hits.split()[1]) >= 3 * 32  # each later prompt found its two full blocks cached
+    first = answers[0]
+    assert "Paris" in "".join(token for token, _ in first)
+    for again in answers[1:]:
+        assert [token for token, _ in again] == [token for token, _ in first]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(again, first)) < 0.25  # bfloat16 rounding of another chunking
