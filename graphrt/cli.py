@@ -52,7 +52,7 @@ def model_options(command):
         click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default=None, help="Decode kernels [default: triton on CUDA, torch elsewhere]."),
         click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest decode bucket [default: 32 on CPU; on CUDA from KV cache memory, 8 to 256]."),
         click.option("--buckets", default=None, help="Decode bucket sizes, e.g. 1,2,4,8,16 [default: 1, 2, 4, 8, then every 8 up to --max-batch]."),
-        click.option("--depth", type=click.IntRange(min=0), default=None, help="Micro-batches in flight beyond one per stage: the ring has pp + depth slots [default: 1 with several CUDA stages, else 0]."),
+        click.option("--depth", type=click.IntRange(min=0), default=None, help="Micro-batches in flight beyond one per stage: the ring has pp + depth slots [default: 1 with CUDA stages on several GPUs, else 0]."),
         click.option("--async-scheduling/--no-async-scheduling", default=True, help="Launch a slot's next decode step before its tokens are read back, so the host's turnaround overlaps the stages' work [default: on]."),
         click.option("--no-prefix-caching", is_flag=True, help="Prefill every prompt whole instead of reusing the KV blocks of prefixes computed before."),
         click.option("--no-graphs", is_flag=True, help="Replay decode eagerly over the same static buffers instead of CUDA graphs."),

@@ -158,6 +158,33 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def default_devices(pp: int) -> list[str]:
+    """cuda:0..pp-1 with enough GPUs, every stage on cuda:0 with fewer, cpu without CUDA."""
+    if not torch.cuda.is_available():
+        return ["cpu"] * pp
+    if torch.cuda.device_count() >= pp:
+        return [f"cuda:{i}" for i in range(pp)]
+    return ["cuda:0"] * pp
+
+
+def num_concurrent_stages(devices: list[str | torch.device]) -> int:
+    """How many of the stages placed on `devices` (one per stage) compute at the same moment: one
+    per distinct GPU, and every CPU stage.
+
+    Stages on one GPU share its SMs and its HBM, and a decode step is bound by reading weights, so
+    they work in turn, not at once. Each CPU stage runs on a worker thread of its own with an
+    OpenMP team sized to the cores left to it (graphrt.streams, graphrt.openmp), so CPU stages do
+    overlap, and each counts: with its rows in one micro-batch, one thread would wait for the other.
+    """
+    distinct, cpu_stages = set(), 0
+    for device in map(torch.device, devices):
+        if device.type == "cpu":
+            cpu_stages += 1
+        else:  # "cuda" is the current device, cuda:0 unless a caller chose another
+            distinct.add((device.type, device.index or 0))
+    return len(distinct) + cpu_stages
+
+
 @dataclass
 class EngineConfig:
     """What the user chooses. Validated in `__post_init__`."""
@@ -219,15 +246,28 @@ class EngineConfig:
             self.dtype = parse_dtype(self.dtype)
 
     def default_depth(self) -> int:
-        """1 for several CUDA stages, else 0 (measured: benchmarks/results.md, "ring depth").
+        """1 for CUDA stages on several GPUs, else 0 (measured: benchmarks/results.md, "ring depth").
 
         A deeper ring hides the host's turnaround behind other micro-batches, which matters when a
         stage's work takes about as long as that turnaround (GPU stages: milliseconds). It also
         splits each decode round into more, smaller micro-batches, each reading the stage's weights
-        once: on one stage, or on CPU stages sharing the same cores, that only costs throughput.
+        once: on one stage, on stages that share one GPU, or on CPU stages sharing the same cores,
+        that only costs throughput.
         """
-        on_cuda = all(d.startswith("cuda") for d in self.devices) if self.devices else torch.cuda.is_available()
-        return 1 if self.pp > 1 and on_cuda else 0
+        devices = self.devices or default_devices(self.pp)
+        on_cuda = all(d.startswith("cuda") for d in devices)
+        return 1 if on_cuda and num_concurrent_stages(devices) > 1 else 0
+
+    def num_decode_micro_batches(self, devices: list[str]) -> int:
+        """How many micro-batches a decode round's rows are spread over (Scheduler.schedule): one
+        per stage that computes at the same time as the others, plus `depth`.
+
+        Stages that share a GPU take turns on its memory bandwidth, so rows split between them only
+        read the same weights again from the same HBM: pp 4 on one GPU at batch 64 would run 5
+        micro-batches of 12 rows, each re-reading every weight, for 0.35-0.5x of pp 1. With the
+        rows in one micro-batch those stages read each weight once per round, as pp 1 does.
+        """
+        return num_concurrent_stages(devices) + self.depth
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
         """auto: on CUDA the model's half dtype (bfloat16 unless it is float16); on a CPU bfloat16

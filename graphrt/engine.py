@@ -24,7 +24,7 @@ from graphrt.capture.manifest import (
     software_versions,
     stale_fields,
 )
-from graphrt.config import EngineConfig, ModelConfig
+from graphrt.config import EngineConfig, ModelConfig, default_devices
 from graphrt.errors import ModelLoadError, RequestError, StageError
 from graphrt.handshake import StagePlan
 from graphrt.block_allocator import BlockAllocator
@@ -33,7 +33,7 @@ from graphrt.kernels.cpu_kernel_choice import argmax_path, choose_greedy_argmax
 from graphrt.kernels.cpu_kernel_choice import mode_from_env as cpu_kernel_mode_from_env
 from graphrt.kv_cache import bytes_per_block
 from graphrt.openmp import LoadWatch, release_thread_pool
-from graphrt.pipeline import Pipeline, default_devices, partition_layers
+from graphrt.pipeline import Pipeline, partition_layers
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline
 from graphrt.remote import Cluster, load_first_stage
@@ -134,6 +134,8 @@ class Engine:
         self.sampler = Sampler(self.devices[-1], config.seed, greedy_argmax)
         self.timeline = Timeline(self.devices) if config.timeline else None
         self.stage_plan = self._stage_plan(num_blocks)
+        # Decode rows go to as many micro-batches as stages can run at once (+ depth), not to every slot.
+        self.num_decode_micro_batches = config.num_decode_micro_batches(self.devices)
         if self.cluster:
             self.cluster.handshake(self.stage_plan)
         self.ring = (self.cluster.make_ring if self.cluster else Ring)(
@@ -347,7 +349,7 @@ class Engine:
         (it may admit waiting requests), so trying the next slot is safe.
         """
         for slot in self.ring.open_slots():
-            step = self.scheduler.schedule(self.ring.num_slots, follows=slot.in_flight[-1].id if slot.in_flight else None)
+            step = self.scheduler.schedule(self.num_decode_micro_batches, follows=slot.in_flight[-1].id if slot.in_flight else None)
             if step is not None:
                 break
         else:

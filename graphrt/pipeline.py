@@ -50,15 +50,6 @@ def partition_layers(cfg: ModelConfig, pp: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
 
 
-def default_devices(pp: int) -> list[str]:
-    """cuda:0..pp-1 with enough GPUs, every stage on cuda:0 with fewer, cpu without CUDA."""
-    if not torch.cuda.is_available():
-        return ["cpu"] * pp
-    if torch.cuda.device_count() >= pp:
-        return [f"cuda:{i}" for i in range(pp)]
-    return ["cuda:0"] * pp
-
-
 class Pipeline:
     """The stages of one model, each with its KV cache, run one after another for a step.
 

@@ -168,8 +168,9 @@ class Scheduler:
         waits for nothing it would not wait for anyway. Never past max_tokens.
         The prompt chunks of one sequence may fill several slots, since each stage runs them in
         order.
-        Decode rows are spread over the ring (about 1/num_slots of them per slot, never more
-        than the largest bucket) so every slot carries work.
+        Decode rows are spread over `num_slots` micro-batches (about 1/num_slots of them in each,
+        never more than the largest bucket) so every stage that can work at once carries work; the
+        engine passes EngineConfig.num_decode_micro_batches, which counts GPUs, not stages.
         """
         self._admit()
         prefilling = [s for s in self.running if s.in_prefill]
