@@ -147,9 +147,10 @@ def capture_stage(
                 graph, record = None, GraphRecord(stage.index, bucket, "eager", 0, None, None, None, "marked eager in the graph cache (--allow-eager at capture)")
             else:
                 graph, record = record_cuda_graph(stage, cache, inputs, pool, side_stream, allow_eager)
-                if graph is None and not any(g.mode == "graph" for g in graphs.values()):
-                    # The failed graph held the pool's only reference and gave it back: torch
-                    # refuses to capture into a pool whose count fell to 0, so start a new one.
+                if graph is None:
+                    # A new pool after any failure: the failed graph may have held the pool's only
+                    # reference (torch refuses a pool whose count fell to 0), and what a broken
+                    # capture allocated or left recording there is not for later graphs to share.
                     pool = torch.cuda.graph_pool_handle()
             graph = graph or EagerStageGraph(stage, cache, inputs)
             record.capture_ms = (time.perf_counter() - start) * 1000

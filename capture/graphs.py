@@ -106,16 +106,20 @@ class CudaStageGraph:
                     stage(inputs.x, inputs.meta, cache)
             side_stream.synchronize()
             graph, kept = new_cuda_graph()
+            # Begin and end inside the try: capture_begin puts the allocator in capture mode before
+            # cudaStreamBeginCapture can fail, and capture_end raises when CUDA invalidated the
+            # capture without the op that did it raising (a sync from another thread, say); both
+            # would leave the allocator recording into the pool.
             with torch.cuda.stream(side_stream):
-                graph.capture_begin(pool=pool)
                 try:
+                    graph.capture_begin(pool=pool)
                     output = stage(inputs.x, inputs.meta, cache)
+                    graph.capture_end()
+                    if kept:  # otherwise capture_end instantiated it
+                        graph.instantiate()
                 except BaseException:
                     abandon_capture(graph, stage.device, pool)
                     raise
-                graph.capture_end()
-            if kept:  # otherwise capture_end instantiated it
-                graph.instantiate()
             caller.wait_stream(side_stream)
         return CudaStageGraph(graph, inputs, output)
 
@@ -145,25 +149,41 @@ def host_syncs_raise():
 
 
 def abandon_capture(graph: torch.cuda.CUDAGraph, device: torch.device, pool) -> None:
-    """Undo what a capture that raised left behind, so later captures in this process still work.
+    """Undo what a failed capture left behind, wherever it failed, so later captures in this
+    process still work. The exception already raised is the one the caller sees; the ones from
+    cleaning up are dropped.
 
-    Ending the capture ends it on the stream, but when CUDA reports the capture invalidated, torch
-    raises before it takes the allocator out of capture mode for the pool and before the graph
-    counts as captured (so its destructor never gives back its reference to the pool). The next
-    `empty_cache()` would then assert. Both are done here; the exception already raised is the one
-    the caller sees, so the second one from ending the capture is dropped.
+    torch's CUDAGraph (aten/src/ATen/cuda/CUDAGraph.cpp) takes the allocator into capture mode for
+    the pool (beginAllocateToPool, a reference to the pool) before cudaStreamBeginCapture, and out
+    of it (endAllocateToPool) only after cudaStreamEndCapture succeeded; a graph counts as captured,
+    and gives its pool reference back on reset(), only once capture_end got through. So:
+    - the stream may still be capturing (the op raised): end it, which fails when CUDA invalidated
+      the capture and ends it anyway;
+    - a graph that counts as captured (a failed instantiate, or an op that raised without CUDA
+      noticing) is reset, which returns its pool reference;
+    - otherwise, if the allocator is still recording into the pool, that is ended and the pool
+      reference it took is returned; if torch already ended it ("Invalid capture." after a
+      successful end), the reference is left, and the pool is never used again (capture_stage
+      starts a new one after any failure).
+    The next `empty_cache()` would assert on an allocator left in capture mode. (The pinned host
+    allocator's record of the capture, torch >= 2.9, has no Python binding to end; it routes by
+    capture id, which no stream carries once the capture has ended.)
     """
     try:
         graph.capture_end()
     except RuntimeError:
         pass
+    try:
+        graph.pool()  # raises unless the graph counts as captured
+    except RuntimeError:
+        pass
     else:
-        graph.reset()  # a clean end: the graph holds the pool reference, and resetting returns it
+        graph.reset()
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
         torch._C._cuda_endAllocateToPool(index, pool)
-    except RuntimeError:  # torch got as far as ending it: the allocator is already out of capture mode
+    except RuntimeError:  # not recording into the pool: torch ended it, or never began
         return
     torch._C._cuda_releasePool(index, pool)
 
