@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from graphrt.cpu_placement import CPU_PLACEMENTS, MIN_CORES_TO_PIN
 from graphrt.errors import GraphrtError
 
 # A server's prefill chunks are half an offline run's (EngineConfig.prefill_chunk_size, 512, which
@@ -286,9 +287,12 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
 @click.option("--timeout-body", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds a client has to send a request body, from the end of its head [default: 30].")
 @click.option("--timeout-keep-alive", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds an idle keep-alive connection stays open [default: 5].")
 @click.option("--no-engine-process", is_flag=True, help="Step the engine on a thread of the server's process instead of in a process of its own.")
+@click.option("--cpu-placement", type=click.Choice(CPU_PLACEMENTS), default="auto", show_default=True,
+              help="pin: the server's front on the first usable core, the engine process and its threads on the rest; "
+                   f"float: both over every core; auto: pin with {MIN_CORES_TO_PIN} usable cores or more, else float.")
 def serve(
     cache, max_num_seqs, max_model_len, prefill_chunk_size, host, port, api_key, api_key_file, max_body_bytes,
-    max_connections, timeout_header, timeout_body, timeout_keep_alive, no_engine_process, **model_args,
+    max_connections, timeout_header, timeout_body, timeout_keep_alive, no_engine_process, cpu_placement, **model_args,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM."""
     from graphrt.server import ServeOptions
@@ -307,6 +311,7 @@ def serve(
         limits=ConnectionLimits(**{name: value for name, value in limits.items() if value is not None}),
         llm_kwargs=llm_kwargs,
         engine_process=not no_engine_process,
+        cpu_placement=cpu_placement,
     )
     run_server(options, echo=click.echo)
 

@@ -23,9 +23,9 @@ pytestmark = pytest.mark.slow
 API_KEY = "shutdown-test-key"
 
 
-def start_server(max_batch: int = 4) -> tuple[subprocess.Popen, str, list[str]]:
+def start_server(max_batch: int = 4, extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, list[str]]:
     env = {**os.environ, "GRAPHRT_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "graphrt", "serve", "--port", "0", "--max-model-len", "512", "--max-batch", str(max_batch)]
+    command = [sys.executable, "-m", "graphrt", "serve", "--port", "0", "--max-model-len", "512", "--max-batch", str(max_batch), *extra_args]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
     deadline = time.monotonic() + 120
@@ -51,7 +51,8 @@ def test_signal_cancels_streams_and_exits_0(sig):
         # The kernels it runs, op by op compiled or torch reference, and why (kernels/cpu_kernel_choice.py).
         assert re.match(r"\[graphrt\] CPU kernels: (compiled|torch references).* \(", banner[2])
         assert re.match(r"\[graphrt\] warm-up \d+\.\d s", banner[3])
-        assert banner[5].startswith(f"try: curl {url}/v1/chat/completions") and "Authorization: Bearer $GRAPHRT_API_KEY" in banner[5]
+        assert re.match(r"\[graphrt\] cpu placement: (pin|float) \(", banner[4])  # and why (tests/test_cpu_placement.py)
+        assert banner[6].startswith(f"try: curl {url}/v1/chat/completions") and "Authorization: Bearer $GRAPHRT_API_KEY" in banner[6]
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 401  # the key came from the env
         events, first_event = [], threading.Event()
 

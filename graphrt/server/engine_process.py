@@ -15,9 +15,10 @@ Messages are typed msgspec structs over msgpack (never pickle): `AddJob`, `Abort
 `Fatal` the other, on two ZMQ PUSH/PULL pairs over IPC sockets in a private folder.
 
 If the engine process dies, every request in flight gets a 503 and the server stops with a
-non-zero exit; if the front dies, the engine process notices its parent gone and exits. With
-cores to spare (4 or more usable), the front is pinned to the first and the engine process, its
-stage threads and torch's threads to the rest; on fewer cores both float over all of them.
+non-zero exit; if the front dies, the engine process notices its parent gone and exits. Where
+the front and the engine run is planned once, in the front (graphrt.cpu_placement): pinned, the
+engine process is started on every core, told its own, and pins itself; the front pins itself to
+its core after the start.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from graphrt.cpu_placement import CpuPlacement, pin_process, plan_cpu_placement, usable_cores
 from graphrt.default_model import default_model_dir
 from graphrt.errors import GraphrtError
 from graphrt.logprobs import TokenLogprob
@@ -57,7 +59,6 @@ logger = logging.getLogger("graphrt.server")
 STARTUP_TIMEOUT_S = 900.0  # loading and capturing a large model can take minutes
 PARENT_CHECK_S = 1.0  # how often an idle engine process checks that the front is still there
 WATCH_INTERVAL_S = 0.1  # how often the front checks that the engine process is still there
-MIN_CORES_TO_PIN = 4
 
 
 # -- the wire ------------------------------------------------------------------------------------
@@ -137,10 +138,6 @@ class Fatal(msgspec.Struct, tag=True):
 
 ToEngine = Union[AddJob, AbortJob, StopChoice, Shutdown]
 ToFront = Union[Ready, JobAdmitted, JobRejected, JobFailed, Outputs, Fatal]
-
-
-def usable_cores() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 # -- the engine process ----------------------------------------------------------------------------
@@ -244,13 +241,14 @@ ENGINE_PROCESS_MAIN = "import sys; from graphrt.server.engine_process import eng
 
 
 def engine_process_main() -> int:
-    """The engine process: `python -c ENGINE_PROCESS_MAIN COMMANDS RESULTS pin|float`, with the LLM
-    options as JSON on stdin."""
+    """The engine process: `python -c ENGINE_PROCESS_MAIN COMMANDS RESULTS`, with the LLM options and
+    the cores to pin itself to (null: stay where it was started) as JSON on stdin."""
     logging.basicConfig(level=logging.WARNING, format="[graphrt engine] %(message)s")
     from graphrt.server.runner import warm_up  # the runner imports this module
 
-    commands_address, results_address, placement = sys.argv[1:4]
-    llm_kwargs = json.loads(sys.stdin.read())
+    commands_address, results_address = sys.argv[1:3]
+    launch = json.loads(sys.stdin.read())
+    llm_kwargs, engine_cores = launch["llm_kwargs"], launch["engine_cores"]
     # Ctrl+C reaches the whole process group; the front decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stopping = threading.Event()
@@ -261,18 +259,18 @@ def engine_process_main() -> int:
     results.connect(results_address)
     results.setsockopt(zmq.LINGER, 5000)  # the last answers go out before the process exits
     encoder = msgspec.msgpack.Encoder()
-    cores = usable_cores()
-    if placement == "pin":
-        os.sched_setaffinity(0, set(cores[1:]))  # the first core is the front's
     try:
+        if engine_cores is not None:
+            pin_process(engine_cores, "the engine process")
         import torch
 
         from graphrt.llm import LLM
         from graphrt.openmp import share_load_with
 
-        share_load_with(os.getppid())  # the front loads its tokenizer meanwhile: not a busy neighbour
-        if placement == "pin" and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(len(cores) - 1)
+        if engine_cores is not None and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(len(engine_cores))
+        if engine_cores is None:  # pinned, the front works on a core this process's load watch leaves out
+            share_load_with(os.getppid())  # the front loads its tokenizer meanwhile: not a busy neighbour
         start = time.perf_counter()
         engine = LLM(**llm_kwargs, load_tokenizer=False).engine  # the front tokenizes
         banner = [
@@ -315,9 +313,10 @@ class _FrontJob:
 class EngineClient:
     """The front's handle on the engine process: the same interface as `AsyncEngine`."""
 
-    def __init__(self, llm_kwargs: dict, echo=print, pin: bool = False):
-        """Start the engine process and wait until it is loaded and warmed up. `pin`: with cores to
-        spare, this process takes the first and the engine process the rest (`graphrt serve`)."""
+    def __init__(self, llm_kwargs: dict, echo=print, placement: CpuPlacement | None = None):
+        """Start the engine process and wait until it is loaded and warmed up. `placement`: where
+        this process and the engine process run (graphrt.cpu_placement; `graphrt serve` plans it
+        from --cpu-placement); None floats both over the cores this process may use."""
         # The model folder is settled first (the default model converted, once, on every core) so
         # that this process can load its tokenizer while the engine process loads the weights.
         model_dir = Path(llm_kwargs["model"]) if llm_kwargs.get("model") is not None else default_model_dir()
@@ -331,16 +330,24 @@ class EngineClient:
         self._results = self._async_context.socket(zmq.PULL)
         self._results.bind(results_address)
         self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToFront)
-        cores = usable_cores()
-        pin = pin and len(cores) >= MIN_CORES_TO_PIN
-        if pin:
-            os.sched_setaffinity(0, {cores[0]})
+        self.placement = placement or plan_cpu_placement("float", usable_cores())
+        # Started before this process pins itself, so the engine process never runs on the front's core alone.
         self.process = subprocess.Popen(
-            [sys.executable, "-c", ENGINE_PROCESS_MAIN, commands_address, results_address, "pin" if pin else "float"],
-            stdin=subprocess.PIPE,
+            [sys.executable, "-c", ENGINE_PROCESS_MAIN, commands_address, results_address], stdin=subprocess.PIPE,
         )
-        self.process.stdin.write(json.dumps({**llm_kwargs, "model": model_dir}, default=str).encode())
+        launch = {
+            "llm_kwargs": {**llm_kwargs, "model": model_dir},
+            "engine_cores": list(self.placement.engine_cores) if self.placement.pinned else None,
+        }
+        self.process.stdin.write(json.dumps(launch, default=str).encode())
         self.process.stdin.close()
+        if self.placement.pinned:
+            try:
+                pin_process(self.placement.front_cores, "the server's front process")
+            except BaseException:
+                self._reap()
+                self._close_sockets()
+                raise
         loader = ThreadPoolExecutor(1, thread_name_prefix="graphrt-tokenizer")
         tokenizer = loader.submit(Tokenizer.from_dir, model_dir)
         loader.shutdown(wait=False)

@@ -20,6 +20,7 @@ from typing import Callable
 
 import uvicorn
 
+from graphrt.cpu_placement import CPU_PLACEMENTS, CpuPlacement, plan_cpu_placement, usable_cores
 from graphrt.errors import GraphrtError
 from graphrt.sampling import SamplingParams
 from graphrt.server.app import ServerSettings, build_app
@@ -40,10 +41,13 @@ class ServeOptions:
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     llm_kwargs: dict = field(default_factory=dict)  # graphrt.LLM's: model, pp, depth, cache, max_num_seqs, ...
     engine_process: bool = True  # the engine in a process of its own (graphrt.server.engine_process)
+    cpu_placement: str = "auto"  # auto, pin or float: where the front and the engine run (graphrt.cpu_placement)
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
             check_api_key_value(self.api_key, "the API key")
+        if self.cpu_placement not in CPU_PLACEMENTS:
+            raise ValueError(f"cpu_placement {self.cpu_placement!r} is not one of {', '.join(CPU_PLACEMENTS)}")
 
 
 def check_api_key_value(key: str, source: str) -> None:
@@ -196,13 +200,15 @@ def curl_example(url: str, model_id: str, with_key: bool) -> str:
     return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
-def start_engine(options: ServeOptions, echo: Callable[[str], None]) -> AsyncEngine | EngineClient | None:
+def start_engine(
+    options: ServeOptions, placement: CpuPlacement, echo: Callable[[str], None],
+) -> AsyncEngine | EngineClient | None:
     """Load and warm up the engine, printing each phase; None if SIGINT or SIGTERM came first."""
     # Until uvicorn takes the signals over, SIGTERM stops the start-up the way Ctrl+C does.
     previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if options.engine_process:
-            return EngineClient(options.llm_kwargs, echo, pin=True)
+            return EngineClient(options.llm_kwargs, echo, placement)
         start = time.perf_counter()
         engine = load_engine(options)
         echo(f"[graphrt] load and capture {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, "
@@ -226,11 +232,13 @@ def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
     warning = exposure_warning(options.host, options.api_key)
     if warning is not None:
         echo(warning)
+    placement = plan_cpu_placement(options.cpu_placement, usable_cores(), options.engine_process)
     sock = bind_socket(options.host, options.port)
     try:
-        async_engine = start_engine(options, echo)
+        async_engine = start_engine(options, placement, echo)
         if async_engine is None:
             return
+        echo(f"[graphrt] {placement.describe()}")
         model_id = (async_engine.model_dir if options.engine_process else async_engine.engine.model_dir).name
         settings = ServerSettings(model_id=model_id, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
         url = address_of(sock)
