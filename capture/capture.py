@@ -36,11 +36,14 @@ class GraphRecord:
     stage: int
     bucket: int
     mode: str  # "graph" | "eager"
-    capture_ms: float
+    capture_ms: float  # recording and instantiating the graph (a failed attempt: all of it)
     pool_bytes: int | None
     nodes: dict[str, int] | None
     max_abs_error: float | None
     note: str | None = None  # why a field is null, or why this pair fell back to eager
+    # The rehearsal and warm-up runs before recording: first calls compile and autotune the Triton
+    # kernels (a start with a warm TRITON_CACHE_DIR skips the compile) and set up cuBLAS.
+    warmup_ms: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -140,7 +143,6 @@ def capture_stage(
         bar.set_postfix(bucket=bucket)
         with ranges.capture(stage.index, bucket):  # record + verify, as one NVTX range
             inputs = StaticInputs.allocate(stage, bucket, max_blocks)
-            start = time.perf_counter()
             if not use_cuda_graphs:
                 graph, record = None, GraphRecord(stage.index, bucket, "eager", 0, None, None, None, "eager backend: no CUDA graph, so no pool or nodes")
             elif bucket in forced_eager:
@@ -153,7 +155,6 @@ def capture_stage(
                     # capture allocated or left recording there is not for later graphs to share.
                     pool = torch.cuda.graph_pool_handle()
             graph = graph or EagerStageGraph(stage, cache, inputs)
-            record.capture_ms = (time.perf_counter() - start) * 1000
             record.max_abs_error = verify_bucket(graph, stage, cache, plan, bucket)
             if record.max_abs_error is None and record.note is not None:
                 record.note += f"; eager pairs are verified at bucket {plan.max_batch}"
@@ -168,6 +169,7 @@ def record_cuda_graph(stage, cache, inputs, pool, side_stream, allow_eager: bool
     """Record one (stage, bucket); on failure raise CaptureError, or with allow_eager return None."""
     bucket = inputs.x.shape[0]
     pool_before = pool_segment_bytes(pool)
+    started = time.perf_counter()
     try:
         rehearse_stage(stage, cache, inputs)  # names the op; a failed capture would only say CUDA refused
         with frozen_gc():
@@ -185,10 +187,13 @@ def record_cuda_graph(stage, cache, inputs, pool, side_stream, allow_eager: bool
             raise CaptureError(f"{cause}; fix it, or pass --allow-eager to run this pair eagerly") from None
         note = f"capture failed, running eagerly: {str(exc).splitlines()[0]}"
         logger.warning("%s: %s", where, note)
-        return None, GraphRecord(stage.index, bucket, "eager", 0, None, None, None, note)
+        return None, GraphRecord(stage.index, bucket, "eager", (time.perf_counter() - started) * 1000, None, None, None, note)
+    total_ms = (time.perf_counter() - started) * 1000
     pool_bytes = pool_segment_bytes(pool) - pool_before  # what this graph added to the stage's pool
     nodes, why_no_nodes = graph_node_counts(graph.graph)
-    return graph, GraphRecord(stage.index, bucket, "graph", 0, pool_bytes, nodes, None, why_no_nodes)
+    record = GraphRecord(stage.index, bucket, "graph", graph.capture_ms, pool_bytes, nodes, None, why_no_nodes)
+    record.warmup_ms = total_ms - graph.capture_ms
+    return graph, record
 
 
 def verify_bucket(graph, stage: Stage, cache: StageKVCache, plan: BucketPlan, bucket: int) -> float | None:

@@ -8,6 +8,7 @@ reset the padding rows, replay, hand back the rows out.
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -84,8 +85,9 @@ class CudaStageGraph:
 
     mode = "graph"
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: StaticInputs, output: torch.Tensor):
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: StaticInputs, output: torch.Tensor, capture_ms: float = 0.0):
         self.graph, self.inputs, self.output = graph, inputs, output
+        self.capture_ms = capture_ms  # capture_begin to instantiated: the warm-ups before it are not counted
 
     @staticmethod
     def record(
@@ -105,6 +107,7 @@ class CudaStageGraph:
                 with host_syncs_raise():  # a sync inside capture is a bare CUDA error; here it names its op
                     stage(inputs.x, inputs.meta, cache)
             side_stream.synchronize()
+            capture_from = time.perf_counter()
             graph, kept = new_cuda_graph()
             # Begin and end inside the try: capture_begin puts the allocator in capture mode before
             # cudaStreamBeginCapture can fail, and capture_end raises when CUDA invalidated the
@@ -120,8 +123,9 @@ class CudaStageGraph:
                 except BaseException:
                     abandon_capture(graph, stage.device, pool)
                     raise
+            capture_ms = (time.perf_counter() - capture_from) * 1000
             caller.wait_stream(side_stream)
-        return CudaStageGraph(graph, inputs, output)
+        return CudaStageGraph(graph, inputs, output, capture_ms)
 
     def replay(self, max_seq_len: int | None = None) -> torch.Tensor:
         self.graph.replay()

@@ -68,9 +68,10 @@ def check(device: str) -> str:
     for llm in (graphed, eager):
         llm.engine.close()
     capture_ms = sum(r.capture_ms for r in engine.graph_records)
+    warmup_ms = sum(r.warmup_ms for r in engine.graph_records)
     return (
         f"smoke ok on {device}: {len(engine.graph_records)} (stage, bucket) pairs recorded ({engine.backend} backend, "
-        f"{capture_ms:.0f} ms), greedy tokens with graphs equal eager for {len(with_graphs)} prompts; "
+        f"warm-up {warmup_ms:.0f} ms, recording {capture_ms:.0f} ms), greedy tokens with graphs equal eager for {len(with_graphs)} prompts; "
         f"build {built - started:.1f} s, generate {time.perf_counter() - built:.1f} s"
     )
 

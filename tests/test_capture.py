@@ -20,7 +20,7 @@ from graphrt.ring import build_inputs
 from graphrt.step import ScheduledStep
 
 FIELDS = set(IDENTITY_FIELDS) | {"schema_version", "created", "graphrt", "model_dir", "kv_cache_blocks", "kv_cache_bytes", "null_reasons", "graphs"}
-GRAPH_FIELDS = {"stage", "bucket", "mode", "capture_ms", "pool_bytes", "nodes", "max_abs_error", "note"}
+GRAPH_FIELDS = {"stage", "bucket", "mode", "warmup_ms", "capture_ms", "pool_bytes", "nodes", "max_abs_error", "note"}
 
 
 def run_cli(*args: str):
@@ -128,6 +128,31 @@ def test_unwritable_output_folder(tmp_path, tiny_model_factory):
     result = run_cli("capture", "--model", tiny_model_factory(), "--out", blocker / "cache")
     assert result.exit_code == 1 and "cannot write the graph cache" in result.output
     assert result.output.count("\n") == 1
+
+
+def test_the_report_shows_warm_up_apart_from_recording():
+    """First calls compile the Triton kernels (into the cache's empty TRITON_CACHE_DIR), which a start
+    with the cache skips; recording is paid on every start. A cache written before the two were apart
+    still reads, and says what its one figure holds."""
+    from graphrt.capture.report import manifest_table
+
+    manifest = {
+        "model_fingerprint": "0" * 64, "architecture": "LlamaForCausalLM", "dtype": "bfloat16", "pp": 1,
+        "stages": [{"layers": [0, 2], "device": "cuda:0"}], "backend": "cuda", "kernels": "triton", "buckets": [1, 2],
+        "block_size": 16, "torch": "2.9", "triton": "3.5", "cuda": "12.8", "driver": "12.8",
+        "graphs": [
+            {"stage": 0, "bucket": 1, "mode": "graph", "warmup_ms": 9.5, "capture_ms": 3.0},
+            {"stage": 0, "bucket": 2, "mode": "graph", "warmup_ms": 1500.0, "capture_ms": 4.0},
+        ],
+    }
+    table = manifest_table(manifest)
+    assert "warm-up 1.51 s" in table and "recording 0.01 s" in table
+    assert "    0      2 graph   1500.0      4.0" in table
+    for graph in manifest["graphs"]:
+        del graph["warmup_ms"]
+    old = manifest_table(manifest)
+    assert "capture 0.01 s, warm-up and Triton compile included" in old
+    assert "    0      2 graph        -      4.0" in old
 
 
 def test_manifest_is_never_half_written(tmp_path):

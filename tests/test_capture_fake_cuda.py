@@ -1,4 +1,5 @@
-"""A capture that fails anywhere leaves the allocator out of capture mode and its pool unshared.
+"""Capture on a model of torch's CUDA graph API: a capture that fails anywhere leaves the allocator
+out of capture mode and its pool unshared; warm-up and recording are timed apart.
 
 torch.cuda is replaced by a model of what torch's CUDAGraph does with the caching allocator
 (aten/src/ATen/cuda/CUDAGraph.cpp): capture_begin takes the allocator into capture mode for the
@@ -11,6 +12,7 @@ only once capture_end got through. So these run on a CPU. The real thing: test_c
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -18,7 +20,7 @@ import torch
 
 import graphrt.capture.capture as capture_module
 from graphrt import LLM
-from graphrt.capture.capture import GraphRecord, capture_stage
+from graphrt.capture.capture import GraphRecord, capture_stage, record_cuda_graph
 from graphrt.capture.graphs import CudaStageGraph, EagerStageGraph, StaticInputs
 
 DEVICE = torch.device("cuda", 0)
@@ -210,3 +212,31 @@ def test_every_bucket_after_a_failed_one_captures_into_a_fresh_pool(cpu_stage, m
     after = [b for b in (8, 4, 2, 1) if b < broken]
     assert {used[b] for b in before} == {0}, used
     assert {used[b] for b in after} == {1}, used  # one new pool, shared by every later bucket
+
+
+WARMUP_S = 0.05
+
+
+class SlowFirstCalls(FakeStage):
+    """A forward whose eager runs take WARMUP_S (a Triton kernel compiling on its first call stands
+    for all of them) and whose recording is quick, as recording launches nothing."""
+
+    def __call__(self, x, meta, cache):
+        if self.cuda.capturing is None:
+            time.sleep(WARMUP_S)
+        return super().__call__(x, meta, cache)
+
+
+def test_warm_up_and_recording_are_timed_apart(fake_cuda, monkeypatch):
+    monkeypatch.setattr(capture_module, "rehearse_stage", lambda stage, cache, inputs: stage(inputs.x, inputs.meta, cache))
+    monkeypatch.setattr(capture_module, "pool_segment_bytes", lambda pool: 0)
+    monkeypatch.setattr(capture_module, "graph_node_counts", lambda graph: (None, "not counted here"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    stage = SlowFirstCalls(fake_cuda)
+    stage.index = 1
+    graph, record = record_cuda_graph(stage, None, StaticInputs(torch.zeros(4), None), ("pool", 1), FakeStream(), False)
+    assert record.mode == "graph" and graph.capture_ms == record.capture_ms
+    # The rehearsal, two warm-ups and the host-sync check run: four slow calls before recording.
+    assert record.warmup_ms >= 4 * WARMUP_S * 1000
+    assert record.capture_ms < WARMUP_S * 1000, record
+    assert record.to_json()["warmup_ms"] == record.warmup_ms
