@@ -1,7 +1,8 @@
 """Each decode hot-path Triton kernel against its torch reference: same results, and how fast.
 
     python benchmarks/kernels_gpu.py [--dtype bfloat16|float16|float32] [--batch-sizes 1,8,32,64]
-                                     [--contexts 1024,4096] [--repeats 25] [--eager] [--device cuda|cpu]
+                                     [--contexts 1024,4096] [--table-context 131072] [--repeats 25]
+                                     [--eager] [--device cuda|cpu]
 
 Shapes are Llama-3-8B's: hidden 4096, 32 heads, 8 kv heads, head_dim 128, intermediate 14336, one
 token per sequence (decode), KV blocks of 16 tokens scattered at random. For each case both kernels
@@ -13,6 +14,10 @@ launches from Python instead), after warm-up, median of --repeats. Achieved GB/s
 kernel must move at least (inputs read once, outputs written once) and is printed against the
 measured device copy bandwidth (read + write of a 1 GiB tensor). Prints a markdown table for
 benchmarks/results.md and exits 1 if any kernel is wrong.
+
+`--table-context N` gives decode attention block tables N tokens wide (scratch blocks past each
+context), as a graph recorded for max_model_len N holds them: the split count then comes from N, and
+each sequence's live context is still cut into that many parts (docs/kernels.md).
 
 `--device cpu` runs the kernels through Triton's interpreter (TRITON_INTERPRET=1) with host timers:
 a check of this script, not a measurement (use float32 there; the interpreter gets bfloat16 wrong).
@@ -164,7 +169,9 @@ def pointwise_cases(batch: int, dtype: torch.dtype, device: torch.device) -> lis
     ]
 
 
-def attention_cases(batch: int, context: int, dtype: torch.dtype, device: torch.device) -> list[Case]:
+def attention_cases(
+    batch: int, context: int, dtype: torch.dtype, device: torch.device, table_context: int | None = None
+) -> list[Case]:
     from graphrt.kernels import paged_attention, paged_attention_triton
 
     size = torch.finfo(dtype).bits // 8
@@ -173,6 +180,8 @@ def attention_cases(batch: int, context: int, dtype: torch.dtype, device: torch.
     cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k_cache, v_cache = (torch.randn(cache_shape, device=device, dtype=dtype) for _ in range(2))
     tables = (torch.randperm(num_blocks - 1, device=device) + 1).view(batch, blocks_per_seq)
+    if table_context is not None and table_context > context:  # a graph's table: scratch block 0 past the context
+        tables = torch.cat([tables, tables.new_zeros(batch, table_context // BLOCK_SIZE - blocks_per_seq)], dim=1)
     seq_lens = torch.full((batch,), context, device=device, dtype=torch.int64)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=device, dtype=dtype)
     k, v = (torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(2))
@@ -189,7 +198,8 @@ def attention_cases(batch: int, context: int, dtype: torch.dtype, device: torch.
             compared=lambda result, inputs: [inputs[2], inputs[3]],  # the caches, written in place
         ),
         Case(
-            "paged_decode_attention", f"{batch} seqs x {context} ctx, {NUM_HEADS}/{NUM_KV_HEADS} heads",
+            "paged_decode_attention",
+            f"{batch} seqs x {context} ctx{f' of {table_context}' if table_context else ''}, {NUM_HEADS}/{NUM_KV_HEADS} heads",
             kv_bytes + 2 * q.numel() * size,
             (q, k_cache, v_cache, tables, seq_lens, scale, context),
             paged_attention.paged_decode_attention,
@@ -207,6 +217,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--batch-sizes", type=parse_sizes, default=[1, 8, 32, 64])
     parser.add_argument("--contexts", type=parse_sizes, default=[1024, 4096])
+    parser.add_argument("--table-context", type=int, default=None, help="decode attention tables this many tokens wide, as a graph's for max_model_len")
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--eager", action="store_true", help="launch from Python instead of replaying a CUDA graph")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: check this script through Triton's interpreter")
@@ -230,7 +241,8 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     groups = [partial(pointwise_cases, batch, dtype, device) for batch in args.batch_sizes]
     groups += [
-        partial(attention_cases, batch, context, dtype, device) for batch in args.batch_sizes for context in args.contexts
+        partial(attention_cases, batch, context, dtype, device, args.table_context)
+        for batch in args.batch_sizes for context in args.contexts
     ]
     wrong = []
     for make_cases in groups:  # one shape's tensors at a time

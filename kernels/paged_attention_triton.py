@@ -7,7 +7,9 @@ and one split of the context, and serves all query heads of that GQA group at on
 tile is read once per group. Softmax is online over tiles of context, in float32 (float64 stays
 float64). When sequences x kv heads is too small to fill the GPU, the context is cut into a fixed
 number of splits (chosen from the block table's width, a static shape) whose partial results a
-second kernel merges (flash-decoding).
+second kernel merges (flash-decoding). Where each split starts is computed on the device from that
+sequence's own length, so every split has work whatever the live context, and a captured graph
+(whose table is max_model_len wide) replays for any length.
 
 Prefill attention stays the torch reference (`paged_attention.paged_prefill_attention`): prefill
 chunks are ragged, run eagerly, and are not on the decode hot path.
@@ -71,7 +73,7 @@ def _decode_split_kernel(
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
     scale, q_batch_stride, q_head_stride, table_stride,
     cache_block_stride, cache_token_stride, cache_head_stride,
-    num_heads, head_dim, block_size, tokens_per_split,
+    num_heads, head_dim, block_size,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -79,6 +81,10 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    # Each sequence's own context is cut into NUM_SPLITS parts (whole tiles), read here from the
+    # device: a split count chosen from the table's width (max_model_len in a graph) would leave
+    # all but the first splits idle on a short context.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -149,9 +155,11 @@ def _decode_merge_kernel(
 
 
 def default_num_splits(q: torch.Tensor, num_kv_heads: int, max_context: int) -> int:
-    """Enough splits for about two programs per SM, none shorter than MIN_TOKENS_PER_SPLIT.
+    """Enough splits for about two programs per SM, and no more than a context of `max_context`
+    tokens cut into MIN_TOKENS_PER_SPLIT parts takes.
 
-    Depends only on shapes and the device, never on sequence lengths, so a captured graph stays valid.
+    Depends only on shapes and the device, never on sequence lengths, so a captured graph stays
+    valid; each sequence's context is then cut into that many parts on the device.
     """
     if q.device.type != "cuda":
         return 1
@@ -186,7 +194,6 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = default_num_splits(q, num_kv_heads, max_context)
     tile, num_warps = _decode_tile(q.dtype)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), tile) * tile
     group = num_heads // num_kv_heads
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -202,7 +209,7 @@ def paged_decode_attention(
         out, partial_out, partial_max, partial_sum,
         scale, q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_heads, head_dim, block_size, tokens_per_split,
+        num_heads, head_dim, block_size,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=max(16, head_dim_pad),
         TILE=tile, NUM_SPLITS=num_splits,
         COMPUTE_DTYPE=tl.float64 if compute_dtype == torch.float64 else tl.float32,

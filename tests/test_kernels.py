@@ -143,10 +143,11 @@ DECODE_CASES = {  # heads, kv_heads, head_dim, block_size, seq_lens (all of them
 }
 
 
-def decode_inputs(case: str, dtype: torch.dtype):
-    """Query, NaN-poisoned caches holding context only up to seq_lens, shuffled block tables."""
+def decode_inputs(case: str, dtype: torch.dtype, table_blocks: int | None = None):
+    """Query, NaN-poisoned caches holding context only up to seq_lens, shuffled block tables
+    (`table_blocks` columns wide: a graph's table reaches max_model_len, past every live context)."""
     heads, kv_heads, head_dim, block_size, seq_lens = DECODE_CASES[case]
-    max_blocks = -(-max(seq_lens) // block_size) + 1  # one spare column: tables are wider than needed
+    max_blocks = table_blocks or -(-max(seq_lens) // block_size) + 1  # one spare column: tables are wider than needed
     num_blocks = 1 + len(seq_lens) * max_blocks
     generator = torch.Generator().manual_seed(len(case))
     tables = (torch.randperm(num_blocks - 1, generator=generator) + 1)[: len(seq_lens) * max_blocks]
@@ -174,6 +175,52 @@ def test_paged_decode_attention_matches_reference(poisoned_empty, dtype, case, n
         q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), tables, seq_lens, scale
     )
     assert_matches(got, expected)
+
+
+LONG_CONTEXTS = {"gqa2-long": (4, 2, 32, 16, [1, 200, 700]), "gqa4-one-long": (8, 2, 16, 16, [1000])}
+DECODE_CASES.update(LONG_CONTEXTS)
+
+
+@pytest.mark.parametrize("case", sorted(LONG_CONTEXTS))
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 5, 8])
+def test_paged_decode_attention_splits_each_context_into_parts_that_all_work(poisoned_empty, case, num_splits):
+    """Tables 2048 tokens wide, as in a graph recorded for a long max_model_len, hold contexts of
+    1 to 1000 tokens: every split count gives the reference's result."""
+    q, k_cache, v_cache, tables, seq_lens, scale = decode_inputs(case, torch.float32, table_blocks=128)
+    got = paged_attention_triton.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, num_splits=num_splits)
+    expected = paged_attention.paged_decode_attention(
+        q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), tables, seq_lens, scale
+    )
+    assert_matches(got, expected)
+
+
+@pytest.fixture
+def split_sums(monkeypatch) -> list[torch.Tensor]:
+    """The tensors paged_decode_attention makes with torch.empty_like: its per-split softmax sums,
+    (batch, heads, splits), which stay 0 for a split that read no context."""
+    made, real = [], torch.empty_like
+
+    def recording(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(torch, "empty_like", recording)
+    return made
+
+
+@pytest.mark.parametrize("seq_len, num_splits", [(200, 8), (700, 8), (33, 4), (1000, 5)])
+def test_every_split_of_a_short_context_in_a_wide_table_has_work(split_sums, seq_len, num_splits):
+    """On a 131k-token model at batch 1, splits cut from the table's width left 8 of 264 programs
+    with work; cut from each sequence's own length, a context spreads over every split it fills
+    (whole tiles: 32 tokens in float32)."""
+    q, k_cache, v_cache, tables, _, scale = decode_inputs("gqa2-long", torch.float32, table_blocks=128)
+    seq_lens = torch.tensor([seq_len] * 3, device=DEVICE)
+    paged_attention_triton.paged_decode_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), tables, seq_lens, scale,
+                                                  num_splits=num_splits)
+    (sums,) = split_sums  # (batch, heads, splits)
+    working = (sums[0, 0] > 0).sum().item()
+    tile = 32
+    assert working == min(num_splits, -(-seq_len // tile)), sums[0, 0]
 
 
 def test_paged_decode_attention_ignores_host_max_seq_len(poisoned_empty):
