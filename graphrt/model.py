@@ -105,8 +105,9 @@ class DecoderLayer(nn.Module):
         # read blocks an earlier prompt of the same chunk writes here (graphrt/scheduler.py).
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            attn = ops.paged_prefill_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.query_lens, meta.seq_lens_host, self.scale
+            attn = ops.paged_prefill_attention(  # the decode rows read meta.seq_lens, on the device once per micro-batch
+                q, k_cache, v_cache, meta.block_tables, meta.query_lens, meta.seq_lens_host, self.scale,
+                device_seq_lens=meta.seq_lens,
             )
         else:
             attn = ops.paged_decode_attention(

@@ -75,6 +75,7 @@ def paged_prefill_attention(
     scale: float,
     decode_attention: Callable = paged_decode_attention,
     prompt_attention: Callable | None = None,
+    device_seq_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A chunk of prompt tokens from several sequences, each attending causally to its context.
 
@@ -87,17 +88,25 @@ def paged_prefill_attention(
     of a gather and an attention call per row, in every layer. The rows after them go to
     `prompt_attention` (same arguments as this function, for those rows only) where given, else one
     F.scaled_dot_product_attention call per row here.
+
+    `device_seq_lens`: `seq_lens` as a (batch,) int64 tensor on q's device, which the decode rows
+    read. The caller builds it once per micro-batch (StepMetadata.seq_lens, copied from pinned
+    memory without blocking); without it, it is made here, which from a list on a GPU is a
+    synchronous copy: the host would wait for the device in every layer.
     """
     block_size = k_cache.shape[1]
     num_single = next((row for row, query_len in enumerate(query_lens) if query_len != 1), len(query_lens))
+    if num_single and device_seq_lens is None:
+        device_seq_lens = torch.tensor(seq_lens, dtype=torch.int64, device=q.device)
     if num_single == len(query_lens):
-        return _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, scale, decode_attention)
+        return _decode_rows(q, k_cache, v_cache, block_tables, seq_lens, device_seq_lens, scale, decode_attention)
     outputs = []
     if num_single:
         leading = slice(0, num_single)
-        outputs.append(
-            _decode_rows(q[leading], k_cache, v_cache, block_tables[leading], seq_lens[leading], scale, decode_attention)
-        )
+        outputs.append(_decode_rows(
+            q[leading], k_cache, v_cache, block_tables[leading], seq_lens[leading], device_seq_lens[leading], scale,
+            decode_attention,
+        ))
     if prompt_attention is not None:
         rest = slice(num_single, len(query_lens))
         outputs.append(prompt_attention(
@@ -130,9 +139,9 @@ def _decode_rows(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # (rows, max_blocks)
     seq_lens: list[int],
+    device_seq_lens: torch.Tensor,  # (rows,) the same, on q's device
     scale: float,
     decode_attention: Callable,
 ) -> torch.Tensor:
     """Rows with one query token each, attended as a decode batch: (rows, heads, head_dim)."""
-    lens = torch.tensor(seq_lens, dtype=torch.int64, device=q.device)
-    return decode_attention(q, k_cache, v_cache, block_tables, lens, scale, max(seq_lens))
+    return decode_attention(q, k_cache, v_cache, block_tables, device_seq_lens, scale, max(seq_lens))

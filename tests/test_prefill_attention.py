@@ -161,3 +161,54 @@ def test_the_compiled_prompt_attention_names_bad_rows():
     bad_table[0, 1] = 99
     with pytest.raises(RuntimeError, match=r"block_tables\[0, 1\] is 99, not a block of the 3-block cache"):
         op(q, k_cache, v_cache, bad_table, lens(4), lens(6), 0.25)
+
+
+@pytest.mark.parametrize("query_lens, seq_lens", [([1, 1, 1, 7, 5], [9, 1, 17, 7, 12]), ([1, 1], [3, 20])])
+def test_riders_read_the_lengths_the_caller_put_on_the_device(query_lens, seq_lens):
+    """Given the micro-batch's seq_lens tensor, a chunk gives the very same result as without it."""
+    q, k_cache, v_cache, tables = random_chunk(query_lens, seq_lens, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32)
+    args = (q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), tables, query_lens, seq_lens, HEAD_DIM**-0.5)
+    given = paged_prefill_attention(*args, device_seq_lens=torch.tensor(seq_lens))
+    torch.testing.assert_close(given, paged_prefill_attention(*args), rtol=0, atol=0)
+
+
+def test_a_chunk_with_riders_makes_no_length_tensor_per_layer(tiny_model_factory, monkeypatch):
+    """The decode rows of a prompt chunk read StepMetadata.seq_lens, copied to each stage's device
+    once per micro-batch: `torch.tensor(seq_lens, device=cuda)` in every layer was a host sync each.
+    Counts the tensors attention makes from host lists while a chunk with a rider runs (before: one
+    per layer), and checks the rider's logits are those it gets decoding alone."""
+    import sys
+
+    from graphrt import LLM, SamplingParams
+    from graphrt.kernels import paged_attention
+    from graphrt.ring import build_inputs
+    from graphrt.step import ScheduledStep
+
+    llm = LLM(model=tiny_model_factory(num_layers=4), pp=2, kernels="torch", dtype="float64", kv_cache_tokens=1024, buckets=[1, 2])
+    engine, greedy = llm.engine, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    def forward(step: ScheduledStep) -> torch.Tensor:  # (seqs, vocab): each sequence's last-token logits
+        token_ids, meta = build_inputs(step, engine.config.block_size)
+        return engine.pipeline.forward(token_ids, meta, engine.graphs)
+
+    rider = engine.add_request([5, 6, 7], greedy)
+    prompt = engine.scheduler.schedule()
+    engine.scheduler.update_from_output(prompt, [int(forward(prompt)[0].argmax())], 0.0)
+    engine.add_request([9] * 20, greedy)
+    chunk = engine.scheduler.schedule()
+    assert chunk.is_prefill and chunk.seqs[0] is rider and chunk.query_lens[0] == 1
+
+    made, real = [], torch.tensor
+
+    def counting(*args, **kwargs):
+        if sys._getframe(1).f_code.co_filename == paged_attention.__file__:
+            made.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", counting)
+    in_chunk = forward(chunk)[0]
+    monkeypatch.undo()
+    assert made == [], f"attention made {len(made)} tensors from host lists for one chunk"
+    alone = forward(ScheduledStep([rider], [1], is_prefill=False, starts=chunk.starts[:1]))[0]
+    torch.testing.assert_close(in_chunk, alone, rtol=1e-9, atol=1e-9)
+    engine.close()
