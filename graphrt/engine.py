@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from graphrt.capture.buckets import BucketPlan, default_buckets, default_max_batch
+from graphrt.capture.buckets import GPU_MAX_BATCH_LIMIT, BucketPlan, default_buckets, default_max_batch
 from graphrt.capture.capture import capture_stage
 from graphrt.capture.manifest import (
     StaleCacheError,
@@ -31,6 +31,7 @@ from graphrt.block_allocator import BlockAllocator
 from graphrt.kernels import argmax
 from graphrt.kernels.cpu_kernel_choice import argmax_path, choose_greedy_argmax
 from graphrt.kernels.cpu_kernel_choice import mode_from_env as cpu_kernel_mode_from_env
+from graphrt.kv_budget import kv_blocks_that_fit, measure_headroom
 from graphrt.kv_cache import bytes_per_block
 from graphrt.openmp import LoadWatch, release_thread_pool
 from graphrt.pipeline import Pipeline, partition_layers
@@ -49,8 +50,7 @@ from graphrt.weights import WeightFiles
 
 logger = logging.getLogger("graphrt")
 
-CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU
-GPU_MEMORY_FRACTION = 0.85  # share of free device memory the KV cache may take after the weights
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU (on GPUs: graphrt.kv_budget)
 
 
 class Engine:
@@ -97,11 +97,11 @@ class Engine:
         self.pipeline = (load_first_stage if self.cluster else Pipeline.load)(
             self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels
         )
+        self.backend = "cuda" if config.use_graphs and all(d.type == "cuda" for d in self.devices) else "eager"
         num_blocks = self._num_kv_blocks()
         self.pipeline.allocate_kv(num_blocks, config.block_size)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.plan = self._bucket_plan(num_blocks)
-        self.backend = "cuda" if config.use_graphs and all(d.type == "cuda" for d in self.devices) else "eager"
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         forced_eager = self._check_graph_cache() if self.cache_dir is not None else set()
         # Before timing the matmuls, which the tokenizer's thread would disturb.
@@ -230,7 +230,9 @@ class Engine:
 
     def _num_kv_blocks(self) -> int:
         """Every stage holds every block id (for its own layers), so the device that needs the most
-        bytes per block, relative to its free memory, decides how many blocks there are."""
+        bytes per block, relative to its free memory, decides how many blocks there are. On GPUs,
+        what graph pools, ring buffers and activations will take is measured first and left free
+        (graphrt.kv_budget), and free memory is read after that probe."""
         cfg, block_size = self.config, self.config.block_size
         if cfg.kv_cache_tokens is not None:
             return -(-cfg.kv_cache_tokens // block_size) + 1  # + the scratch block
@@ -240,7 +242,19 @@ class Engine:
                 self.model_config, len(stage.layers), block_size, self.dtype
             )
         if self.devices[0].type == "cuda":
-            fits = min(int(torch.cuda.mem_get_info(d)[0] * GPU_MEMORY_FRACTION) // size for d, size in per_block.items())
+            # The plan's largest bucket depends on the cache's size: measure at the most it can be.
+            max_batch = max(cfg.buckets) if cfg.buckets else min(cfg.max_batch or GPU_MAX_BATCH_LIMIT, cfg.max_num_seqs)
+            headroom = measure_headroom(
+                self.pipeline, block_size=block_size, max_model_len=self.max_model_len, max_batch=max_batch,
+                prefill_chunk_size=cfg.prefill_chunk_size, num_slots=cfg.pp + cfg.depth,
+                max_tokens=max(cfg.prefill_chunk_size, max_batch), use_cuda_graphs=self.backend == "cuda",
+            )
+            free = {d: torch.cuda.mem_get_info(d)[0] for d in per_block}
+            fits = kv_blocks_that_fit(free, headroom, per_block)
+            logger.info(
+                "KV cache: %d blocks; kept free besides it: %s", fits,
+                ", ".join(f"{d} {h.total / 2**20:.0f} MiB" for d, h in headroom.items()),
+            )
         else:
             fits = CPU_KV_CACHE_BYTES // sum(per_block.values())
         # No need for more than every sequence at full context.
