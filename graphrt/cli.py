@@ -366,8 +366,9 @@ def parse_depths(text: str) -> list[int]:
 
 
 @main.command()
-def doctor() -> None:
-    """Versions, GPUs and their memory, peer-to-peer access and links between GPUs, and whether nsys is installed."""
+@click.option("--no-cpu", is_flag=True, help="Skip timing the CPU matmul paths and kernels (seconds, and a build of the CPU kernels on first use).")
+def doctor(no_cpu) -> None:
+    """Versions, GPUs and their memory, peer-to-peer access and links between GPUs, whether nsys is installed, then the CPU."""
     from graphrt.doctor import run_doctor
 
-    sys.exit(run_doctor(echo=click.echo))
+    sys.exit(run_doctor(echo=click.echo, measure_cpu=not no_cpu))

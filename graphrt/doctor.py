@@ -4,7 +4,8 @@ Versions (torch, triton, CUDA, driver), the CPU (its bfloat16 instructions, the 
 auto` gives a CPU stage, and which matmul path a CPU stage would measure fastest per weight shape),
 each GPU with its memory, which GPU pairs can read each other's memory directly (peer-to-peer) and
 over what link (NVLink, or how far apart on PCIe), and whether Nsight Systems is installed. A
-machine without a GPU is a normal answer, not an error.
+machine without a GPU is a normal answer, not an error. The GPUs come first: the CPU's
+measurements take seconds (and build the compiled CPU kernels on first use); `--no-cpu` skips them.
 """
 
 from __future__ import annotations
@@ -148,16 +149,19 @@ def peer_table(gpus: list[Gpu], access: dict[tuple[int, int], bool], links: dict
 NEIGHBOUR_WATCH_S = 0.3  # how long `cpu_report` watches other processes before timing anything
 
 
-def cpu_report() -> list[str]:
+def cpu_report(measure: bool = True) -> list[str]:
     """The CPU, what `--dtype auto` gives a CPU stage, and the matmul paths a CPU stage of the
-    default model would choose in each dtype worth running here (measured now, on random weights)."""
+    default model would choose in each dtype worth running here (measured now, on random weights;
+    that builds the compiled CPU kernels on first use and takes seconds: `measure=False` skips it)."""
     bf16 = cpu_bf16_support()
     auto = "bfloat16" if bf16 else "float32"
     lines = [
         f"  CPU: {cpu_model_name()}, {torch.get_num_threads()} torch threads, bfloat16 matmul instructions: "
         f"{bf16 or 'none (emulated: slow)'}; --dtype auto on the CPU gives {auto}",
-        f"  CPU matmul paths and kernels for the default model's shapes (random values, measured now):",
     ]
+    if not measure:
+        return lines + ["  CPU matmul paths and kernels: not measured (--no-cpu)"]
+    lines.append(f"  CPU matmul paths and kernels for the default model's shapes (random values, measured now):")
     # Timed as an engine would time them: on the team its stages would run beside what other
     # processes do now (graphrt.openmp.LoadWatch), watched while this process sits idle.
     watch = LoadWatch(window="just before")
@@ -177,8 +181,38 @@ def cpu_report() -> list[str]:
     return lines
 
 
-def run_doctor(echo: Callable[[str], None] = print) -> int:
-    """Print the report; always 0 (a CPU-only machine is a valid place to run graphrt)."""
+def gpu_report() -> list[str]:
+    """Each GPU with its memory, and which pairs read each other's memory directly, over what link."""
+    if not torch.cuda.is_available():
+        return ["  GPUs: no CUDA GPU is visible to torch, so graphrt runs on the CPU (one worker thread per stage)"]
+    lines = []
+    gpus = list_gpus()
+    try:
+        from cuda.bindings import nvml
+
+        nvml.init_v2()
+        lines.append(f"  NVIDIA driver {nvml.system_get_driver_version()}")
+        nvml.shutdown()
+    except Exception:  # noqa: BLE001 - the driver version is a nicety; the CUDA one is above
+        pass
+    lines.append(f"  GPUs: {len(gpus)}")
+    for gpu in gpus:
+        lines.append(f"  GPU{gpu.index}: {gpu.name}, sm_{gpu.capability[0]}{gpu.capability[1]}, {gpu.total_bytes / GIB:.1f} GiB "
+                     f"({gpu.free_bytes / GIB:.1f} GiB free), PCI {gpu.pci_bus_id or 'unknown'}")
+    if len(gpus) > 1:
+        links, why_no_links = link_types(gpus)
+        lines.append("  peer-to-peer access (row reads column's memory) and link:")
+        lines += peer_table(gpus, peer_access(len(gpus)), links)
+        if why_no_links:
+            lines.append(f"  links unknown: {why_no_links}")
+    else:
+        lines.append("  peer-to-peer: one GPU, no pairs (with --pp N all stages share it, each on its own stream)")
+    return lines
+
+
+def run_doctor(echo: Callable[[str], None] = print, measure_cpu: bool = True) -> int:
+    """Print the report, the GPUs before the CPU (whose measurements take seconds; `measure_cpu`
+    False skips them); always 0 (a CPU-only machine is a valid place to run graphrt)."""
     cuda_build = torch.version.cuda or "none (CPU build)"
     echo("graphrt doctor")
     echo(f"  python {platform.python_version()} on {platform.system()} {platform.machine()}")
@@ -188,35 +222,10 @@ def run_doctor(echo: Callable[[str], None] = print) -> int:
     echo(f"  NVTX ranges: {nvtx.why}" + ("" if nvtx.name == "none" else f"; {'on' if nvtx.enabled else 'off until a profiler attaches'}"))
     driver = driver_version()
     echo(f"  CUDA driver: {'supports CUDA ' + driver if driver else 'none found'}")
-    nsys = shutil.which("nsys")
-    nsys_line = f"  nsys: {nsys}" if nsys else "  nsys: not on PATH (install Nsight Systems to take traces; see docs/profiling.md)"
-    for line in cpu_report():
+    for line in gpu_report():
         echo(line)
-    if not torch.cuda.is_available():
-        echo("  GPUs: no CUDA GPU is visible to torch, so graphrt runs on the CPU (one worker thread per stage)")
-        echo(nsys_line)
-        return 0
-    gpus = list_gpus()
-    try:
-        from cuda.bindings import nvml
-
-        nvml.init_v2()
-        echo(f"  NVIDIA driver {nvml.system_get_driver_version()}")
-        nvml.shutdown()
-    except Exception:  # noqa: BLE001 - the driver version is a nicety; the CUDA one is above
-        pass
-    echo(f"  GPUs: {len(gpus)}")
-    for gpu in gpus:
-        echo(f"  GPU{gpu.index}: {gpu.name}, sm_{gpu.capability[0]}{gpu.capability[1]}, {gpu.total_bytes / GIB:.1f} GiB "
-             f"({gpu.free_bytes / GIB:.1f} GiB free), PCI {gpu.pci_bus_id or 'unknown'}")
-    if len(gpus) > 1:
-        links, why_no_links = link_types(gpus)
-        echo("  peer-to-peer access (row reads column's memory) and link:")
-        for line in peer_table(gpus, peer_access(len(gpus)), links):
-            echo(line)
-        if why_no_links:
-            echo(f"  links unknown: {why_no_links}")
-    else:
-        echo("  peer-to-peer: one GPU, no pairs (with --pp N all stages share it, each on its own stream)")
-    echo(nsys_line)
+    nsys = shutil.which("nsys")
+    echo(f"  nsys: {nsys}" if nsys else "  nsys: not on PATH (install Nsight Systems to take traces; see docs/profiling.md)")
+    for line in cpu_report(measure=measure_cpu):
+        echo(line)
     return 0

@@ -75,3 +75,38 @@ def test_doctor_times_the_cpu_kernels_on_the_team_busy_neighbours_leave(monkeypa
     torch.set_num_threads(before)  # torch's default for new threads, as the suite had it
     assert timed_on and set(timed_on) == {1} and box["after"] == 2
     assert box["lines"][-1] == "    all timed on 1 of 2 threads (other processes used 1.00 cores just before)"
+
+
+def test_the_gpus_are_reported_before_the_cpu_is_timed(monkeypatch):
+    """The CPU's measurements take seconds and build the CPU kernels: whoever ran doctor for the GPU
+    reads about it first (one pretend GPU here)."""
+    import graphrt.doctor as doctor
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(doctor, "list_gpus", lambda: [Gpu(0, "NVIDIA H200", 141 << 30, 140 << 30, (9, 0), "0000:01:00.0")])
+
+    def timed(*args, **kwargs):
+        events.append("CPU timed")
+        raise SystemExit("enough: the order is what this test reads")
+
+    monkeypatch.setattr(doctor, "measure_shapes", timed)
+    monkeypatch.setattr(doctor, "NEIGHBOUR_WATCH_S", 0.0)
+    with pytest.raises(SystemExit):
+        doctor.run_doctor(echo=events.append)
+    gpu_line = next(i for i, line in enumerate(events) if line.startswith("  GPU0: NVIDIA H200"))
+    assert gpu_line < events.index("CPU timed")
+
+
+def test_no_cpu_skips_the_cpu_measurements(monkeypatch):
+    import graphrt.doctor as doctor
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("--no-cpu timed the CPU")
+
+    for name in ("measure_shapes", "choose_cpu_kernels", "choose_greedy_argmax", "LoadWatch"):
+        monkeypatch.setattr(doctor, name, refuse)
+    result = CliRunner().invoke(main, ["doctor", "--no-cpu"])
+    assert result.exit_code == 0, result.output
+    assert "CPU matmul paths and kernels: not measured (--no-cpu)" in result.output
+    assert "CPU: " in result.output and "nsys:" in result.output
