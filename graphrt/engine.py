@@ -131,8 +131,11 @@ class Engine:
             self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch,
             eos_ids=frozenset(self.eos_ids), prefix_root=self._prefix_root() if config.prefix_caching else None,
         )
-        self.sampler = Sampler(self.devices[-1], config.seed, greedy_argmax)
-        self.timeline = Timeline(self.devices) if config.timeline else None
+        # With stage processes the last rank samples (and makes each seeded request's generator from
+        # the seed it is sent): a sampler here would open a CUDA context on a GPU this rank never uses.
+        self.sampler = None if self.cluster else Sampler(self.devices[-1], config.seed, greedy_argmax)
+        local_devices = [stage.device for stage in self.pipeline.stages]
+        self.timeline = Timeline(local_devices) if config.timeline else None
         self.stage_plan = self._stage_plan(num_blocks)
         # Decode rows go to as many micro-batches as stages can run at once (+ depth), not to every slot.
         self.num_decode_micro_batches = config.num_decode_micro_batches(self.devices)
@@ -317,7 +320,7 @@ class Engine:
             prompt_ids=prompt_ids,
             params=params,
             max_tokens=max_tokens,
-            generator=self.sampler.request_generator(params.seed),
+            generator=self.sampler.request_generator(params.seed) if self.sampler is not None else None,
         )
         self.scheduler.add(seq)
         return seq

@@ -101,7 +101,7 @@ class RingSlot:
 class Ring:
     pipeline: Pipeline
     graphs: list[StageGraphs]
-    sampler: Sampler
+    sampler: Sampler | None  # None on rank 0 of stage processes: the last rank samples
     num_slots: int
     max_tokens: int  # per micro-batch: max(prefill chunk, largest bucket)
     block_size: int

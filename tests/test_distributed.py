@@ -70,6 +70,30 @@ def test_stage_processes_give_the_single_process_tokens(tiny_model_factory, pp):
     assert codes == [0] * (pp - 1)  # a normal close: every worker exits cleanly
 
 
+def test_rank_zero_opens_nothing_on_the_devices_of_other_ranks(tiny_model_factory, monkeypatch):
+    """The last rank samples and keeps the seeded generators; rank 0 makes no sampler (on GPUs it
+    would open a CUDA context, some 500 MiB, on the last GPU) and times only its own stage."""
+    import graphrt.engine
+
+    model = tiny_model_factory("llama-gqa-tied")
+    seeded = SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
+    alone = LLM(model=model, pp=2, **OPTIONS)
+    expected = outputs(alone, seeded)
+    alone.engine.close()
+    timed_devices = []
+    timeline = graphrt.engine.Timeline
+    monkeypatch.setattr(graphrt.engine, "Timeline", lambda devices: timed_devices.append(devices) or timeline(devices))
+    llm = LLM(model=model, pp=2, procs=True, timeline=True, watchdog_s=30, **OPTIONS)
+    children = llm.engine.cluster.children
+    try:
+        assert llm.engine.sampler is None
+        assert [list(map(str, d)) for d in timed_devices] == [["cpu"]]  # stage 0's device only
+        assert outputs(llm, seeded) == expected
+    finally:
+        llm.engine.close()
+        wait_all_exited(children, within_s=10)
+
+
 def test_killing_a_stage_fails_requests_in_flight_and_every_process_exits(tiny_model_factory):
     llm = LLM(model=tiny_model_factory("llama-gqa-tied"), pp=3, procs=True, watchdog_s=WATCHDOG_S, **OPTIONS)
     make_synthetic(llm.engine, stage_ms=10)  # stage 0 takes 10 ms, so the requests are still running at the kill
