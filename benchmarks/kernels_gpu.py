@@ -126,14 +126,6 @@ def time_cell(us: float, graphed: bool, eager: bool) -> str:
     return f"{us:.1f}" if graphed or eager else f"{us:.1f} (eager: capture failed)"
 
 
-def copy_bandwidth_gb_s(device: torch.device) -> float:
-    """Device-to-device copy of 1 GiB (64 MiB on a CPU): bytes read plus bytes written per second."""
-    source = torch.empty(1 << (30 if device.type == "cuda" else 26), dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    us, _ = time_us(lambda: target.copy_(source), eager=True, repeats=10, device=device)
-    return 2 * source.numel() / us / 1e3
-
-
 def pointwise_cases(batch: int, dtype: torch.dtype, device: torch.device) -> list[Case]:
     from graphrt.kernels import activation, activation_triton, rmsnorm, rmsnorm_triton, rotary, rotary_triton
 
@@ -230,10 +222,12 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel modules are first imported, just below
     import triton
 
+    from graphrt.profiling.bandwidth import device_copy_gb_s
+
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     eager = args.eager or device.type != "cuda"
-    copy_gb_s = copy_bandwidth_gb_s(device)
+    copy_gb_s = device_copy_gb_s(device)  # profiling/bandwidth.py, as the other GPU benchmarks read it
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu, Triton interpreter: not a measurement"
     print(f"{where}, torch {torch.__version__}, triton {triton.__version__}, {args.dtype}; "
           f"device copy {copy_gb_s:.0f} GB/s; {'eager launches' if eager else 'CUDA graph replay'}\n")
