@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 CPUINFO = Path("/proc/cpuinfo")
+CPU0_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 
 
 def _cpuinfo_field(name: str) -> str | None:
@@ -49,9 +50,9 @@ def cpu_bf16_support() -> str | None:
     return None
 
 
-def cpu_l3_bytes(default: int = 32 << 20) -> int:
-    """The size of the last-level cache cpu0 sees (sysfs), or `default` where sysfs doesn't say."""
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+def cpu_l3_bytes(default: int = 32 << 20, cache_dir: Path = CPU0_CACHES) -> int:
+    """The size of the last-level cache cpu0 sees (sysfs' `cache_dir`), or `default` where sysfs doesn't say."""
+    for index in sorted(cache_dir.glob("index*")):
         try:
             if (index / "level").read_text().strip() == "3":
                 size = (index / "size").read_text().strip()  # e.g. "32768K"

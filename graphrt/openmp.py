@@ -43,6 +43,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from graphrt.cpu_placement import usable_cores
+
 logger = logging.getLogger(__name__)
 
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the threads, not just park them
@@ -156,7 +158,7 @@ def share_load_with(pid: int) -> None:
 
 def affinity_cores() -> int:
     """CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return len(usable_cores())
 
 
 def team_size(max_threads: int, num_cores: int, others: float) -> int:

@@ -22,13 +22,13 @@ becomes an error naming its stage instead of a hang.
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from graphrt.batch import StepMetadata
+from graphrt.cpu_placement import usable_cores
 from graphrt.errors import GraphrtError
 from graphrt.sampling import SamplingParams
 
@@ -41,9 +41,11 @@ class StageFailure(GraphrtError):
     """A stage process died, stopped answering, or was refused at start-up."""
 
 
-def cpu_threads_per_stage(world_size: int) -> int:
-    """Stages on one CPU share its cores; more threads than cores make every op wait on the others."""
-    return max(1, (os.cpu_count() or 1) // world_size)
+def cpu_threads_per_stage(world_size: int, num_cores: int | None = None) -> int:
+    """Stages on one CPU share its cores (`num_cores`, by default those this process may use: a
+    taskset mask or a pinned engine process, not the machine's); more threads than cores make
+    every op wait on the others."""
+    return max(1, (num_cores or len(usable_cores())) // world_size)
 
 
 def stage_name(rank: int) -> str:
