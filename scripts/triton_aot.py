@@ -488,8 +488,6 @@ def compile_all(out_dir: Path, cache_dir: Path, allow_other_triton: bool) -> int
     cache_dir.mkdir(parents=True)
     os.environ["TRITON_CACHE_DIR"] = str(cache_dir)
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
 
     if (triton.__version__, sys.version_info[:2]) != (GPU_TRITON, GPU_PYTHON) and not allow_other_triton:
         raise SystemExit(
@@ -497,26 +495,8 @@ def compile_all(out_dir: Path, cache_dir: Path, allow_other_triton: bool) -> int
             f"{GPU_TRITON} on python {GPU_PYTHON[0]}.{GPU_PYTHON[1]}, and only that wheel's cache keys match there "
             f"(`python3 scripts/triton_aot.py setup` makes {TRITON_VENV.name}; --any-triton only checks that the kernels compile)"
         )
-    kernels = load_kernels()
-    driver.set_active(CompileOnlyDriver(GPUTarget("cuda", GPU_ARCH, GPU_WARP_SIZE)))
-    started, variants, failures = time.perf_counter(), [], []
-    for number, launch in enumerate(launches, start=1):
-        fn = kernels.get(launch["kernel"])
-        label = f"{launch['kernel'].split(':')[1]}({', '.join(f'{k}={v}' for k, v in constants_of(launch).items())})"
-        if fn is None:
-            failures.append(f"{launch['kernel']}: no such kernel in kernels/ (launches.json is stale: run `record`)")
-            continue
-        try:
-            args = [rebuild(launch["args"][name]) for name in fn.arg_names]
-            start = time.perf_counter()
-            kernel = fn.run(*args, grid=(1,), warmup=True, **launch["options"])
-            seconds = time.perf_counter() - start
-        except Exception as exc:  # every variant is tried; the summary names each failure
-            failures.append(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            continue
-        meta = kernel.metadata
-        variants.append({**launch, "hash": meta.hash, "shared_bytes": meta.shared, "num_warps": meta.num_warps, "compile_s": round(seconds, 2)})
-        print(f"  {number:3d} {label:<90} {seconds:5.2f} s  smem {meta.shared:6d}  {meta.hash[:12]}")
+    started = time.perf_counter()
+    variants, failures = compile_launches(launches, verbose=True)
     archive = out_dir / ARCHIVE
     with tarfile.open(archive, "w:gz") as tar:
         for entry in sorted(cache_dir.iterdir()):
@@ -537,6 +517,37 @@ def compile_all(out_dir: Path, cache_dir: Path, allow_other_triton: bool) -> int
     for failure in failures:
         print(f"FAILED: {failure}")
     return 1 if failures else 0
+
+
+def compile_launches(launches: list[dict], verbose: bool = False) -> tuple[list[dict], list[str]]:
+    """Each launch compiled for sm_90 into TRITON_CACHE_DIR: (variants with their cache hash, failures)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    kernels = load_kernels()
+    previous = driver._active  # set_active has no undo that leaves no driver: a machine without a GPU has none
+    driver.set_active(CompileOnlyDriver(GPUTarget("cuda", GPU_ARCH, GPU_WARP_SIZE)))
+    variants, failures = [], []
+    for number, launch in enumerate(launches, start=1):
+        fn = kernels.get(launch["kernel"])
+        label = f"{launch['kernel'].split(':')[1]}({', '.join(f'{k}={v}' for k, v in constants_of(launch).items())})"
+        if fn is None:
+            failures.append(f"{launch['kernel']}: no such kernel in kernels/ (launches.json is stale: run `record`)")
+            continue
+        try:
+            args = [rebuild(launch["args"][name]) for name in fn.arg_names]
+            start = time.perf_counter()
+            kernel = fn.run(*args, grid=(1,), warmup=True, **launch["options"])
+            seconds = time.perf_counter() - start
+        except Exception as exc:  # every variant is tried; the summary names each failure
+            failures.append(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
+        meta = kernel.metadata
+        variants.append({**launch, "hash": meta.hash, "shared_bytes": meta.shared, "num_warps": meta.num_warps, "compile_s": round(seconds, 2)})
+        if verbose:
+            print(f"  {number:3d} {label:<90} {seconds:5.2f} s  smem {meta.shared:6d}  {meta.hash[:12]}")
+    driver._active = previous
+    return variants, failures
 
 
 def constants_of(launch: dict) -> dict:
