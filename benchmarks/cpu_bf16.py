@@ -20,7 +20,7 @@ import statistics
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.cpu_info import cpu_bf16_support, cpu_model_name
+from graphrt.kernels.cpu.info import cpu_bf16_support, cpu_model_name
 
 PROMPTS = [
     "What is the capital of France?",

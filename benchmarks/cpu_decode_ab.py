@@ -4,7 +4,7 @@
 
 Variants: `baseline` runs the torch kernels as they were at the --baseline commit (read with `git
 show`) on dense matmul weights (F.linear, MKL); `dense` the current kernels on dense weights;
-`packed` the current kernels on weights packed for oneDNN (graphrt/kernels/linear.py); `auto` the
+`packed` the current kernels on weights packed for oneDNN (graphrt/kernels/cpu/linear.py); `auto` the
 current kernels on the matmul paths measured at load (packed or compiled panels where they win),
 what a CPU float32 engine runs. On a shared machine only the interleaved medians mean anything. `--hf` adds
 one run of transformers' static-batch generate, as `graphrt bench --compare-hf` does.
@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 
 from graphrt import LLM
-from graphrt.bench import make_workload, run_graphrt, run_transformers
-from graphrt.kernels import TORCH
+from graphrt.kernels.torch_ops import TORCH
+from graphrt.tools.bench import make_workload, run_graphrt, run_transformers
 
 REPO = Path(__file__).resolve().parent.parent
 

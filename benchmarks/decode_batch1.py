@@ -7,7 +7,7 @@ rate excludes the prompt: graphrt's from its step timers, transformers' from the
 between a 1-token and an N-token `generate`. A roofline is a measured bandwidth divided by the
 bytes of weights one decode step reads: the memory's (a plain streaming read), and what a batch-1
 matmul streams, with `F.linear` on dense weights (transformers' path, MKL on x86) and with
-graphrt's CPU matmul on weights packed for oneDNN (graphrt/kernels/linear.py).
+graphrt's CPU matmul on weights packed for oneDNN (graphrt/kernels/cpu/linear.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from graphrt import LLM, SamplingParams
-from graphrt.kernels.linear import can_pack, linear, pack_weight
+from graphrt.kernels.cpu.linear import can_pack, linear, pack_weight
 
 PROMPT = "Explain pipeline parallelism to a new engineer."
 

@@ -24,8 +24,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from graphrt import LLM, SamplingParams
-from graphrt.batch import StepMetadata
-from graphrt.kernels.linear import dense_weight, weight_form
+from graphrt.kernels.cpu.linear import dense_weight, weight_form
+from graphrt.model.batch import StepMetadata
 
 # aten op -> what it is in a decode step (ops not listed are reported under their own name).
 GROUPS = {

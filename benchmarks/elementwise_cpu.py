@@ -13,9 +13,10 @@ import argparse
 
 import torch
 
-from graphrt.cpu_info import cpu_model_name
-from graphrt.kernels import cpu_extension, cpu_kernel_choice
-from graphrt.kernels.cpu_kernel_choice import TORCH_OPS, LayerShapes, compiled_ops, timing_inputs
+from graphrt.kernels.cpu import extension as cpu_extension
+from graphrt.kernels.cpu import kernel_choice as cpu_kernel_choice
+from graphrt.kernels.cpu.info import cpu_model_name
+from graphrt.kernels.cpu.kernel_choice import TORCH_OPS, LayerShapes, compiled_ops, timing_inputs
 
 SMOLLM2 = LayerShapes(num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576, intermediate_size=1536)
 OPS = ("rms_norm", "apply_rotary", "silu_and_mul")

@@ -8,7 +8,7 @@
 The 1B model has Llama-3.2-1B's shapes (hidden 2048, 16 layers, 32 heads, 8 kv heads, head_dim 64,
 intermediate 8192, vocab 128256, tied embeddings, llama3 RoPE) and random bfloat16 weights, made on
 the GPU and written once (nothing is downloaded); `--write-model DIR` writes it and exits, `--model
-DIR` reuses such a folder. The tiny model is graphrt.synthetic's random 4-layer Llama, in float32.
+DIR` reuses such a folder. The tiny model is graphrt.tools.synthetic's random 4-layer Llama, in float32.
 
 For each model and pp (every stage on the one device) one engine records graphs and one runs with
 use_graphs=False. Each bucket's decode step, `engine.pipeline.forward(token_ids, meta,
@@ -43,11 +43,11 @@ from pathlib import Path
 import torch
 
 from graphrt import LLM, SamplingParams
+from graphrt.engine.sequence import Sequence
 from graphrt.profiling.bandwidth import device_copy_gb_s
-from graphrt.ring import build_inputs
-from graphrt.step import ScheduledStep
-from graphrt.sequence import Sequence
-from graphrt.synthetic import make_tiny_model
+from graphrt.runtime.ring import build_inputs
+from graphrt.runtime.step import ScheduledStep
+from graphrt.tools.synthetic import make_tiny_model
 
 BLOCK_SIZE = 16
 WARMUPS = 3

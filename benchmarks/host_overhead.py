@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from graphrt import LLM, SamplingParams
-from graphrt.synthetic import make_synthetic, make_tiny_model
+from graphrt.tools.synthetic import make_synthetic, make_tiny_model
 
 
 def main() -> None:

@@ -59,7 +59,7 @@ class EvalRun:
 def default_model_dir(graphrt_bin: Path) -> str:
     """The default model folder, asked of the project's environment (this one may not have graphrt)."""
     python = graphrt_bin.parent / "python"
-    code = "from graphrt.default_model import default_model_dir; print(default_model_dir())"
+    code = "from graphrt.model.default_model import default_model_dir; print(default_model_dir())"
     result = subprocess.run([str(python), "-c", code], capture_output=True, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONSAFEPATH": "1"})
     if result.returncode != 0:

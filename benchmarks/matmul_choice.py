@@ -22,7 +22,7 @@ import time
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.kernels.matmul_choice import PATH_NAMES
+from graphrt.kernels.cpu.matmul_choice import PATH_NAMES
 
 PROMPT = "Explain pipeline parallelism to a new engineer."
 

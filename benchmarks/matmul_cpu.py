@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from graphrt.doctor import DEFAULT_MODEL_MATMULS
-from graphrt.kernels.linear import convert, linear
-from graphrt.kernels.matmul_choice import available_paths
+from graphrt.kernels.cpu.linear import convert, linear
+from graphrt.kernels.cpu.matmul_choice import available_paths
+from graphrt.tools.doctor import DEFAULT_MODEL_MATMULS
 
 
 def read_rate() -> float:

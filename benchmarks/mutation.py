@@ -48,7 +48,7 @@ def copy_repo(src_dir: Path) -> None:
         shutil.rmtree(src_dir)
     shutil.copytree(REPO, src_dir, ignore=lambda _dir, names: [n for n in names if n in SKIP_COPY])
     found = subprocess.run(
-        [PYTHON, "-c", "import graphrt.scheduler as m; print(m.__file__)"], cwd=src_dir, capture_output=True, text=True,
+        [PYTHON, "-c", "import graphrt.engine.scheduler as m; print(m.__file__)"], cwd=src_dir, capture_output=True, text=True,
         check=True,
     ).stdout.strip()
     if Path(found).resolve() != (src_dir / "graphrt" / "scheduler.py").resolve():

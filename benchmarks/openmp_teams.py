@@ -1,9 +1,9 @@
-"""What OpenMP teams cost the stage thread (graphrt/openmp.py).
+"""What OpenMP teams cost the stage thread (kernels/cpu/openmp.py).
 
 First one 32-row decode step of the default model, timed on the host thread while it holds the
 only OpenMP team, then on the stage thread while the host's team is alive, then on the stage thread
 after the host gave its team back (`release_thread_pool`). Then `graphrt bench`'s workload (64
-requests), each round in a fresh process, in three setups, interleaved: as before graphrt/openmp.py
+requests), each round in a fresh process, in three setups, interleaved: as before kernels/cpu/openmp.py
 (the host keeps its team, so libgomp spins briefly), the host's team released (workers spin), and
 released with each stage thread's team sized to the cores other processes leave (the default).
 `--busy 2` runs two busy loops beside the bench rounds.
@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_step_profile import build_decode_step, graphrt_step, time_steps  # noqa: E402
 
-from graphrt.cpu_info import cpu_model_name  # noqa: E402
+from graphrt.kernels.cpu.info import cpu_model_name  # noqa: E402
+from graphrt.kernels.cpu.openmp import release_thread_pool  # noqa: E402
 from graphrt.llm import LLM  # noqa: E402
-from graphrt.openmp import release_thread_pool  # noqa: E402
 
 SETUPS = {
     "before": "the host keeps its team",
@@ -34,13 +34,13 @@ SETUPS = {
     "sized": "released, teams sized (default)",
 }
 BENCH_CODE = """
-import sys, graphrt.engine, graphrt.openmp
-from graphrt.bench import make_workload, run_graphrt
+import sys, graphrt.engine.engine, graphrt.kernels.cpu.openmp
+from graphrt.tools.bench import make_workload, run_graphrt
 from graphrt.llm import LLM
 if sys.argv[2] == "before":
-    graphrt.engine.release_thread_pool = lambda: False
+    graphrt.engine.engine.release_thread_pool = lambda: False
 if sys.argv[2] in ("before", "release"):
-    graphrt.openmp.TeamSizer.fit = lambda self: None
+    graphrt.kernels.cpu.openmp.TeamSizer.fit = lambda self: None
 llm = LLM(dtype=sys.argv[1])
 result = run_graphrt(llm, make_workload(64, (16, 256), (16, 128), llm.engine.model_config.vocab_size, 0))
 print(result.seconds, result.output_tokens)

@@ -370,7 +370,7 @@ def graphrt_offline(cli: str, model: str, dtype: str, shape: dict, num_requests:
 def make_requests(graphrt_python: str, model: str, shape: dict, num_requests: int) -> list:
     """`graphrt bench`'s own requests (seed 0), as [prompt token ids, output length] pairs."""
     code = (
-        "import json, sys; from graphrt.bench import make_workload\n"
+        "import json, sys; from graphrt.tools.bench import make_workload\n"
         f"vocab = json.load(open({str(Path(model) / 'config.json')!r}))['vocab_size']\n"
         f"work = make_workload({num_requests}, {shape['input_len']}, {shape['output_len']}, vocab, 0)\n"
         "json.dump([[r.prompt, r.output_len] for r in work], sys.stdout)"
@@ -519,7 +519,7 @@ def run(args) -> dict:
         sys.exit(f"unknown rows {sorted(unknown)}; choose from {sorted({row.name for row in ROWS})}")
     rows = [row for row in ROWS if row.name in selected]
     model = args.model or subprocess.run(
-        [args.graphrt_python, "-c", "from graphrt.default_model import default_model_dir; print(default_model_dir())"],
+        [args.graphrt_python, "-c", "from graphrt.model.default_model import default_model_dir; print(default_model_dir())"],
         check=True, capture_output=True, text=True).stdout.strip()
     vllm_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
     vllm_env.update(dict(item.split("=", 1) for item in args.vllm_env))

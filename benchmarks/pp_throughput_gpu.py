@@ -30,11 +30,20 @@ import traceback
 from pathlib import Path
 
 import torch
+from graph_replay_gpu import (
+    BLOCK_SIZE,
+    TINY_VARIANT,
+    copy_line,
+    int_list,
+    parse_models,
+    say_no_cuda,
+    stage_device,
+    write_random_model,
+)
 
-from graph_replay_gpu import BLOCK_SIZE, TINY_VARIANT, copy_line, int_list, parse_models, say_no_cuda, stage_device, write_random_model
 from graphrt import LLM, SamplingParams
 from graphrt.profiling.bandwidth import device_copy_gb_s
-from graphrt.synthetic import make_tiny_model
+from graphrt.tools.synthetic import make_tiny_model
 
 TARGET_PP_RATIO = 0.95  # pp 2 and 4 on one GPU against pp 1, batch 64 (issue 12)
 TARGET_ROOFLINE = 0.60  # share of the HBM peak at batch 1

@@ -17,8 +17,10 @@ import time
 
 import torch
 
-from graphrt.cpu_info import cpu_model_name
-from graphrt.kernels import cpu_extension, paged_attention, paged_attention_cpu
+from graphrt.kernels import paged_attention
+from graphrt.kernels.cpu import extension as cpu_extension
+from graphrt.kernels.cpu import paged_attention as paged_attention_cpu
+from graphrt.kernels.cpu.info import cpu_model_name
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 

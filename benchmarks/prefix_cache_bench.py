@@ -17,7 +17,7 @@ import statistics
 import time
 
 from graphrt import LLM
-from graphrt.bench import make_workload, run_graphrt
+from graphrt.tools.bench import make_workload, run_graphrt
 
 
 def span(text: str) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
     python benchmarks/procs_bench.py --pp 2 --requests 16 --input-len 16,64 --output-len 32
 
-Runs the same greedy workload (graphrt.bench.make_workload) on the default model three ways:
+Runs the same greedy workload (graphrt.tools.bench.make_workload) on the default model three ways:
 one stage in one process, `pp` stages as threads of one process, and `pp` stages as processes
 over gloo, and prints output tokens/s and TPOT for each. Each configuration loads fresh.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from graphrt import LLM
-from graphrt.bench import make_workload, run_graphrt
+from graphrt.tools.bench import make_workload, run_graphrt
 
 
 def main() -> None:

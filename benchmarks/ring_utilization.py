@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphrt import LLM, SamplingParams
-from graphrt.synthetic import make_synthetic, make_tiny_model, predicted_busy_fraction
+from graphrt.tools.synthetic import make_synthetic, make_tiny_model, predicted_busy_fraction
 
 PP = 4
 

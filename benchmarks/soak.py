@@ -25,7 +25,6 @@ import threading
 import time
 
 import httpx
-
 from serve_bench import PROMPTS, start_server
 
 KIB = 1024

@@ -11,14 +11,14 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from graphrt.batch import StepMetadata
 from graphrt.capture.buckets import BucketPlan
 from graphrt.capture.cuda_info import graph_node_counts, pool_segment_bytes
 from graphrt.capture.graphs import CudaStageGraph, EagerStageGraph, StageGraphs, StaticInputs
 from graphrt.capture.rehearsal import RehearsalError, rehearse_stage
 from graphrt.errors import GraphrtError
-from graphrt.kv_cache import StageKVCache
-from graphrt.model import Stage
+from graphrt.model.batch import StepMetadata
+from graphrt.model.kv_cache import StageKVCache
+from graphrt.model.llama import Stage
 from graphrt.profiling.nvtx import Ranges
 
 logger = logging.getLogger("graphrt")

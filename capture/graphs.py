@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from graphrt.batch import StepMetadata
 from graphrt.capture.buckets import BucketPlan
-from graphrt.kv_cache import SCRATCH_BLOCK, StageKVCache
-from graphrt.model import Stage
+from graphrt.model import SCRATCH_BLOCK
+from graphrt.model.batch import StepMetadata
+from graphrt.model.kv_cache import StageKVCache
+from graphrt.model.llama import Stage
 
 
 @dataclass

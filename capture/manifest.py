@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from graphrt.errors import GraphrtError
-from graphrt.kernels.matmul_choice import MatmulPlan
+from graphrt.kernels.cpu.matmul_choice import MatmulPlan
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -85,7 +85,7 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        from graphrt.cpu_info import cpu_model_name
+        from graphrt.kernels.cpu.info import cpu_model_name
 
         return f"cpu ({cpu_model_name()})"
     return device.type
@@ -103,7 +103,7 @@ def cached_matmul_plans(manifest: dict) -> list[MatmulPlan] | None:
 
 
 def cached_cpu_kernels(manifest: dict) -> tuple[dict[str, str] | None, str | None]:
-    """The CPU kernels a cache recorded: each op's path (kernels/cpu_kernel_choice.py) and the greedy
+    """The CPU kernels a cache recorded: each op's path (kernels/cpu/kernel_choice.py) and the greedy
     argmax's, or None for what it did not record (a CUDA cache, or one written before they were:
     they are timed again)."""
     raw = manifest.get("cpu_kernels")

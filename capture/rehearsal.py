@@ -33,8 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphrt.capture.graphs import StaticInputs
 from graphrt.errors import GraphrtError
-from graphrt.kv_cache import StageKVCache
-from graphrt.model import Stage
+from graphrt.model.kv_cache import StageKVCache
+from graphrt.model.llama import Stage
 
 aten = torch.ops.aten
 

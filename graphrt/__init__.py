@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 # LLM and SamplingParams load on first use, so `import graphrt` (and the CLI with it) costs no
 # torch import.
-_LAZY = {"LLM": "graphrt.llm", "RequestOutput": "graphrt.llm", "SamplingParams": "graphrt.sampling"}
+_LAZY = {"LLM": "graphrt.llm", "RequestOutput": "graphrt.llm", "SamplingParams": "graphrt.sampling_params"}
 
 
 def __getattr__(name: str):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import click
 
-from graphrt.cpu_placement import CPU_PLACEMENTS, MIN_CORES_TO_PIN
 from graphrt.errors import GraphrtError
+from graphrt.kernels.cpu.placement import CPU_PLACEMENTS, MIN_CORES_TO_PIN
 
 # A server's prefill chunks are half an offline run's (EngineConfig.prefill_chunk_size, 512, which
 # the help below names without importing torch): a burst of new requests then gets its first
@@ -104,7 +104,7 @@ def engine_kwargs(
 def generate(prompt, prompts_file, chat, cache, max_tokens, temperature, top_p, top_k, seed, **model_args) -> None:
     """Generate completions for a prompt (or a file of them) and report tokens/s and weight bandwidth."""
     from graphrt.llm import LLM
-    from graphrt.sampling import SamplingParams
+    from graphrt.sampling_params import SamplingParams
 
     if (prompt is None) == (prompts_file is None):
         raise click.UsageError("give exactly one of --prompt TEXT and --prompts-file FILE")
@@ -163,8 +163,8 @@ def read_prompts(path: Path) -> list[str | list[int]]:
 @click.option("--compare-hf", is_flag=True, help="Also run transformers' generate on the same requests (static batches of --max-batch).")
 def bench(num_requests, input_len, output_len, shared_prefix, seed, compare_hf, **model_args) -> None:
     """Throughput, TTFT and TPOT of an offline workload; optionally against transformers."""
-    from graphrt.bench import make_workload, run_graphrt, run_transformers, summarize
     from graphrt.llm import LLM
+    from graphrt.tools.bench import make_workload, run_graphrt, run_transformers, summarize
 
     llm = LLM(**engine_kwargs(**model_args))
     engine = llm.engine
@@ -262,7 +262,7 @@ def build_manifest(engine) -> dict:
 @click.argument("out_dir", type=click.Path(path_type=Path))
 def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
     """Convert a Llama-family GGUF file into a Hugging Face style folder (float32 safetensors)."""
-    from graphrt.default_model import import_gguf
+    from graphrt.model.default_model import import_gguf
 
     start = time.perf_counter()
     import_gguf(gguf_file, out_dir)
@@ -327,7 +327,7 @@ def serve(
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for trace.json, report.md and the PNGs.")
 def profile(synthetic_ms, sweep_depth, num_requests, input_len, output_len, host_ms, out, **model_args) -> None:
     """Run a workload with the timeline on; write a Perfetto trace, a utilization report and PNG timelines."""
-    from graphrt.profiling.runner import ProfileOptions, run_profile
+    from graphrt.tools.profile import ProfileOptions, run_profile
 
     if synthetic_ms is not None and model_args["model"] is not None:
         raise click.UsageError("give --model DIR or --synthetic MS, not both")
@@ -369,6 +369,6 @@ def parse_depths(text: str) -> list[int]:
 @click.option("--no-cpu", is_flag=True, help="Skip timing the CPU matmul paths and kernels (seconds, and a build of the CPU kernels on first use).")
 def doctor(no_cpu) -> None:
     """Versions, GPUs and their memory, peer-to-peer access and links between GPUs, whether nsys is installed, then the CPU."""
-    from graphrt.doctor import run_doctor
+    from graphrt.tools.doctor import run_doctor
 
     sys.exit(run_doctor(echo=click.echo, measure_cpu=not no_cpu))

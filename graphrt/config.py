@@ -1,28 +1,18 @@
 """Typed configuration, validated once at the edge.
 
-`ModelConfig` is what graphrt needs from a Hugging Face `config.json`; `EngineConfig` is what the
-user chooses (pipeline size, dtype, KV cache, chunk size). Both raise `ValueError` /
-`ModelLoadError` with a message that says what was wrong and what would be right.
+`EngineConfig` is what the user chooses (pipeline size, dtype, KV cache, chunk size); it raises
+`ValueError` with a message that says what was wrong and what would be right. What graphrt reads
+from a model's config.json is `graphrt.model.config.ModelConfig`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from graphrt.cpu_info import cpu_bf16_support
-from graphrt.errors import ModelLoadError
-
-# architectures value -> what differs from plain Llama
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": {},
-    "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"qkv_bias": True},
-    "Qwen3ForCausalLM": {"qk_norm": True},
-}
+from graphrt.kernels.cpu.info import cpu_bf16_support
+from graphrt.model.config import ModelConfig
 
 DTYPES = {
     "float32": torch.float32,
@@ -34,120 +24,6 @@ DTYPES = {
     "float64": torch.float64,
     "fp64": torch.float64,
 }
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    rope_type: str = "default"  # default | linear | llama3
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
-
-    @staticmethod
-    def from_hf(raw: dict) -> RopeConfig:
-        # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
-        params = dict(raw.get("rope_parameters") or {})
-        scaling = raw.get("rope_scaling") or {}
-        params = {**scaling, **params}
-        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ModelLoadError(
-                f"rope_type {rope_type!r} is not supported; graphrt supports default, linear and llama3"
-            )
-        return RopeConfig(
-            theta=float(theta),
-            rope_type=rope_type,
-            factor=float(params.get("factor", 1.0)),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
-        )
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position: int
-    rope: RopeConfig
-    tie_word_embeddings: bool
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    torch_dtype: str | None = None
-
-    @staticmethod
-    def from_dir(model_dir: Path) -> ModelConfig:
-        path = model_dir / "config.json"
-        if not path.is_file():
-            raise ModelLoadError(
-                f"{model_dir} has no config.json; point --model at a Hugging Face style folder "
-                "(config.json, *.safetensors, tokenizer.json) or convert a GGUF file with `graphrt import-gguf`"
-            )
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path} is not valid JSON ({exc}); re-download or re-convert the model") from None
-        return ModelConfig.from_hf(raw)
-
-    @staticmethod
-    def from_hf(raw: dict) -> ModelConfig:
-        architectures = raw.get("architectures") or []
-        arch = architectures[0] if architectures else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"architectures {architectures!r} is not supported; graphrt serves "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        try:
-            num_heads = int(raw["num_attention_heads"])
-            hidden_size = int(raw["hidden_size"])
-            eos = raw.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            extras = SUPPORTED_ARCHITECTURES[arch]
-            return ModelConfig(
-                architecture=arch,
-                vocab_size=int(raw["vocab_size"]),
-                hidden_size=hidden_size,
-                intermediate_size=int(raw["intermediate_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
-                num_heads=num_heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-                head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                max_position=_context_limit(raw),
-                rope=RopeConfig.from_hf(raw),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=bool(extras.get("qkv_bias", False) or raw.get("attention_bias", False)),
-                qk_norm=bool(extras.get("qk_norm", False)),
-                eos_token_ids=eos_ids,
-                bos_token_id=raw.get("bos_token_id"),
-                torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-            )
-        except KeyError as exc:
-            raise ModelLoadError(f"config.json lacks the field {exc.args[0]!r}; the model folder is incomplete") from None
-
-
-def _context_limit(raw: dict) -> int:
-    """max_position_embeddings, capped at the sliding window where the model uses one: graphrt
-    attends to the whole context, which matches such a model only within its window."""
-    limit = int(raw.get("max_position_embeddings", 4096))
-    window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", True)  # Qwen2 configs carry a window they don't use
-    if window and uses_window:
-        limit = min(limit, int(window))
-    return limit
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -173,7 +49,7 @@ def num_concurrent_stages(devices: list[str | torch.device]) -> int:
 
     Stages on one GPU share its SMs and its HBM, and a decode step is bound by reading weights, so
     they work in turn, not at once. Each CPU stage runs on a worker thread of its own with an
-    OpenMP team sized to the cores left to it (graphrt.streams, graphrt.openmp), so CPU stages do
+    OpenMP team sized to the cores left to it (graphrt.runtime.streams, graphrt.kernels.cpu.openmp), so CPU stages do
     overlap, and each counts: with its rows in one micro-batch, one thread would wait for the other.
     """
     distinct, cpu_stages = set(), 0
@@ -204,10 +80,10 @@ class EngineConfig:
     max_batch: int | None = None  # largest bucket; None: capture.buckets.default_max_batch
     allow_eager: bool = False  # a (stage, bucket) that fails capture runs eagerly instead of aborting
     depth: int | None = None  # micro-batches beyond one per stage (ring of pp + depth); None: default_depth()
-    async_scheduling: bool = True  # launch a slot's next step before its tokens are read back (graphrt.ring)
-    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes computed before (graphrt.block_allocator)
+    async_scheduling: bool = True  # launch a slot's next step before its tokens are read back (graphrt.runtime.ring)
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes computed before (graphrt.engine.block_allocator)
     timeline: bool = False  # record when each stage works on which micro-batch (graphrt.profiling)
-    procs: bool = False  # stages 1..pp-1 in worker processes over torch.distributed (graphrt.remote)
+    procs: bool = False  # stages 1..pp-1 in worker processes over torch.distributed (graphrt.distributed.remote)
     watchdog_s: float = 30.0  # with procs: a stage silent this long is declared dead
 
     def __post_init__(self) -> None:

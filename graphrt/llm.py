@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from graphrt.capture.manifest import read_manifest
-from graphrt.config import EngineConfig
-from graphrt.default_model import default_model_dir
-from graphrt.engine import Engine
+from graphrt.engine.startup import build_engine
 from graphrt.errors import RequestError
-from graphrt.logprobs import TokenLogprob
-from graphrt.output_processor import OutputProcessor
-from graphrt.sampling import SamplingParams
-
-
-# Options a graph cache supplies when the caller leaves them unset; set differently, they make it stale.
-CACHE_DEFAULTS = ("pp", "dtype", "kernels", "buckets", "block_size", "max_model_len")
+from graphrt.frontend.output_processor import OutputProcessor
+from graphrt.frontend.tokenizer import TokenizerLoading
+from graphrt.model.default_model import default_model_dir
+from graphrt.runtime.logprobs import TokenLogprob
+from graphrt.sampling_params import SamplingParams
 
 
 @dataclass
@@ -30,7 +24,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     # When params.logprobs / params.prompt_logprobs asked: one per output token; one per prompt
-    # token, None for the first (see graphrt.logprobs).
+    # token, None for the first (see graphrt.runtime.logprobs).
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -58,32 +52,23 @@ class LLM:
         load_tokenizer: bool = True,
         **engine_options,
     ):
-        options = {k: v for k, v in dict(pp=pp, dtype=dtype, devices=devices, **engine_options).items() if v is not None}
-        if cache is not None:
-            cache = Path(cache)
-            # Compiled Triton kernels live in the cache too; triton reads this when it first compiles.
-            os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
-            manifest = read_manifest(cache)
-            for field in CACHE_DEFAULTS:
-                options.setdefault(field, manifest[field])
         model_dir = Path(model) if model is not None else default_model_dir()
-        self.engine = Engine(
-            model_dir, EngineConfig(**options), cache_dir=cache, show_progress=show_progress, load_tokenizer=load_tokenizer
+        loading = TokenizerLoading(model_dir, load_tokenizer)
+        self.engine = build_engine(
+            model_dir, cache, show_progress, loading.eos_token_id, pp=pp, dtype=dtype, devices=devices, **engine_options
         )
+        self.tokenizer = loading.result()  # loaded by now: the engine waited for its EOS id
+        self.tokenizer_skipped = loading.skipped
 
     @property
     def model_dir(self) -> Path:
         return self.engine.model_dir
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
     def chat_prompt(self, user_message: str) -> list[int]:
         """Token ids of a one-turn conversation, with the model's chat template applied."""
-        if self.engine.tokenizer is None:
+        if self.tokenizer is None:
             raise RequestError(f"{self.model_dir} has no tokenizer, so it has no chat template")
-        return self.engine.tokenizer.encode_chat([{"role": "user", "content": user_message}])
+        return self.tokenizer.encode_chat([{"role": "user", "content": user_message}])
 
     def generate(
         self, prompts: str | list[int] | list[str | list[int]], params: SamplingParams | None = None
@@ -93,7 +78,7 @@ class LLM:
         Every prompt is validated before any runs: a bad one raises RequestError naming it.
         """
         params = params or SamplingParams()
-        if params.stop and self.engine.tokenizer_skipped:
+        if params.stop and self.tokenizer_skipped:
             raise RequestError("stop strings need the tokenizer, which this LLM was built without (load_tokenizer=False)")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -102,14 +87,14 @@ class LLM:
         try:
             for index, prompt in enumerate(prompts):
                 try:
-                    seqs.append(engine.add_request(prompt, params))
+                    seqs.append(engine.add_request(self._prompt_ids(prompt), params))
                 except RequestError as exc:
                     raise RequestError(f"prompt {index}: {exc}") from None
         except RequestError:
             for seq in seqs:
                 engine.abort(seq)
             raise
-        processor = OutputProcessor(engine)
+        processor = OutputProcessor(engine, self.tokenizer)
         texts: dict[int, str] = {}
         while engine.has_work():
             for seq, text in processor.process(engine.step()):
@@ -126,3 +111,12 @@ class LLM:
             )
             for prompt, seq in zip(prompts, seqs)
         ]
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return prompt
+        if self.tokenizer_skipped:
+            raise RequestError("this LLM was built without its tokenizer (load_tokenizer=False); pass prompts as lists of token ids")
+        if self.tokenizer is None:
+            raise RequestError(f"{self.model_dir} has no tokenizer; pass prompts as lists of token ids")
+        return self.tokenizer.encode(prompt)

@@ -6,8 +6,8 @@ run on CPU tensors through Triton's interpreter, which is how the tests check th
 
 from __future__ import annotations
 
-from graphrt.kernels import KernelSet
 from graphrt.kernels import activation_triton, paged_attention_triton, rmsnorm_triton, rotary_triton
+from graphrt.kernels.kernel_set import KernelSet
 
 TRITON = KernelSet(
     name="triton",

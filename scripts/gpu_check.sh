@@ -195,7 +195,7 @@ for name in ("triton", "cuda-bindings", "transformers", "safetensors", "tqdm", "
 print("installed: " + ", ".join(found))
 print("missing: " + (", ".join(missing) or "none"))
 try:
-    import graphrt.engine, graphrt
+    import graphrt.engine.engine, graphrt
     print(f"graphrt {graphrt.__version__} imports")
 except Exception as exc:  # the summary must say why nothing below ran
     print(f"graphrt does not import: {type(exc).__name__}: {exc}")
@@ -377,7 +377,7 @@ else
     served=$MODEL_DIR cache_options=()
     if (( HAS_CUDA == 0 )); then
         served="$WORK/tiny"
-        [[ -f $served/config.json ]] || "$PY" -c 'import sys; from pathlib import Path; from graphrt.synthetic import make_tiny_model; make_tiny_model(Path(sys.argv[1]), "llama3-rope")' "$served" >/dev/null 2>&1
+        [[ -f $served/config.json ]] || "$PY" -c 'import sys; from pathlib import Path; from graphrt.tools.synthetic import make_tiny_model; make_tiny_model(Path(sys.argv[1]), "llama3-rope")' "$served" >/dev/null 2>&1
     elif [[ -f $OUT/cache/manifest.json ]]; then
         cache_options=(--cache "$OUT/cache")
     fi

@@ -3,7 +3,7 @@ tiny random model, and give the same greedy tokens with graphs as without?
 
     python scripts/gpu_smoke.py [--device cuda|cpu]
 
-Two stages of graphrt.synthetic's 4-layer random Llama share the one device (each stage on its own
+Two stages of graphrt.tools.synthetic's 4-layer random Llama share the one device (each stage on its own
 stream), float32, torch kernels (no Triton compile here: kernels have their own step), buckets 1-8.
 Exits 0 when all of that holds, 3 when there is no CUDA device, 1 otherwise; the last line printed
 says which and why, for scripts/gpu_check.sh, which stops the check early unless this passes.
@@ -33,7 +33,7 @@ class SmokeFailure(Exception):
 
 def check(device: str) -> str:
     from graphrt import LLM, SamplingParams
-    from graphrt.synthetic import make_tiny_model
+    from graphrt.tools.synthetic import make_tiny_model
 
     started = time.perf_counter()
     stage_device = "cuda:0" if device == "cuda" else device

@@ -178,7 +178,8 @@ def record_only_kernel_set() -> None:
     """kernels="triton" on the CPU: each op's Triton launch is recorded, its torch reference computes."""
     import dataclasses
 
-    from graphrt.kernels import TORCH, KernelSet, triton_ops
+    from graphrt.kernels import KernelSet, triton_ops
+    from graphrt.kernels.torch_ops import TORCH
 
     def both(fast, reference):
         def call(*args, **kwargs):
@@ -187,7 +188,7 @@ def record_only_kernel_set() -> None:
 
         return call
 
-    from graphrt.pipeline import Pipeline
+    from graphrt.runtime.pipeline import Pipeline
 
     # A CPU stage would swap its kernel set for the CPU's compiled kernels or torch references.
     Pipeline.choose_cpu_kernels = lambda self, *args, **kwargs: None
@@ -252,7 +253,7 @@ def record_workloads(recorder: LaunchRecorder, scratch: Path) -> None:
     import torch
 
     from graphrt import LLM
-    from graphrt.synthetic import make_tiny_model
+    from graphrt.tools.synthetic import make_tiny_model
 
     replay = benchmark_module("graph_replay_gpu")
     throughput = benchmark_module("pp_throughput_gpu")

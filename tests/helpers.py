@@ -6,8 +6,8 @@ import contextlib
 
 import torch
 
-from graphrt.engine import Engine
-from graphrt.sampling import SamplingParams
+from graphrt.engine.engine import Engine
+from graphrt.sampling_params import SamplingParams
 
 
 def prompt_logits(engine: Engine, prompt_ids: list[int]) -> torch.Tensor:
@@ -37,15 +37,16 @@ SERVER_MODES = ["thread", "process"]
 
 
 def engine_for_server(mode: str, **llm_kwargs):
-    """What a test server runs: an Engine stepped on a thread of the test process ("thread"), or an
-    EngineClient whose engine runs in a process of its own ("process", `graphrt serve`'s default)."""
+    """What a test server runs: an LLM whose engine is stepped on a thread of the test process
+    ("thread"), or an EngineClient whose engine runs in a process of its own ("process", `graphrt
+    serve`'s default)."""
     if mode == "process":
-        from graphrt.server.engine_process import EngineClient
+        from graphrt.frontend.engine_client import EngineClient
 
         return EngineClient(llm_kwargs, echo=lambda line: None)
     from graphrt.llm import LLM
 
-    return LLM(**llm_kwargs).engine
+    return LLM(**llm_kwargs)
 
 
 @contextlib.contextmanager

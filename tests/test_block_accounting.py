@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import pytest
 
 from graphrt import LLM, SamplingParams
-from graphrt.kv_cache import SCRATCH_BLOCK
-from graphrt.sequence import FinishReason, Sequence
+from graphrt.engine.sequence import FinishReason, Sequence
+from graphrt.model import SCRATCH_BLOCK
 
 # Greedy outputs of this variant vary from token to token, so a wrong or stale token shows.
 VARIED = "llama3-rope"

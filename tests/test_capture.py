@@ -15,9 +15,9 @@ from graphrt import LLM, SamplingParams
 from graphrt.capture.buckets import BucketPlan, default_buckets, parse_buckets
 from graphrt.capture.manifest import IDENTITY_FIELDS, MANIFEST_NAME, write_manifest
 from graphrt.cli import main
-from graphrt.kv_cache import SCRATCH_BLOCK
-from graphrt.ring import build_inputs
-from graphrt.step import ScheduledStep
+from graphrt.model import SCRATCH_BLOCK
+from graphrt.runtime.ring import build_inputs
+from graphrt.runtime.step import ScheduledStep
 
 FIELDS = set(IDENTITY_FIELDS) | {"schema_version", "created", "graphrt", "model_dir", "kv_cache_blocks", "kv_cache_bytes", "null_reasons", "graphs"}
 GRAPH_FIELDS = {"stage", "bucket", "mode", "warmup_ms", "capture_ms", "pool_bytes", "nodes", "max_abs_error", "note"}

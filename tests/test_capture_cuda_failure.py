@@ -19,7 +19,7 @@ import sys
 import torch
 from graphrt import LLM, SamplingParams
 from graphrt.capture.capture import CaptureError
-from graphrt.model import Stage
+from graphrt.model.llama import Stage
 
 model, case, broken = sys.argv[1], sys.argv[2], int(sys.argv[3])
 OPTIONS = dict(pp=2, devices=["cuda:0", "cuda:0"], dtype="float32", buckets=[1, 2, 4, 8], kv_cache_tokens=8192, kernels="torch", depth=0)

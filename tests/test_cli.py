@@ -45,7 +45,7 @@ def test_bench_reports_throughput_and_latency(tiny_model_factory):
     assert result.exit_code == 0, result.output
     assert "graphrt pp=2 depth=1:" in result.output
     # Every request produces exactly its output length (EOS ignored): the seeded workload's total.
-    from graphrt.bench import make_workload
+    from graphrt.tools.bench import make_workload
 
     expected = sum(r.output_len for r in make_workload(12, (4, 20), (3, 9), 97, 0))
     assert f"{expected} output tokens from 12 requests" in result.output

@@ -8,12 +8,13 @@ import torch
 import transformers
 
 import graphrt.config
-import graphrt.cpu_info
+import graphrt.kernels.cpu.info
 from graphrt import LLM
-from graphrt.config import EngineConfig, ModelConfig
-from graphrt.cpu_info import cpu_bf16_support
+from graphrt.config import EngineConfig
+from graphrt.kernels.cpu.info import cpu_bf16_support
 from graphrt.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from graphrt.kernels.rmsnorm import rms_norm
+from graphrt.model.config import ModelConfig
 from helpers import prompt_logits
 
 CPU = torch.device("cpu")
@@ -38,14 +39,14 @@ def test_auto_gives_bfloat16_on_a_cpu_with_bfloat16_instructions(monkeypatch, su
 def test_without_torch_helpers_the_kernel_flags_say_what_the_cpu_has(monkeypatch, tmp_path):
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
     cpuinfo = tmp_path / "cpuinfo"
-    monkeypatch.setattr(graphrt.cpu_info, "CPUINFO", cpuinfo)
+    monkeypatch.setattr(graphrt.kernels.cpu.info, "CPUINFO", cpuinfo)
     cpuinfo.write_text("model name\t: Some CPU\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
     assert cpu_bf16_support() == "AVX512-BF16"
     cpuinfo.write_text("model name\t: Some CPU\nflags\t\t: fpu avx512_bf16 amx_bf16 amx_tile\n")
     assert cpu_bf16_support() == "AMX"
     cpuinfo.write_text("model name\t: Some CPU\nflags\t\t: fpu avx2 fma\n")
     assert cpu_bf16_support() is None
-    assert graphrt.cpu_info.cpu_model_name() == "Some CPU"
+    assert graphrt.kernels.cpu.info.cpu_model_name() == "Some CPU"
 
 
 def ulps_off(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,4 +1,4 @@
-"""Building the compiled CPU kernels (kernels/cpu_extension.py): once per machine into the graphrt
+"""Building the compiled CPU kernels (kernels/cpu/extension.py): once per machine into the graphrt
 cache, on torch's own OpenMP runtime, and where they can't be built, a reason instead of an error."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphrt.kernels import cpu_extension, paged_attention_cpu
-from graphrt.kernels.cpu_kernel_choice import random_decode_inputs
+from graphrt.kernels.cpu import extension as cpu_extension
+from graphrt.kernels.cpu import paged_attention as paged_attention_cpu
+from graphrt.kernels.cpu.kernel_choice import random_decode_inputs
 
 needs_kernels = pytest.mark.usefixtures("built_cpu_kernels")  # tests/conftest.py
 

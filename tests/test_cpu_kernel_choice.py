@@ -1,5 +1,5 @@
 """A CPU stage's kernels, op by op: the compiled kernel or the torch reference, chosen by timing both
-(kernels/cpu_kernel_choice.py), forced by GRAPHRT_CPU_KERNELS, or the references where the compiled
+(kernels/cpu/kernel_choice.py), forced by GRAPHRT_CPU_KERNELS, or the references where the compiled
 kernels can't run; and an engine on the compiled kernels generates what the references do."""
 
 from __future__ import annotations
@@ -8,9 +8,14 @@ import pytest
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.kernels import TORCH, argmax, cpu_extension, cpu_kernel_choice, elementwise_cpu, paged_attention_cpu
-from graphrt.kernels.cpu_kernel_choice import OPS, CpuKernelChoice, LayerShapes, choose_cpu_kernels, mode_from_env, time_paths
-from graphrt.pipeline import Pipeline
+from graphrt.kernels import argmax
+from graphrt.kernels.cpu import elementwise as elementwise_cpu
+from graphrt.kernels.cpu import extension as cpu_extension
+from graphrt.kernels.cpu import kernel_choice as cpu_kernel_choice
+from graphrt.kernels.cpu import paged_attention as paged_attention_cpu
+from graphrt.kernels.cpu.kernel_choice import OPS, CpuKernelChoice, LayerShapes, choose_cpu_kernels, mode_from_env, time_paths
+from graphrt.kernels.torch_ops import TORCH
+from graphrt.runtime.pipeline import Pipeline
 
 CPU = torch.device("cpu")
 SHAPES = dict(

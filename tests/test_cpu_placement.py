@@ -1,5 +1,5 @@
 """`--cpu-placement`: where the server's front and engine process run, planned once in the front
-from the cores it may use (graphrt.cpu_placement), on every core count by parameter; and the pinned
+from the cores it may use (graphrt.kernels.cpu.placement), on every core count by parameter; and the pinned
 layout run for real on this machine, whatever its core count."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from graphrt.cpu_placement import CpuPlacement, core_list, plan_cpu_placement
+from graphrt.kernels.cpu.placement import CpuPlacement, core_list, plan_cpu_placement
 
 CORES = {1: [0], 2: [0, 1], 4: [0, 1, 2, 3], 16: list(range(16)), "sparse": [9, 2, 7, 5]}
 

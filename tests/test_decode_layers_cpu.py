@@ -1,4 +1,4 @@
-"""A CPU decode step's layers in one call (graphrt::decode_layers, kernels/csrc/decode_layers_cpu.cpp):
+"""A CPU decode step's layers in one call (graphrt::decode_layers, kernels/cpu/csrc/decode_layers_cpu.cpp):
 bitwise what the Python loop over DecoderLayer.forward computes, logits and KV cache alike, for
 plain Llama, Qwen2's q/k/v bias and Qwen3's per-head norms; taken only where every op is compiled
 and every matmul is in panels."""
@@ -10,12 +10,12 @@ import random
 import pytest
 import torch
 
-import graphrt.model
+import graphrt.model.llama
 from graphrt import LLM, SamplingParams
-from graphrt.batch import StepMetadata
-from graphrt.kernels.linear import can_use_panels
-from graphrt.model import Stage
-from graphrt.synthetic import make_tiny_model
+from graphrt.kernels.cpu.linear import can_use_panels
+from graphrt.model.batch import StepMetadata
+from graphrt.model.llama import Stage
+from graphrt.tools.synthetic import make_tiny_model
 
 CPU = torch.device("cpu")
 CONTEXTS = [1, 5, 16, 17, 40, 63]  # one token, within a block, a block exactly, across blocks
@@ -112,7 +112,7 @@ def test_the_op_names_what_a_call_lacks(tiny_model_factory, monkeypatch):
     stage, cache = llm.engine.pipeline.stages[0], llm.engine.pipeline.caches[0]
     token_ids, meta = decode_step(llm)
     layers = stage.layers
-    weights = [getattr(layer, name) for layer in layers for name in graphrt.model.DECODE_LAYER_WEIGHTS]
+    weights = [getattr(layer, name) for layer in layers for name in graphrt.model.llama.DECODE_LAYER_WEIGHTS]
     nones = [None] * len(layers)
     norms = [layer.input_norm for layer in layers]  # refused before any shape is read
 
@@ -140,8 +140,8 @@ def test_the_python_loop_ends_gate_up_in_silu_and_mul_where_that_op_is_compiled(
     layers = llm.engine.pipeline.stages[0].layers
     token_ids, meta = decode_step(llm)
     fused_calls = []
-    fused_op = graphrt.model.panel_linear_silu_and_mul
-    monkeypatch.setattr(graphrt.model, "panel_linear_silu_and_mul", lambda *a: fused_calls.append(1) or fused_op(*a))
+    fused_op = graphrt.model.llama.panel_linear_silu_and_mul
+    monkeypatch.setattr(graphrt.model.llama, "panel_linear_silu_and_mul", lambda *a: fused_calls.append(1) or fused_op(*a))
     logits, caches = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
     assert len(fused_calls) == (len(layers) if kernels == "compiled" else 0)
     if kernels == "compiled":

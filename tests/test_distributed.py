@@ -17,10 +17,10 @@ import time
 import pytest
 
 from graphrt import LLM, SamplingParams
+from graphrt.distributed.remote import free_port
+from graphrt.distributed.transport import StageFailure
 from graphrt.errors import GraphrtError
-from graphrt.remote import free_port
-from graphrt.synthetic import make_synthetic
-from graphrt.transport import StageFailure
+from graphrt.tools.synthetic import make_synthetic
 
 OPTIONS = dict(dtype="float64", kv_cache_tokens=2048, buckets=[1, 2, 4], prefill_chunk_size=16)
 PROMPTS = [[(7 * i + j) % 96 + 1 for j in range(3 + 5 * i)] for i in range(5)]  # 3..23 tokens: several prefill chunks
@@ -73,7 +73,7 @@ def test_stage_processes_give_the_single_process_tokens(tiny_model_factory, pp):
 def test_rank_zero_opens_nothing_on_the_devices_of_other_ranks(tiny_model_factory, monkeypatch):
     """The last rank samples and keeps the seeded generators; rank 0 makes no sampler (on GPUs it
     would open a CUDA context, some 500 MiB, on the last GPU) and times only its own stage."""
-    import graphrt.engine
+    import graphrt.engine.engine
 
     model = tiny_model_factory("llama-gqa-tied")
     seeded = SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
@@ -81,8 +81,8 @@ def test_rank_zero_opens_nothing_on_the_devices_of_other_ranks(tiny_model_factor
     expected = outputs(alone, seeded)
     alone.engine.close()
     timed_devices = []
-    timeline = graphrt.engine.Timeline
-    monkeypatch.setattr(graphrt.engine, "Timeline", lambda devices: timed_devices.append(devices) or timeline(devices))
+    timeline = graphrt.engine.engine.Timeline
+    monkeypatch.setattr(graphrt.engine.engine, "Timeline", lambda devices: timed_devices.append(devices) or timeline(devices))
     llm = LLM(model=model, pp=2, procs=True, timeline=True, watchdog_s=30, **OPTIONS)
     children = llm.engine.cluster.children
     try:
@@ -142,7 +142,7 @@ def test_server_over_stage_processes_answers_and_fails_with_503(tiny_model_facto
     alone.engine.close()
     llm = LLM(model=model, pp=2, procs=True, watchdog_s=WATCHDOG_S, **OPTIONS)
     children = llm.engine.cluster.children
-    server = ServerThread(llm.engine, ServerSettings(model_id="tiny")).start()
+    server = ServerThread(llm, ServerSettings(model_id="tiny")).start()
     try:
         answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
         assert answer["usage"]["completion_tokens"] == len(expected.token_ids) == 10
@@ -205,8 +205,8 @@ def test_stage_zero_keeps_the_heartbeat_going_while_it_waits_for_a_reply():
     runs the next one; rank 1 may hear nothing else meanwhile, so the waiting thread beats."""
     from types import SimpleNamespace
 
-    from graphrt.remote import RemoteEvent, RemoteRing
-    from graphrt.streams import CpuStream
+    from graphrt.distributed.remote import RemoteEvent, RemoteRing
+    from graphrt.runtime.streams import CpuStream
 
     beats: list[float] = []
     stream = CpuStream("test-stage0")

@@ -7,7 +7,7 @@ import torch
 from click.testing import CliRunner
 
 from graphrt.cli import main
-from graphrt.doctor import Gpu, peer_table
+from graphrt.tools.doctor import Gpu, peer_table
 
 
 def test_doctor_reports_versions_and_exits_zero():
@@ -36,8 +36,8 @@ def test_the_peer_table_reads_row_to_column():
 def test_doctor_times_the_cpu_kernels_on_the_team_busy_neighbours_leave(monkeypatch):
     import threading
 
-    import graphrt.doctor as doctor
-    from graphrt.openmp import LoadWatch, openmp_available
+    import graphrt.tools.doctor as doctor
+    from graphrt.kernels.cpu.openmp import LoadWatch, openmp_available
 
     if not openmp_available():
         pytest.skip("needs torch on libgomp")
@@ -80,7 +80,7 @@ def test_doctor_times_the_cpu_kernels_on_the_team_busy_neighbours_leave(monkeypa
 def test_the_gpus_are_reported_before_the_cpu_is_timed(monkeypatch):
     """The CPU's measurements take seconds and build the CPU kernels: whoever ran doctor for the GPU
     reads about it first (one pretend GPU here)."""
-    import graphrt.doctor as doctor
+    import graphrt.tools.doctor as doctor
 
     events = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -99,7 +99,7 @@ def test_the_gpus_are_reported_before_the_cpu_is_timed(monkeypatch):
 
 
 def test_no_cpu_skips_the_cpu_measurements(monkeypatch):
-    import graphrt.doctor as doctor
+    import graphrt.tools.doctor as doctor
 
     def refuse(*args, **kwargs):
         raise AssertionError("--no-cpu timed the CPU")

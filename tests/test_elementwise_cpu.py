@@ -1,4 +1,4 @@
-"""The compiled CPU elementwise ops (kernels/elementwise_cpu.py) against their torch references:
+"""The compiled CPU elementwise ops (kernels/cpu/elementwise.py) against their torch references:
 rms_norm with and without its residual, rotary on views of a fused qkv, silu_and_mul, in the three
 dtypes a CPU stage runs, at decode and prefill sizes and sizes that leave a partial vector; and the
 sampler's greedy argmax against torch.argmax, ties and NaNs included, and its measured choice."""
@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrt.config import RopeConfig
-from graphrt.kernels import activation, argmax, cpu_kernel_choice, elementwise_cpu, rmsnorm, rotary
+from graphrt.kernels import activation, argmax, rmsnorm, rotary
+from graphrt.kernels.cpu import elementwise as elementwise_cpu
+from graphrt.kernels.cpu import kernel_choice as cpu_kernel_choice
+from graphrt.kernels.rotary import RopeConfig
 
 pytestmark = pytest.mark.usefixtures("built_cpu_kernels")  # tests/conftest.py
 

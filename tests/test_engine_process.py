@@ -18,14 +18,25 @@ for package in ("fastapi", "uvicorn", "httpx", "zmq", "msgspec"):  # the server 
 
 import httpx  # noqa: E402
 import msgspec  # noqa: E402
-
-from graphrt.logprobs import TokenLogprob  # noqa: E402
-from graphrt.sampling import SamplingParams  # noqa: E402
-from graphrt.server.engine_core import EngineSnapshot  # noqa: E402
-from graphrt.server.engine_process import (  # noqa: E402
-    AbortJob, AddJob, ChoiceOutput, Fatal, JobAdmitted, JobFailed, JobRejected, Outputs, Shutdown, StopChoice, ToEngine, ToFront,
-)
 from test_server_shutdown import API_KEY, start_server  # noqa: E402
+
+from graphrt.engine.core import EngineSnapshot  # noqa: E402
+from graphrt.engine.messages import (  # noqa: E402
+    AbortJob,
+    AddJob,
+    ChoiceOutput,
+    Fatal,
+    JobAdmitted,
+    JobFailed,
+    JobRejected,
+    Outputs,
+    Shutdown,
+    StopChoice,
+    ToEngine,
+    ToFront,
+)
+from graphrt.runtime.logprobs import TokenLogprob  # noqa: E402
+from graphrt.sampling_params import SamplingParams  # noqa: E402
 
 
 def children_of(pid: int) -> list[int]:

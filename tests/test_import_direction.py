@@ -1,5 +1,11 @@
-"""Imports point one way: the scheduler and the ring both depend on the plain data between them
-(`graphrt.step`, `graphrt.sequence`), never on each other, and the scheduler works without torch.
+"""Imports point one way, down the layers of the design:
+
+    server -> frontend (and the LLM face) -> engine -> distributed -> runtime -> capture -> config -> model -> kernels, profiling
+
+so a module may import its own layer's and the layers below, never one above, and no two modules
+import each other, even for a type hint. Within that, the scheduler and the ring both depend on the
+plain data between them (`graphrt.runtime.step`), never on each other, and the scheduler works
+without torch.
 
 Each module is imported alone in a fresh interpreter, with the `graphrt` package's own
 `__init__` (which loads the whole engine) left out, so what it drags in is what it imports.
@@ -31,10 +37,10 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("graphrt.") or m 
 
 # module -> the modules it must not load, at run time or for type hints
 MUST_NOT_IMPORT = {
-    "graphrt.sequence": {"graphrt.ring", "graphrt.scheduler", "graphrt.step", "graphrt.engine"},
-    "graphrt.step": {"graphrt.ring", "graphrt.scheduler", "graphrt.engine"},
-    "graphrt.scheduler": {"graphrt.ring", "graphrt.engine", "graphrt.remote", "torch"},
-    "graphrt.ring": {"graphrt.scheduler", "graphrt.sequence", "graphrt.engine", "graphrt.remote"},
+    "graphrt.engine.sequence": {"graphrt.runtime.ring", "graphrt.engine.scheduler", "graphrt.runtime.step", "graphrt.engine.engine"},
+    "graphrt.runtime.step": {"graphrt.runtime.ring", "graphrt.engine.scheduler", "graphrt.engine.engine"},
+    "graphrt.engine.scheduler": {"graphrt.runtime.ring", "graphrt.engine.engine", "graphrt.distributed.remote", "torch"},
+    "graphrt.runtime.ring": {"graphrt.engine.scheduler", "graphrt.engine.sequence", "graphrt.engine.engine", "graphrt.distributed.remote"},
 }
 
 
@@ -71,8 +77,11 @@ def test_not_even_a_type_hint_points_upstream(module):
 
 
 def test_the_scheduler_emits_plain_data():
-    loaded = loaded_alone("graphrt.scheduler")
-    assert loaded == {"graphrt.scheduler", "graphrt.sequence", "graphrt.step", "graphrt.block_allocator", "graphrt.errors"}
+    loaded = loaded_alone("graphrt.engine.scheduler")
+    assert loaded == {
+        "graphrt.engine.scheduler", "graphrt.engine.sequence", "graphrt.runtime.step", "graphrt.engine.block_allocator",
+        "graphrt.errors", "graphrt.engine", "graphrt.runtime", "graphrt.model",  # the packages: docstrings only
+    }
 
 
 def test_one_place_frees_kv_blocks_and_one_place_grows_an_output():
@@ -86,7 +95,109 @@ def test_one_place_frees_kv_blocks_and_one_place_grows_an_output():
                 frees.append(where)
             if "output_ids.append(" in line or "output_ids +=" in line or "output_ids.extend(" in line:
                 appends.append(where)
-    assert len(frees) == 1 and frees[0].startswith("scheduler.py:"), frees
+    assert len(frees) == 1 and frees[0].startswith("engine/scheduler.py:"), frees
     # Besides the scheduler, only the server's front copies into its mirror of each sequence the
-    # tokens the engine process appended (graphrt/server/engine_process.py).
-    assert sorted(where.split(":")[0] for where in appends) == ["scheduler.py", "server/engine_process.py"], appends
+    # tokens the engine process appended (graphrt/frontend/engine_client.py).
+    assert sorted(where.split(":")[0] for where in appends) == ["engine/scheduler.py", "frontend/engine_client.py"], appends
+
+
+# Each layer, lowest first: a module imports its own layer and those below. The package
+# `graphrt` itself (its __init__) and the CLI sit on top.
+LAYERS = [
+    ("graphrt.errors",),
+    ("graphrt.kernels", "graphrt.profiling", "graphrt.sampling_params"),
+    ("graphrt.model",),
+    ("graphrt.config",),
+    ("graphrt.capture",),
+    ("graphrt.runtime",),
+    ("graphrt.distributed",),
+    ("graphrt.engine",),
+    ("graphrt.frontend", "graphrt.llm"),
+    ("graphrt.server",),
+    ("graphrt.tools", "graphrt.cli", "graphrt.__main__", "graphrt"),
+]
+SOURCE_ROOTS = {  # the package-dir of pyproject.toml
+    "graphrt": PACKAGE_DIR,
+    "graphrt.kernels": PACKAGE_DIR.parent / "kernels",
+    "graphrt.capture": PACKAGE_DIR.parent / "capture",
+    "graphrt.profiling": PACKAGE_DIR.parent / "profiling",
+}
+
+
+def all_modules() -> dict[str, Path]:
+    """Every module of graphrt, by dotted name, with its file."""
+    modules = {}
+    for package, folder in SOURCE_ROOTS.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            name = ".".join([package, *parts])
+            if package == "graphrt" and any(name.startswith(other + ".") or name == other for other in SOURCE_ROOTS if other != "graphrt"):
+                continue
+            modules[name] = path
+    return modules
+
+
+MODULES = all_modules()
+
+
+def imports_of(module: str) -> set[str]:
+    """The graphrt modules `module` names in any import: at the top, in a function, or under
+    TYPE_CHECKING. `from package import name` counts as the submodule where `name` is one."""
+    tree = ast.parse(MODULES[module].read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in MODULES else node.module)
+    return {name for name in found if name in MODULES and name != module}
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    assert best is not None, f"{module} is in no layer of LAYERS: place it"
+    return best[0]
+
+
+def test_every_module_is_in_a_layer():
+    assert len(MODULES) > 60
+    for module in MODULES:
+        layer_of(module)
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    upward = [
+        f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
+        for module in sorted(MODULES)
+        for target in sorted(imports_of(module))
+        if layer_of(target) > layer_of(module)
+    ]
+    assert not upward, "imports pointing up the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle_even_for_type_hints():
+    graph = {module: imports_of(module) for module in MODULES}
+    cycles, state = [], {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)

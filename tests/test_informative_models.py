@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from conftest import TINY_VARIANTS
 
 from graphrt import LLM, SamplingParams
-from conftest import TINY_VARIANTS
 
 PROMPTS = [[5, 9, 13], list(range(20, 31)), [1, 2, 3]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

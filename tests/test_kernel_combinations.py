@@ -18,13 +18,13 @@ import torch
 import transformers
 
 from graphrt import LLM, SamplingParams
-from graphrt.engine import Engine
-from graphrt.kernels import ForcedModes
-from graphrt.kernels.cpu_kernel_choice import DECODE_LAYER_OPS, OPS
-from graphrt.kernels.cpu_kernel_choice import mode_from_env as cpu_kernel_modes
-from graphrt.kernels.linear import dense_weight, weight_form
-from graphrt.kernels.matmul_choice import SHAPE_NAMES, available_paths, mode_from_env
-from graphrt.synthetic import make_tiny_model
+from graphrt.engine.engine import Engine
+from graphrt.kernels.cpu.forcing import ForcedModes
+from graphrt.kernels.cpu.kernel_choice import DECODE_LAYER_OPS, OPS
+from graphrt.kernels.cpu.kernel_choice import mode_from_env as cpu_kernel_modes
+from graphrt.kernels.cpu.linear import dense_weight, weight_form
+from graphrt.kernels.cpu.matmul_choice import SHAPE_NAMES, available_paths, mode_from_env
+from graphrt.tools.synthetic import make_tiny_model
 
 MATMULS_ALONE = [f"{name}={path},dense" for name in SHAPE_NAMES for path in ("packed", "panel")]
 OPS_ALONE = [f"{op}={path},{other}" for op in (*OPS, "greedy_argmax") for path, other in (("compiled", "torch"), ("torch", "compiled"))]
@@ -83,7 +83,7 @@ def assert_forced(engine: Engine, matmuls: ForcedModes, kernels: ForcedModes) ->
             weight_form(getattr(layer, name)) == "panel" for layer in stage.layers for name in SHAPE_NAMES[:4]
         ))
     argmax = engine.sampler.greedy_argmax
-    assert argmax.__module__.endswith("elementwise_cpu" if kernels.of("greedy_argmax") == "compiled" else "argmax")
+    assert argmax.__module__.endswith("cpu.elementwise" if kernels.of("greedy_argmax") == "compiled" else "argmax")
 
 
 def generate(engine: Engine, prompts: list[list[int]]) -> list:

@@ -15,9 +15,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from graphrt.config import RopeConfig
-from graphrt.kernels import elementwise_cpu, paged_attention_cpu, rotary_cos_sin
-from graphrt.kernels.linear import can_use_panels, linear, pack_panels
+from graphrt.kernels.cpu import elementwise as elementwise_cpu
+from graphrt.kernels.cpu import paged_attention as paged_attention_cpu
+from graphrt.kernels.cpu.linear import can_use_panels, linear, pack_panels
+from graphrt.kernels.rotary import RopeConfig, rotary_cos_sin
 
 pytestmark = pytest.mark.usefixtures("built_cpu_kernels")  # tests/conftest.py
 

@@ -18,14 +18,18 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from graphrt import LLM, SamplingParams  # noqa: E402
-from graphrt.config import RopeConfig  # noqa: E402
-from graphrt.kernels import activation, paged_attention, rmsnorm, rotary, rotary_cos_sin  # noqa: E402
-from graphrt.kernels import (  # noqa: E402
+from graphrt.kernels import (  # noqa: E402  # noqa: E402
+    activation,
     activation_triton,
+    paged_attention,
     paged_attention_triton,
+    rmsnorm,
     rmsnorm_triton,
+    rotary,
+    rotary_cos_sin,
     rotary_triton,
 )
+from graphrt.kernels.rotary import RopeConfig  # noqa: E402
 from helpers import prompt_logits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

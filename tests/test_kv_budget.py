@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from graphrt import LLM
+from graphrt.engine.kv_budget import GPU_MEMORY_FRACTION, Headroom, kv_blocks_that_fit
 from graphrt.errors import GraphrtError
-from graphrt.kv_budget import GPU_MEMORY_FRACTION, Headroom, kv_blocks_that_fit
-from graphrt.kv_cache import bytes_per_block
+from graphrt.model.kv_cache import bytes_per_block
 
 GiB, MiB = 1 << 30, 1 << 20
 GPU0, GPU1 = torch.device("cuda", 0), torch.device("cuda", 1)

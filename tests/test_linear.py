@@ -1,4 +1,4 @@
-"""CPU matmuls on weights packed for oneDNN (graphrt/kernels/linear.py) against F.linear."""
+"""CPU matmuls on weights packed for oneDNN (graphrt/kernels/cpu/linear.py) against F.linear."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from graphrt import LLM
-from graphrt.kernels.linear import can_pack, linear, pack_weight
+from graphrt.kernels.cpu.linear import can_pack, linear, pack_weight
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="this torch has no oneDNN")
 

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import graphrt.cpu_info
-import graphrt.doctor as doctor
+import graphrt.kernels.cpu.info
+import graphrt.tools.doctor as doctor
 from graphrt.config import default_devices
-from graphrt.cpu_placement import usable_cores
-from graphrt.openmp import TeamSizer, affinity_cores
-from graphrt.transport import cpu_threads_per_stage
+from graphrt.distributed.transport import cpu_threads_per_stage
+from graphrt.kernels.cpu.openmp import TeamSizer, affinity_cores
+from graphrt.kernels.cpu.placement import usable_cores
 
 
 @pytest.fixture
@@ -109,12 +109,12 @@ def test_default_devices_follow_the_gpus_torch_sees(monkeypatch, cuda, num_gpus,
 
 
 def test_stage_processes_on_fewer_gpus_than_stages_are_refused_before_any_starts(monkeypatch):
-    from graphrt.remote import Cluster
+    from graphrt.distributed.remote import Cluster
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("RANK", raising=False)
     spawned = []
-    monkeypatch.setattr("graphrt.remote.spawn_workers", lambda *args: spawned.append(args))
+    monkeypatch.setattr("graphrt.distributed.remote.spawn_workers", lambda *args: spawned.append(args))
     config = SimpleNamespace(devices=["cuda:0", "cuda:1"], pp=2, watchdog_s=30.0)
     with pytest.raises(ValueError, match="--procs with --pp 2 needs 2 GPUs on this host .* found 1; drop --procs"):
         Cluster.start("unused", config)
@@ -156,4 +156,4 @@ def test_the_last_level_cache_size_is_read_from_sysfs_or_defaulted(tmp_path, lev
         (tmp_path / name).mkdir()
         (tmp_path / name / "level").write_text(level + "\n")
         (tmp_path / name / "size").write_text(size + "\n")
-    assert graphrt.cpu_info.cpu_l3_bytes(default=7 << 20, cache_dir=tmp_path) == expected
+    assert graphrt.kernels.cpu.info.cpu_l3_bytes(default=7 << 20, cache_dir=tmp_path) == expected

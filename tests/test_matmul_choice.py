@@ -1,4 +1,4 @@
-"""CPU matmul paths chosen by measurement (graphrt/kernels/matmul_choice.py).
+"""CPU matmul paths chosen by measurement (graphrt/kernels/cpu/matmul_choice.py).
 
 Which path wins is this machine's business, so no test asserts a winner: they assert that the
 timing logic picks what a controlled clock says, that every path computes what F.linear does, that
@@ -13,10 +13,9 @@ import torch.nn.functional as F
 from graphrt import LLM
 from graphrt.capture.manifest import StaleCacheError, cached_matmul_plans, read_manifest, write_manifest
 from graphrt.cli import build_manifest
-from graphrt.doctor import run_doctor
-from graphrt.kernels import ForcedModes
-from graphrt.kernels.linear import can_pack, dense_weight, linear, weight_form
-from graphrt.kernels.matmul_choice import (
+from graphrt.kernels.cpu.forcing import ForcedModes
+from graphrt.kernels.cpu.linear import can_pack, dense_weight, linear, weight_form
+from graphrt.kernels.cpu.matmul_choice import (
     SHAPE_NAMES,
     MatmulChoice,
     MatmulPlan,
@@ -28,6 +27,7 @@ from graphrt.kernels.matmul_choice import (
     pick_path,
     summarize,
 )
+from graphrt.tools.doctor import run_doctor
 from helpers import prompt_logits
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="this torch has no oneDNN")

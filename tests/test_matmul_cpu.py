@@ -1,4 +1,4 @@
-"""The compiled panel matmul (kernels/csrc/matmul_cpu.cpp, via graphrt/kernels/linear.py) against
+"""The compiled panel matmul (kernels/cpu/csrc/matmul_cpu.cpp, via graphrt/kernels/cpu/linear.py) against
 F.linear and a float64 reference: every tile shape the kernel has, panels in groups and remainders,
 strided rows, bias, threads, and the messages for bad inputs; and the gate/up matmul that ends in
 silu_and_mul, against the two ops it fuses."""
@@ -12,9 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from graphrt import LLM, SamplingParams
-from graphrt.kernels import elementwise_cpu
-from graphrt.kernels.linear import (
-    PANEL_WIDTH, can_use_panels, dense_weight, linear, pack_panels, panel_linear_silu_and_mul, weight_form,
+from graphrt.kernels.cpu import elementwise as elementwise_cpu
+from graphrt.kernels.cpu.linear import (
+    PANEL_WIDTH,
+    can_use_panels,
+    dense_weight,
+    linear,
+    pack_panels,
+    panel_linear_silu_and_mul,
+    weight_form,
 )
 
 CPU = torch.device("cpu")
@@ -149,7 +155,7 @@ def test_bad_inputs_are_named(dtype):
     weight = torch.randn(32, 64).to(dtype)
     panels = pack_panels(weight)
     op = torch.ops.graphrt.panel_linear
-    with pytest.raises(RuntimeError, match="must be packed by graphrt.kernels.linear.pack_panels"):
+    with pytest.raises(RuntimeError, match="must be packed by graphrt.kernels.cpu.linear.pack_panels"):
         op(torch.randn(2, 64).to(dtype), weight, None)
     with pytest.raises(RuntimeError, match="x has 48 features but the weight was packed for 64"):
         op(torch.randn(2, 48).to(dtype), panels, None)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from graphrt import SamplingParams
-from graphrt.config import ModelConfig
-from graphrt.kv_cache import BlockAllocator, StageKVCache, bytes_per_block
+from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.model.config import ModelConfig
+from graphrt.model.kv_cache import StageKVCache, bytes_per_block
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

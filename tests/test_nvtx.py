@@ -163,7 +163,7 @@ def run_without(packages: list[str], code: str, *args: str) -> subprocess.Comple
 WITHOUT_NVTX_RUN = """
 import torch
 from graphrt import LLM, SamplingParams
-from graphrt.doctor import run_doctor
+from graphrt.tools.doctor import run_doctor
 from graphrt.profiling.nvtx import Ranges
 ranges = Ranges()
 # Without the nvtx package: torch's own NVTX on a CUDA build, else nothing; off without a profiler.

@@ -1,4 +1,4 @@
-"""The host thread gives its OpenMP workers back once the engine is built (graphrt.openmp).
+"""The host thread gives its OpenMP workers back once the engine is built (graphrt.kernels.cpu.openmp).
 
 libgomp starts a thread's workers at its first parallel region and keeps them; a team given back
 is started afresh by the next region, with new threads. So "new threads appear when the host runs
@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphrt.llm import LLM
-from graphrt.openmp import (
+from graphrt.kernels.cpu.openmp import (
     LoadWatch,
     TeamSizer,
     busy_ticks,
@@ -27,6 +26,7 @@ from graphrt.openmp import (
     set_team_size,
     team_size,
 )
+from graphrt.llm import LLM
 
 needs_libgomp = pytest.mark.skipif(
     not Path("/proc/self/task").is_dir() or not openmp_available(), reason="needs Linux and torch on libgomp"
@@ -254,8 +254,8 @@ def test_load_watch_keeps_the_whole_team_when_neighbours_leave_enough_or_cannot_
 @needs_libgomp
 @pytest.mark.usefixtures("two_threads")
 def test_engine_times_its_kernels_on_the_sized_team_and_says_so(tiny_model_factory, monkeypatch):
-    import graphrt.engine
-    import graphrt.pipeline
+    import graphrt.engine.engine
+    import graphrt.runtime.pipeline
 
     machine = FakeMachine()
 
@@ -264,10 +264,10 @@ def test_engine_times_its_kernels_on_the_sized_team_and_says_so(tiny_model_facto
         machine.run(2.0, own_cores=1.0, other_cores=1.0)  # what /proc says once the load is done
         return watch
 
-    monkeypatch.setattr(graphrt.engine, "LoadWatch", watch_beside_busy_loops)
+    monkeypatch.setattr(graphrt.engine.engine, "LoadWatch", watch_beside_busy_loops)
     timed_on = []
-    choose = graphrt.pipeline.Pipeline.choose_cpu_kernels
-    monkeypatch.setattr(graphrt.pipeline.Pipeline, "choose_cpu_kernels",
+    choose = graphrt.runtime.pipeline.Pipeline.choose_cpu_kernels
+    monkeypatch.setattr(graphrt.runtime.pipeline.Pipeline, "choose_cpu_kernels",
                         lambda self, *args, **kwargs: timed_on.append(torch.get_num_threads()) or choose(self, *args, **kwargs))
     model = tiny_model_factory()
 

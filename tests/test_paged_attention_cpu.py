@@ -1,7 +1,7 @@
 """The compiled CPU paged decode attention and KV writes against their torch references
 (`paged_attention`).
 
-The kernel is built on first use (kernels/cpu_extension.py, tested in test_cpu_extension.py);
+The kernel is built on first use (kernels/cpu/extension.py, tested in test_cpu_extension.py);
 where it can't be built, the tests that run it skip with the reason. Caches start as NaN and only
 live context is written, so a kernel that reads past a sequence's length, a padded block-table
 column or the scratch block returns NaN; the reference gets the NaNs zeroed (its mask hides
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrt.kernels import paged_attention, paged_attention_cpu
-
+from graphrt.kernels import paged_attention
+from graphrt.kernels.cpu import paged_attention as paged_attention_cpu
 
 needs_kernel = pytest.mark.usefixtures("built_cpu_kernels")  # tests/conftest.py
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from graphrt import LLM, SamplingParams
-from graphrt.config import ModelConfig
+from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.errors import GraphrtError
-from graphrt.kv_cache import BlockAllocator
-from graphrt.pipeline import partition_layers
+from graphrt.model.config import ModelConfig
+from graphrt.runtime.pipeline import partition_layers
 
 SMOLLM2 = ModelConfig.from_hf(
     dict(

@@ -107,7 +107,7 @@ COMPILED_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("case", COMPILED_CASES)
 def test_the_compiled_prompt_attention_matches_exact_attention(dtype, case):
-    from graphrt.kernels.paged_attention_cpu import prompt_attention
+    from graphrt.kernels.cpu.paged_attention import prompt_attention
 
     query_lens, seq_lens, heads, kv_heads, head_dim, block_size = case
     q, k_cache, v_cache, tables = random_chunk(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype)
@@ -121,7 +121,7 @@ def test_the_compiled_prompt_attention_matches_exact_attention(dtype, case):
 
 @pytest.mark.usefixtures("built_cpu_kernels")
 def test_the_compiled_prompt_attention_gives_the_same_bits_on_one_thread_and_two():
-    from graphrt.kernels.paged_attention_cpu import prompt_attention
+    from graphrt.kernels.cpu.paged_attention import prompt_attention
 
     args = (*random_chunk([40, 16], [50, 16], 9, 3, 64, 16, torch.bfloat16), [40, 16], [50, 16], 0.125)
     before = torch.get_num_threads()
@@ -137,7 +137,7 @@ def test_the_compiled_prompt_attention_gives_the_same_bits_on_one_thread_and_two
 
 @pytest.mark.usefixtures("built_cpu_kernels")
 def test_a_chunk_with_riders_on_the_compiled_kernels_matches_the_reference():
-    from graphrt.kernels import paged_attention_cpu
+    from graphrt.kernels.cpu import paged_attention as paged_attention_cpu
 
     query_lens, seq_lens = [1, 1, 7, 20], [9, 30, 7, 45]
     q, k_cache, v_cache, tables = random_chunk(query_lens, seq_lens, 6, 2, 16, 4, torch.float64)
@@ -181,8 +181,8 @@ def test_a_chunk_with_riders_makes_no_length_tensor_per_layer(tiny_model_factory
 
     from graphrt import LLM, SamplingParams
     from graphrt.kernels import paged_attention
-    from graphrt.ring import build_inputs
-    from graphrt.step import ScheduledStep
+    from graphrt.runtime.ring import build_inputs
+    from graphrt.runtime.step import ScheduledStep
 
     llm = LLM(model=tiny_model_factory(num_layers=4), pp=2, kernels="torch", dtype="float64", kv_cache_tokens=1024, buckets=[1, 2])
     engine, greedy = llm.engine, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

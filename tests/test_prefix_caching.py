@@ -10,7 +10,7 @@ import random
 import pytest
 
 from graphrt import LLM, SamplingParams
-from graphrt.block_allocator import BlockAllocator, block_keys
+from graphrt.engine.block_allocator import BlockAllocator, block_keys
 
 BLOCK = 4
 ROOT = b"test-root"
@@ -208,7 +208,7 @@ def test_server_over_stage_processes_serves_cached_prefixes_and_counts_them(tiny
     prompts = workload()
     expected = generate(LLM(model=model_dir, prefix_caching=False, **options), prompts, together=False)
     llm = LLM(model=model_dir, procs=True, watchdog_s=30, **options)
-    server = ServerThread(llm.engine, ServerSettings(model_id="tiny")).start()
+    server = ServerThread(llm, ServerSettings(model_id="tiny")).start()
     try:
         # logprobs: a model without a tokenizer spells its tokens "token_id:N" there
         body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0}
@@ -233,7 +233,7 @@ def test_default_model_greedy_text_is_unchanged(default_model):
     params = SamplingParams(max_tokens=24, temperature=0)
 
     def answers(llm: LLM) -> list[str]:
-        prompts = [llm.engine.tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}]) for q in questions]
+        prompts = [llm.tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}]) for q in questions]
         return [o.text for o in llm.generate(prompts, params)] + [llm.generate(prompts[:1], params)[0].text]
 
     expected = answers(LLM(default_model, dtype="float32", prefix_caching=False))

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from graphrt.cli import main
-from graphrt.profiling.runner import ProfileOptions, run_profile
+from graphrt.tools.profile import ProfileOptions, run_profile
 
 STAGE_MS, HOST_MS, PP = 20.0, 10.0, 4
 

@@ -18,12 +18,12 @@ if not torch.cuda.is_available():
 
 from graphrt.capture.graphs import StaticInputs  # noqa: E402
 from graphrt.capture.rehearsal import RehearsalError, rehearse_stage  # noqa: E402
-from graphrt.config import ModelConfig  # noqa: E402
 from graphrt.errors import GraphrtError  # noqa: E402
-from graphrt.kv_cache import SCRATCH_BLOCK  # noqa: E402
-from graphrt.pipeline import Pipeline  # noqa: E402
-from graphrt.synthetic import TINY_VARIANTS  # noqa: E402
-from graphrt.weights import WeightFiles  # noqa: E402
+from graphrt.model import SCRATCH_BLOCK  # noqa: E402
+from graphrt.model.config import ModelConfig  # noqa: E402
+from graphrt.model.weights import WeightFiles  # noqa: E402
+from graphrt.runtime.pipeline import Pipeline  # noqa: E402
+from graphrt.tools.synthetic import TINY_VARIANTS  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8

@@ -11,7 +11,7 @@ import pytest
 
 from graphrt import LLM, SamplingParams
 from graphrt.errors import RequestError
-from graphrt.synthetic import make_synthetic
+from graphrt.tools.synthetic import make_synthetic
 from helpers import run_counting_feed_reads
 
 NUM_REQUESTS = 40

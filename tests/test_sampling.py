@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.sampling import Sampler
+from graphrt.runtime.sampler import Sampler
 
 
 def draw(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, num_draws: int) -> torch.Tensor:

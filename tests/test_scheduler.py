@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from graphrt.kv_cache import SCRATCH_BLOCK
-from graphrt.ring import build_inputs
-from graphrt.sampling import SamplingParams
-from graphrt.sequence import Sequence
-from graphrt.step import ScheduledStep
+from graphrt.engine.sequence import Sequence
+from graphrt.model import SCRATCH_BLOCK
+from graphrt.runtime.ring import build_inputs
+from graphrt.runtime.step import ScheduledStep
+from graphrt.sampling_params import SamplingParams
 
 BLOCK = 4
 
@@ -51,7 +51,7 @@ def test_a_prefill_chunk_with_a_rider():
 
 
 def test_async_scheduling_takes_rows_whose_token_comes_no_later_than_the_slots_last_micro_batch():
-    from graphrt.scheduler import Scheduler
+    from graphrt.engine.scheduler import Scheduler
 
     earlier, follows, later = 3, 5, 8  # step ids, in launch order
 
@@ -76,8 +76,8 @@ def test_async_scheduling_takes_rows_whose_token_comes_no_later_than_the_slots_l
 
 
 def test_a_full_cache_preempts_the_youngest_idle_sequence_even_mid_prompt():
-    from graphrt.kv_cache import BlockAllocator
-    from graphrt.scheduler import Scheduler
+    from graphrt.engine.block_allocator import BlockAllocator
+    from graphrt.engine.scheduler import Scheduler
 
     allocator = BlockAllocator(num_blocks=4, block_size=BLOCK)  # 3 usable blocks of 4 tokens
     scheduler = Scheduler(allocator, max_num_seqs=8, prefill_chunk_size=16, max_model_len=64, max_decode_batch=8)
@@ -97,8 +97,8 @@ def test_a_full_cache_preempts_the_youngest_idle_sequence_even_mid_prompt():
 
 
 def test_an_older_sequence_waits_for_a_busy_younger_one_rather_than_give_its_blocks_up():
-    from graphrt.kv_cache import BlockAllocator
-    from graphrt.scheduler import Scheduler
+    from graphrt.engine.block_allocator import BlockAllocator
+    from graphrt.engine.scheduler import Scheduler
 
     allocator = BlockAllocator(num_blocks=4, block_size=BLOCK)  # 3 usable blocks of 4 tokens
     scheduler = Scheduler(allocator, max_num_seqs=8, prefill_chunk_size=16, max_model_len=64, max_decode_batch=8)
@@ -118,8 +118,8 @@ def test_an_older_sequence_waits_for_a_busy_younger_one_rather_than_give_its_blo
 
 
 def test_preempted_sequences_wait_in_arrival_order_and_an_open_max_tokens_fits_the_cache():
-    from graphrt.kv_cache import BlockAllocator
-    from graphrt.scheduler import Scheduler
+    from graphrt.engine.block_allocator import BlockAllocator
+    from graphrt.engine.scheduler import Scheduler
 
     allocator = BlockAllocator(num_blocks=11, block_size=BLOCK)  # 40 tokens of cache
     scheduler = Scheduler(allocator, max_num_seqs=8, prefill_chunk_size=16, max_model_len=64, max_decode_batch=8)

@@ -15,9 +15,9 @@ for package in ("fastapi", "uvicorn", "httpx"):  # the server stack: not on ever
 
 import httpx  # noqa: E402
 
+from graphrt.frontend.tokenizer import Tokenizer  # noqa: E402
 from graphrt.llm import LLM  # noqa: E402
 from graphrt.server import ServerSettings, ServerThread  # noqa: E402
-from graphrt.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +44,10 @@ class StepCounter:
 
 @pytest.fixture(scope="module")
 def served(default_model):
-    engine = LLM(default_model, max_num_seqs=8, max_model_len=MAX_MODEL_LEN).engine
+    llm = LLM(default_model, max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+    engine = llm.engine
     steps = StepCounter(engine)
-    with ServerThread(engine, ServerSettings(model_id=engine.model_dir.name)) as running:
+    with ServerThread(llm, ServerSettings(model_id=engine.model_dir.name)) as running:
         yield running, engine, steps
 
 
@@ -54,8 +55,8 @@ def served(default_model):
 def tokenizer_calls(served, monkeypatch):
     """Every call into the server's tokenizer that turns text into tokens: (method, thread name).
     A call whose text contains HOLD waits until the test sets `release`."""
-    _, engine, _ = served
-    tokenizer = engine.tokenizer
+    running, engine, _ = served
+    tokenizer = running.async_engine.tokenizer
     calls, entered, release = [], threading.Event(), threading.Event()
 
     def recorded(name):

@@ -13,8 +13,8 @@ for package in ("fastapi", "uvicorn", "openai", "httpx"):  # the server stack: n
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
+from graphrt.frontend.tokenizer import Tokenizer  # noqa: E402
 from helpers import SERVER_MODES, running_server  # noqa: E402
-from graphrt.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import tool  # noqa: E402
 from langchain_openai import ChatOpenAI, OpenAI  # noqa: E402
 
+from graphrt.frontend.tokenizer import Tokenizer  # noqa: E402
 from helpers import SERVER_MODES, running_server  # noqa: E402
-from graphrt.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -35,8 +35,8 @@ PATIENT = ConnectionLimits(header_timeout_s=120, body_timeout_s=120, keep_alive_
 
 
 def serving(tiny_model_factory, limits: ConnectionLimits, api_key: str | None = None) -> ServerThread:
-    engine = LLM(tiny_model_factory(), max_num_seqs=4, max_batch=2).engine
-    return ServerThread(engine, ServerSettings(model_id="tiny", api_key=api_key), limits=limits)
+    llm = LLM(tiny_model_factory(), max_num_seqs=4, max_batch=2)
+    return ServerThread(llm, ServerSettings(model_id="tiny", api_key=api_key), limits=limits)
 
 
 @pytest.fixture(scope="module")

@@ -39,8 +39,9 @@ PROMPTS = [
 def server(default_model):
     # float32: each stream must equal its prompt answered alone, and bfloat16's rounding depends on
     # what else is in the batch (the CI CPU picks bfloat16 for `auto`)
-    engine = LLM(default_model, dtype="float32", max_num_seqs=NUM_CLIENTS, max_model_len=1024).engine
-    with ServerThread(engine, ServerSettings(model_id=engine.model_dir.name)) as running:
+    llm = LLM(default_model, dtype="float32", max_num_seqs=NUM_CLIENTS, max_model_len=1024)
+    engine = llm.engine
+    with ServerThread(llm, ServerSettings(model_id=engine.model_dir.name)) as running:
         yield running
 
 

@@ -15,15 +15,16 @@ for package in ("fastapi", "uvicorn", "httpx"):  # the server stack: not on ever
 
 import httpx  # noqa: E402
 
+from graphrt.frontend import async_engine  # noqa: E402
 from graphrt.llm import LLM  # noqa: E402
 from graphrt.server import ServerSettings, ServerThread  # noqa: E402
-from graphrt.server import async_engine  # noqa: E402
 
 SAFETY_S = 30  # only a failing test waits this long
 
 
 def test_the_heap_is_trimmed_once_each_time_the_engine_goes_idle(tiny_model_factory, monkeypatch):
-    engine = LLM(tiny_model_factory(), max_num_seqs=4, max_batch=2).engine
+    llm = LLM(tiny_model_factory(), max_num_seqs=4, max_batch=2)
+    engine = llm.engine
     trims: list[bool] = []  # whether the engine had work at each trim
     trimmed = threading.Condition()
 
@@ -37,7 +38,7 @@ def test_the_heap_is_trimmed_once_each_time_the_engine_goes_idle(tiny_model_fact
 
     monkeypatch.setattr(async_engine, "heap_trimmer", counting_trimmer)
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}
-    with ServerThread(engine, ServerSettings(model_id="tiny")) as server, httpx.Client(base_url=server.url, timeout=SAFETY_S) as http:
+    with ServerThread(llm, ServerSettings(model_id="tiny")) as server, httpx.Client(base_url=server.url, timeout=SAFETY_S) as http:
         assert http.get("/health").status_code == 200
         assert trims == []  # nothing ran yet, so nothing to give back
         for done in (1, 2):

@@ -22,9 +22,10 @@ MAX_TOKENS = 90  # 96 to 101 tokens each: a 256-token cache holds two at full le
 
 
 def test_requests_beyond_the_cache_are_preempted_and_answered_in_full(tiny_model_factory):
-    engine = LLM(model=tiny_model_factory("llama3-rope"), kv_cache_tokens=256, buckets=[1, 2, 4, 8]).engine
+    llm = LLM(model=tiny_model_factory("llama3-rope"), kv_cache_tokens=256, buckets=[1, 2, 4, 8])
+    engine = llm.engine
     model_id = engine.model_dir.name
-    with ServerThread(engine, ServerSettings(model_id=model_id)) as running:
+    with ServerThread(llm, ServerSettings(model_id=model_id)) as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
 
         def ask(prompt):

@@ -11,7 +11,7 @@ for package in ("fastapi", "uvicorn"):  # graphrt.server imports the server stac
     pytest.importorskip(package)
 
 from graphrt.errors import RequestError  # noqa: E402
-from graphrt.sampling import MAX_LOGPROBS  # noqa: E402
+from graphrt.sampling_params import MAX_LOGPROBS  # noqa: E402
 from graphrt.server.errors import APIError  # noqa: E402
 from graphrt.server.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, parse_request  # noqa: E402
 
@@ -322,7 +322,7 @@ def test_max_tokens_stays_positive():
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model):
-    from graphrt.tokenizer import Tokenizer
+    from graphrt.frontend.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(default_model)
 

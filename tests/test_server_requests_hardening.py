@@ -19,7 +19,8 @@ import openai  # noqa: E402
 import torch  # noqa: E402
 
 from graphrt.llm import LLM  # noqa: E402
-from graphrt.sampling import Sampler, SamplingParams  # noqa: E402
+from graphrt.runtime.sampler import Sampler  # noqa: E402
+from graphrt.sampling_params import SamplingParams  # noqa: E402
 from graphrt.server import ServerSettings, ServerThread  # noqa: E402
 from helpers import prompt_logits  # noqa: E402
 
@@ -46,7 +47,8 @@ def assert_openai_error(response: httpx.Response, status: int = 400, param: str 
 @pytest.fixture(scope="module")
 def real_logits(tiny_model_factory) -> torch.Tensor:
     """Last-position logits of a few prompts through a real (tiny, random) model."""
-    engine = LLM(model=tiny_model_factory(), kv_cache_tokens=512).engine
+    llm = LLM(model=tiny_model_factory(), kv_cache_tokens=512)
+    engine = llm.engine
     try:
         return torch.stack([prompt_logits(engine, prompt) for prompt in ([3, 4, 5], [9, 9], [1, 2, 3, 4], [60])])
     finally:
@@ -107,9 +109,10 @@ class SlowSampler:
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_factory):
-    engine = LLM(model=tiny_model_factory(), kv_cache_tokens=2048, max_num_seqs=16).engine
+    llm = LLM(model=tiny_model_factory(), kv_cache_tokens=2048, max_num_seqs=16)
+    engine = llm.engine
     engine.ring.sampler = SlowSampler(engine.ring.sampler)
-    with ServerThread(engine, ServerSettings(model_id=engine.model_dir.name)) as running:
+    with ServerThread(llm, ServerSettings(model_id=engine.model_dir.name)) as running:
         yield running
 
 
@@ -190,8 +193,9 @@ def test_a_hostile_request_fails_alone_and_streams_in_flight_finish(tiny_server)
 
 @pytest.fixture(scope="module")
 def server(default_model):
-    engine = LLM(default_model, max_num_seqs=8, max_model_len=256).engine
-    with ServerThread(engine, ServerSettings(model_id=engine.model_dir.name)) as running:
+    llm = LLM(default_model, max_num_seqs=8, max_model_len=256)
+    engine = llm.engine
+    with ServerThread(llm, ServerSettings(model_id=engine.model_dir.name)) as running:
         yield running
 
 

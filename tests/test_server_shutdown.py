@@ -48,7 +48,7 @@ def test_signal_cancels_streams_and_exits_0(sig):
     try:
         assert re.match(r"\[graphrt\] load and capture \d+\.\d s: SmolLM2-135M-Instruct", banner[0])
         assert re.match(r"\[graphrt\] matmuls: ", banner[1])  # the path each weight shape runs on, as measured
-        # The kernels it runs, op by op compiled or torch reference, and why (kernels/cpu_kernel_choice.py).
+        # The kernels it runs, op by op compiled or torch reference, and why (kernels/cpu/kernel_choice.py).
         assert re.match(r"\[graphrt\] CPU kernels: (compiled|torch references).* \(", banner[2])
         assert re.match(r"\[graphrt\] warm-up \d+\.\d s", banner[3])
         assert re.match(r"\[graphrt\] cpu placement: (pin|float) \(", banner[4])  # and why (tests/test_cpu_placement.py)

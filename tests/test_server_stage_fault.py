@@ -15,7 +15,8 @@ from graphrt.server import ServerSettings, ServerThread  # noqa: E402
 
 
 def test_one_stage_fault_fails_only_the_request_in_flight(tiny_model_factory):
-    engine = LLM(model=tiny_model_factory(), pp=2, kv_cache_tokens=1024).engine
+    llm = LLM(model=tiny_model_factory(), pp=2, kv_cache_tokens=1024)
+    engine = llm.engine
     stage = engine.pipeline.stages[1]
     forward, faults = stage.forward, []
 
@@ -27,7 +28,7 @@ def test_one_stage_fault_fails_only_the_request_in_flight(tiny_model_factory):
 
     stage.forward = faulty
     model_id = engine.model_dir.name
-    with ServerThread(engine, ServerSettings(model_id=model_id)) as running:
+    with ServerThread(llm, ServerSettings(model_id=model_id)) as running:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
         request = dict(model=model_id, prompt=[5, 6, 7], max_tokens=8, temperature=0)
         before = client.completions.create(**request)

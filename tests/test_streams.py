@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from graphrt.streams import CpuStream, CudaStream, use_own_cuda_stream
+from graphrt.runtime.streams import CpuStream, CudaStream, use_own_cuda_stream
 
 
 class FakeStream:

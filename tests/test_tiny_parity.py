@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from conftest import TINY_VARIANTS
 
 from graphrt import LLM, SamplingParams
 from helpers import prompt_logits
-from conftest import TINY_VARIANTS
 
 
 def hf_last_logits(model_dir, prompt_ids, dtype=torch.float32) -> torch.Tensor:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from graphrt.errors import RequestError
+from graphrt.frontend.tokenizer import Tokenizer, eos_token_id_from_files
 from graphrt.llm import LLM
-from graphrt.sampling import SamplingParams
-from graphrt.tokenizer import Tokenizer, eos_token_id_from_files
+from graphrt.sampling_params import SamplingParams
 
 
 def tokenizer_folder(default_model: Path, folder: Path, **config_changes) -> Path:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrt.batch import StepMetadata
-from graphrt.sampling import SamplingParams
-from graphrt.transport import DECODE, HEARTBEAT, PREFILL, Message, Sampling, decode, encode, int_payload_size
+from graphrt.distributed.transport import DECODE, HEARTBEAT, PREFILL, Message, Sampling, decode, encode, int_payload_size
+from graphrt.model.batch import StepMetadata
+from graphrt.sampling_params import SamplingParams
 
 
 def micro_batch(kind: int, with_sampling: bool, released: list[int], with_logprobs: bool = False) -> Message:
@@ -19,7 +19,7 @@ def micro_batch(kind: int, with_sampling: bool, released: list[int], with_logpro
         slot_mapping=torch.arange(num_tokens) * 3 + 1,
         block_tables=torch.arange(rows * width).view(rows, width) + 2,
         seq_lens=torch.tensor([12, 9, 30]),
-        # With logprobs, a prefill's extra rows score prompt tokens (graphrt.logprobs)
+        # With logprobs, a prefill's extra rows score prompt tokens (graphrt.runtime.logprobs)
         logits_indices=torch.tensor([num_tokens - 4, num_tokens - 3, num_tokens - 1] + ([0, 1, 2] if with_logprobs and query_lens else [])),
         seq_lens_host=[12, 9, 30],
         query_lens=query_lens,

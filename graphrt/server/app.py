@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from graphrt.server.async_engine import AsyncEngine, GenerationJob
+from graphrt.frontend.async_engine import AsyncEngine, GenerationJob
 from graphrt.server.errors import APIError
 from graphrt.server.generation import Generation, GenerationStream
 from graphrt.server.metrics import ServerMetrics
@@ -22,7 +22,7 @@ from graphrt.server.protocol import ChatCompletionRequest, CompletionRequest, Sa
 from graphrt.server.responses import ChatFormat, CompletionFormat, ResponseFormat, TokenNames
 
 if TYPE_CHECKING:
-    from graphrt.server.engine_process import EngineClient
+    from graphrt.frontend.engine_client import EngineClient
 
 MAX_DRAIN_BYTES = 64 << 20  # past this, an oversized body is not read to its end before the 413
 

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from graphrt.errors import RequestError
-from graphrt.server.async_engine import Admitted, AsyncEngine, Disconnected, Failed, GenerationJob, Rejected
+from graphrt.frontend.async_engine import Admitted, AsyncEngine, Disconnected, Failed, GenerationJob, Rejected
 from graphrt.server.errors import APIError
 from graphrt.server.metrics import ServerMetrics
 from graphrt.server.responses import ChoiceState, ResponseFormat, usage

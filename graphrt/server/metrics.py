@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from graphrt.server.engine_core import EngineSnapshot
+from graphrt.engine.core import EngineSnapshot
 from graphrt.server.responses import ChoiceState
 
 # stop / length: finished normally; abort: the client went away or the server shut down;

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from graphrt.sampling import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from graphrt.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from graphrt.server.errors import APIError
 
 MAX_CHOICES = 128  # sequences per request (prompts x n): each is a sequence of its own in the engine

@@ -11,8 +11,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from graphrt.logprobs import TokenLogprob
-from graphrt.server.async_engine import ChoiceUpdate, GenerationJob
+from graphrt.frontend.async_engine import ChoiceUpdate, GenerationJob
+from graphrt.runtime.logprobs import TokenLogprob
 
 # A token and its logprob entry (None for a prompt's first token), as a choice reports them.
 Scored = tuple[int, TokenLogprob | None]

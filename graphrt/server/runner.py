@@ -20,12 +20,14 @@ from typing import Callable
 
 import uvicorn
 
-from graphrt.cpu_placement import CPU_PLACEMENTS, CpuPlacement, plan_cpu_placement, usable_cores
+from graphrt.engine.startup import load_and_warm_up
 from graphrt.errors import GraphrtError
-from graphrt.sampling import SamplingParams
+from graphrt.frontend.async_engine import AsyncEngine
+from graphrt.frontend.engine_client import EngineClient
+from graphrt.frontend.tokenizer import TokenizerLoading
+from graphrt.kernels.cpu.placement import CPU_PLACEMENTS, CpuPlacement, plan_cpu_placement, usable_cores
+from graphrt.model.default_model import default_model_dir
 from graphrt.server.app import ServerSettings, build_app
-from graphrt.server.async_engine import AsyncEngine
-from graphrt.server.engine_process import EngineClient
 from graphrt.server.connections import BoundedH11Protocol, ConnectionLimits, RequestFraming
 
 GRACEFUL_SHUTDOWN_S = 5  # after cancelling in-flight requests, how long connections get to close
@@ -40,8 +42,8 @@ class ServeOptions:
     max_body_bytes: int = 1 << 20
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     llm_kwargs: dict = field(default_factory=dict)  # graphrt.LLM's: model, pp, depth, cache, max_num_seqs, ...
-    engine_process: bool = True  # the engine in a process of its own (graphrt.server.engine_process)
-    cpu_placement: str = "auto"  # auto, pin or float: where the front and the engine run (graphrt.cpu_placement)
+    engine_process: bool = True  # the engine in a process of its own (graphrt.engine.process)
+    cpu_placement: str = "auto"  # auto, pin or float: where the front and the engine run (graphrt.kernels.cpu.placement)
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
@@ -153,18 +155,11 @@ def address_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def load_engine(options: ServeOptions):
+def in_thread(engine) -> AsyncEngine:
+    """The handle on an LLM's engine stepped on a thread of this process, text through its tokenizer."""
     from graphrt.llm import LLM
 
-    return LLM(**options.llm_kwargs).engine
-
-
-def warm_up(engine) -> None:
-    """A greedy and a sampled request of two tokens each, so the first client pays no first-call costs."""
-    for temperature in (0.0, 1.0):
-        engine.add_request([0], SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True, seed=0))
-    while engine.has_work():
-        engine.step()
+    return AsyncEngine(engine.engine, engine.tokenizer) if isinstance(engine, LLM) else AsyncEngine(engine, None)
 
 
 def make_server(
@@ -209,17 +204,11 @@ def start_engine(
     try:
         if options.engine_process:
             return EngineClient(options.llm_kwargs, echo, placement)
-        start = time.perf_counter()
-        engine = load_engine(options)
-        echo(f"[graphrt] load and capture {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, "
-             f"{engine.describe()}, buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "
-             f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks")
-        echo(f"[graphrt] {engine.pipeline.matmul_summary()}")
-        echo(f"[graphrt] {engine.kernel_summary()}")
-        start = time.perf_counter()
-        warm_up(engine)
-        echo(f"[graphrt] warm-up {time.perf_counter() - start:.1f} s")
-        return AsyncEngine(engine)
+        model = options.llm_kwargs.get("model")
+        model_dir = Path(model) if model is not None else default_model_dir()
+        tokenizer = TokenizerLoading(model_dir)
+        engine = load_and_warm_up({**options.llm_kwargs, "model": model_dir}, echo, eos_token_id=tokenizer.eos_token_id)
+        return AsyncEngine(engine, tokenizer.result())
     except KeyboardInterrupt:
         echo("[graphrt] stopped during start-up")
         return None
@@ -261,15 +250,15 @@ def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
 
 class ServerThread:
     """The same server on a background thread of this process; `stop` shuts it down cleanly.
-    `engine`: an Engine, stepped on a thread here, or an EngineClient, whose engine process `stop`
-    ends too."""
+    `engine`: an LLM (or a bare Engine, which takes token ids only), stepped on a thread here, or
+    an EngineClient, whose engine process `stop` ends too."""
 
     def __init__(
         self, engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 0, limits: ConnectionLimits | None = None
     ):
         self.sock = bind_socket(host, port)
         self.url = address_of(self.sock)
-        self.async_engine = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
+        self.async_engine = engine if isinstance(engine, EngineClient) else in_thread(engine)
         self.server = make_server(self.async_engine, settings, limits or ConnectionLimits())
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="graphrt-server", daemon=True)
 

@@ -1,0 +1,283 @@
+"""The wire between stage processes: fixed-layout tensors over a torch.distributed process group.
+
+A micro-batch travels from rank k to rank k+1 as
+  header    int64 (HEADER_SIZE,): kind, micro-batch id, slot, rows, tokens, bucket, block-table
+            width, sampled rows, released request ids, busy counters, logits rows, scored sampled
+            rows, scored prompt rows, logprob alternatives + 1 (0: no logprobs)
+  ints      int64: positions, slot mapping, block tables, seq lens, logits rows, query lens
+            (prefill), then for sampling: sampled rows, request ids, top_k, seeds, has-seed,
+            then the request ids whose generators can go, then one busy counter per rank (the
+            microseconds each stage so far has worked in all, filled in as the micro-batch passes),
+            then for logprobs (graphrt.runtime.logprobs): the scored sampled rows, the scored prompt tokens
+  floats    float64 (2 * sampled rows): temperature, top_p      (only when rows are sampled)
+  hidden    (tokens, hidden_size) in the stage dtype, into the receiver's per-slot buffer (k > 0)
+and the last rank answers rank 0 with a reply header (REPLY_SIZE,) followed by the token ids, the
+busy counters, from which rank 0 reports every stage's busy time, and any logprobs (float32
+values, int64 alternatives' ids).
+Nothing is pickled, so every rank reads the same bytes the same way, and gloo (CPU) and NCCL (GPU,
+device tensors) carry it alike. Every wait is bounded by the watchdog, so a dead or silent peer
+becomes an error naming its stage instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from graphrt.errors import GraphrtError
+from graphrt.kernels.cpu.placement import usable_cores
+from graphrt.model.batch import StepMetadata
+from graphrt.sampling_params import SamplingParams
+
+HEADER_SIZE = 16
+REPLY_SIZE = 7
+PREFILL, DECODE, HEARTBEAT, SHUTDOWN = 0, 1, 2, 3
+
+
+class StageFailure(GraphrtError):
+    """A stage process died, stopped answering, or was refused at start-up."""
+
+
+def cpu_threads_per_stage(world_size: int, num_cores: int | None = None) -> int:
+    """Stages on one CPU share its cores (`num_cores`, by default those this process may use: a
+    taskset mask or a pinned engine process, not the machine's); more threads than cores make
+    every op wait on the others."""
+    return max(1, (num_cores or len(usable_cores())) // world_size)
+
+
+def stage_name(rank: int) -> str:
+    return "stage 0 (the engine, rank 0)" if rank == 0 else f"stage {rank} (rank {rank})"
+
+
+@dataclass
+class Sampling:
+    """What the last stage needs to sample a micro-batch's rows as the single-process engine would."""
+
+    rows: list[int]  # rows of the micro-batch that get a token
+    request_ids: list[int]
+    params: list[SamplingParams]
+    seeds: list[int | None]
+    released: list[int]  # request ids whose seeded generators are no longer needed
+    # Logprobs (graphrt.runtime.logprobs.LogprobPlan, without what only rank 0 needs): num_top < 0 is none.
+    scored: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    num_top: int = -1
+
+
+@dataclass
+class Message:
+    """One micro-batch as a stage receives it."""
+
+    kind: int
+    micro_batch: int
+    slot: int
+    meta: StepMetadata | None = None
+    bucket: int | None = None
+    sampling: Sampling | None = None
+    hidden: torch.Tensor | None = None  # (tokens, hidden_size), a view into the slot's buffer
+    busy_us: list[int] | None = None  # per rank: microseconds of stage work so far (see the module docstring)
+
+
+class Link:
+    """Point-to-point sends and receives with a deadline. Micro-batches go down the stages on one
+    process group, tokens come back to rank 0 on another: with pp = 2 both directions join the same
+    two ranks, and on NCCL one communicator's send would queue behind its own pending receive."""
+
+    def __init__(self, groups: tuple, rank: int, world_size: int, device: torch.device, timeout_s: float):
+        (self.group, self.reply_group), self.rank, self.world_size = groups, rank, world_size
+        self.device = device  # where tensors must live to travel (cuda with NCCL)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, reply: bool = False) -> None:
+        group = self.reply_group if reply else self.group
+        works = [group.send([t.to(self.device).contiguous()], dst, 0) for t in tensors]
+        for work in works:
+            self._wait(work, dst, "send to")
+
+    def recv(
+        self, tensor: torch.Tensor, src: int, timeout: datetime.timedelta | None = None, reply: bool = False
+    ) -> torch.Tensor:
+        """Receive into `tensor` (on the link's device; copied back if `tensor` lives elsewhere)."""
+        target = tensor if tensor.device == self.device else torch.empty_like(tensor, device=self.device)
+        group = self.reply_group if reply else self.group
+        self._wait(group.recv([target], src, 0), src, "receive from", timeout)
+        if target is not tensor:
+            tensor.copy_(target)
+        return tensor
+
+    def _wait(self, work, peer: int, what: str, timeout: datetime.timedelta | None = None) -> None:
+        timeout = timeout or self.timeout
+        try:
+            work.wait(timeout)
+        except RuntimeError as exc:
+            reason = "timed out" if "imed out" in str(exc) or "timeout" in str(exc) else "lost the connection"
+            raise StageFailure(
+                f"{stage_name(peer)} stopped answering: {what} it {reason} after at most "
+                f"{timeout.total_seconds():g} s ({str(exc).splitlines()[0][:160]})"
+            ) from None
+
+
+def encode(message: Message) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """header, ints, floats (None when no row is sampled) for a micro-batch message."""
+    header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+    header[:3] = torch.tensor([message.kind, message.micro_batch, message.slot])
+    if message.meta is None:
+        return header, torch.zeros(0, dtype=torch.int64), None
+    meta, sampling = message.meta, message.sampling
+    rows, width = meta.block_tables.shape
+    num_tokens = meta.positions.shape[0]
+    num_sampled = len(sampling.rows) if sampling else 0
+    released = sampling.released if sampling else []
+    busy = message.busy_us or []
+    scored, prompt_targets = (sampling.scored, sampling.prompt_targets) if sampling else ([], [])
+    logprobs_width = sampling.num_top + 1 if sampling else 0
+    header[3:14] = torch.tensor([
+        rows, num_tokens, message.bucket or 0, width, num_sampled, len(released), len(busy),
+        meta.logits_indices.shape[0], len(scored), len(prompt_targets), logprobs_width,
+    ])
+    parts = [meta.positions, meta.slot_mapping, meta.block_tables.reshape(-1), meta.seq_lens, meta.logits_indices]
+    parts = [p.cpu() for p in parts]
+    if meta.query_lens is not None:
+        parts.append(torch.tensor(meta.query_lens, dtype=torch.int64))
+    floats = None
+    if sampling is not None:
+        seeds = [s if s is not None else 0 for s in sampling.seeds]
+        has_seed = [int(s is not None) for s in sampling.seeds]
+        top_k = [p.top_k for p in sampling.params]
+        parts.append(torch.tensor(sampling.rows + sampling.request_ids + top_k + seeds + has_seed + released, dtype=torch.int64))
+    parts.append(torch.tensor(busy + scored + prompt_targets, dtype=torch.int64))
+    if num_sampled:
+        floats = torch.tensor([p.temperature for p in sampling.params] + [p.top_p for p in sampling.params], dtype=torch.float64)
+    return header, torch.cat(parts), floats
+
+
+def int_payload_size(header: torch.Tensor) -> int:
+    kind, rows, num_tokens, width, num_sampled, num_released, num_busy, num_logits, num_scored, num_targets = (
+        int(header[i]) for i in (0, 3, 4, 6, 7, 8, 9, 10, 11, 12)
+    )
+    size = 2 * num_tokens + rows * width + rows + num_logits + (rows if kind == PREFILL else 0)
+    return size + 5 * num_sampled + num_released + num_busy + num_scored + num_targets
+
+
+def decode(header: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor | None) -> Message:
+    (kind, micro_batch, slot, rows, num_tokens, bucket, width, num_sampled, num_released, num_busy, num_logits,
+     num_scored, num_targets, logprobs_width) = header[:14].tolist()
+    if kind in (HEARTBEAT, SHUTDOWN):
+        return Message(kind, micro_batch, slot)
+    sizes = [num_tokens, num_tokens, rows * width, rows, num_logits]
+    sizes += [rows] if kind == PREFILL else []
+    sizes += [num_sampled] * 5 + [num_released, num_busy, num_scored, num_targets]
+    *fields, busy, scored, prompt_targets = ints.split(sizes)
+    positions, slot_mapping, tables, seq_lens, logits_indices = fields[:5]
+    rest = fields[5:]
+    query_lens = None
+    if kind == PREFILL:
+        query_lens, rest = rest[0].tolist(), rest[1:]
+    seq_lens_list = seq_lens.tolist()
+    meta = StepMetadata(
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=tables.view(rows, width),
+        seq_lens=seq_lens,
+        logits_indices=logits_indices,
+        seq_lens_host=seq_lens_list,
+        query_lens=query_lens,
+    )
+    sample_rows, request_ids, top_k, seeds, has_seed, released = (t.tolist() for t in rest)
+    sampling = None
+    if num_sampled or num_released or logprobs_width:
+        values = floats.tolist() if num_sampled else []
+        temperature, top_p = values[:num_sampled], values[num_sampled:]
+        params = [SamplingParams(max_tokens=None, temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)]
+        sampling = Sampling(
+            sample_rows, request_ids, params, [s if h else None for s, h in zip(seeds, has_seed)], released,
+            scored.tolist(), prompt_targets.tolist(), logprobs_width - 1,
+        )
+    return Message(kind, micro_batch, slot, meta, bucket or None, sampling, busy_us=busy.tolist())
+
+
+def send_message(link: Link, message: Message, dst: int) -> None:
+    header, ints, floats = encode(message)
+    tensors = [header]
+    if message.meta is not None:
+        tensors.append(ints)
+        if floats is not None:
+            tensors.append(floats)
+        if message.hidden is not None:
+            tensors.append(message.hidden)
+    link.send(tensors, dst)
+
+
+def recv_message(link: Link, src: int, buffers: list[torch.Tensor], timeout: datetime.timedelta | None = None) -> Message:
+    """The next micro-batch from `src`; its hidden states land in `buffers[slot]` (this stage's)."""
+    header = link.recv(torch.empty(HEADER_SIZE, dtype=torch.int64), src, timeout)
+    if int(header[0]) in (HEARTBEAT, SHUTDOWN):
+        return decode(header, torch.zeros(0, dtype=torch.int64), None)
+    ints = link.recv(torch.empty(int_payload_size(header), dtype=torch.int64), src)
+    num_sampled = int(header[7])
+    floats = link.recv(torch.empty(2 * num_sampled, dtype=torch.float64), src) if num_sampled else None
+    message = decode(header, ints, floats)
+    message.hidden = link.recv(buffers[message.slot][: int(header[4])], src)
+    return message
+
+
+@dataclass
+class Reply:
+    """What the last rank sends rank 0 for a micro-batch (or a heartbeat, or the shutdown)."""
+
+    kind: int
+    micro_batch: int
+    slot: int
+    token_ids: torch.Tensor | None = None  # None without sampled rows
+    busy_us: list[int] = field(default_factory=list)
+    logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # values, alternatives' ids (graphrt.runtime.logprobs)
+
+
+def send_reply(link: Link, reply: Reply) -> None:
+    count = 0 if reply.token_ids is None else reply.token_ids.shape[0]
+    values, top_ids = reply.logprobs if reply.logprobs is not None else (torch.zeros(0, 0), torch.zeros(0, 0))
+    header = torch.tensor(
+        [reply.kind, reply.micro_batch, reply.slot, count, len(reply.busy_us), values.shape[0], values.shape[1]], dtype=torch.int64
+    )
+    tensors = [header] + ([reply.token_ids.to(torch.int64)] if count else [])
+    tensors += [torch.tensor(reply.busy_us, dtype=torch.int64)] if reply.busy_us else []
+    tensors += [values.float()] if values.numel() else []
+    tensors += [top_ids.to(torch.int64)] if top_ids.numel() else []  # none with 0 alternatives
+    link.send(tensors, 0, reply=True)
+
+
+def recv_reply(link: Link, src: int) -> Reply:
+    kind, micro_batch, slot, count, num_busy, lp_rows, lp_width = link.recv(
+        torch.empty(REPLY_SIZE, dtype=torch.int64), src, reply=True
+    ).tolist()
+    reply = Reply(kind, micro_batch, slot)
+    if count:
+        reply.token_ids = link.recv(torch.empty(count, dtype=torch.int64), src, reply=True)
+    if num_busy:
+        reply.busy_us = link.recv(torch.empty(num_busy, dtype=torch.int64), src, reply=True).tolist()
+    if lp_rows * lp_width:
+        values = link.recv(torch.empty(lp_rows, lp_width, dtype=torch.float32), src, reply=True)
+        top_ids = torch.empty(lp_rows, lp_width - 1, dtype=torch.int64)
+        if top_ids.numel():
+            link.recv(top_ids, src, reply=True)
+        reply.logprobs = values, top_ids
+    return reply
+
+
+def open_group(backend: str, init_method: str, timeout_s: float) -> tuple:
+    """Two process groups of our own (not torch's global default), so several can come and go in one
+    process. `init_method`: env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or tcp://H:P?rank=R&world_size=W."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(dist.rendezvous(init_method, timeout=timeout))
+    store.set_timeout(timeout)
+
+    def group(name: str):
+        prefixed = dist.PrefixStore(name, store)
+        if backend == "nccl":
+            return dist.ProcessGroupNCCL(prefixed, rank, world_size)
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+
+    return group("stages"), group("replies")  # see Link

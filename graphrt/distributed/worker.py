@@ -1,0 +1,226 @@
+"""A stage process: what `python -m graphrt.worker [ARGS]` (graphrt/worker.py) runs on every rank beyond the first.
+
+Rank k > 0 holds only stage k: its weights, its KV cache, its graphs (captured here). It receives
+micro-batches from rank k-1, runs them, and passes the hidden states to rank k+1; the last rank
+samples and sends the token ids back to rank 0. Rank 0 runs the engine: under torchrun, rank 0 of
+this same command runs `graphrt ARGS --procs` (e.g. `python -m graphrt.worker serve --pp 8 ...`).
+
+Environment (torchrun sets it; `--procs` sets it for the workers it starts): RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, and LOCAL_RANK for the GPU of this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from graphrt.capture.buckets import BucketPlan, parse_buckets
+from graphrt.capture.capture import capture_stage
+from graphrt.capture.manifest import model_fingerprint
+from graphrt.config import parse_dtype
+from graphrt.distributed.handshake import StagePlan, WorkerView, report_ready, worker_handshake
+from graphrt.distributed.transport import (
+    HEARTBEAT,
+    PREFILL,
+    SHUTDOWN,
+    Link,
+    Message,
+    Reply,
+    cpu_threads_per_stage,
+    open_group,
+    recv_message,
+    send_message,
+    send_reply,
+    stage_name,
+)
+from graphrt.errors import GraphrtError
+from graphrt.kernels import kernel_set
+from graphrt.kernels.cpu.kernel_choice import LayerShapes, choose_cpu_kernels, choose_greedy_argmax
+from graphrt.kernels.cpu.kernel_choice import mode_from_env as cpu_kernel_mode_from_env
+from graphrt.kernels.cpu.matmul_choice import mode_from_env
+from graphrt.model.config import ModelConfig
+from graphrt.model.kv_cache import StageKVCache
+from graphrt.model.llama import Stage
+from graphrt.model.weights import WeightFiles
+from graphrt.runtime.logprobs import score_rows
+from graphrt.runtime.pipeline import partition_layers
+from graphrt.runtime.sampler import Sampler
+
+DEFAULT_WATCHDOG_S = 30.0
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class WorkerOptions:
+    model: Path
+    dtype: str | None = None  # None: rank 0's
+    buckets: list[int] | None = None  # None: rank 0's
+    device: str | None = None  # None: cuda:LOCAL_RANK with CUDA, else cpu
+    watchdog_s: float = DEFAULT_WATCHDOG_S
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+
+
+def parse_options(args: list[str]) -> WorkerOptions:
+    """The options a worker needs, read from the same command line rank 0 gets (the rest is ignored)."""
+    parser = argparse.ArgumentParser(prog="python -m graphrt.worker", add_help=False)
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--buckets", default=None)
+    parser.add_argument("--devices", default=None)
+    parser.add_argument("--watchdog-s", type=float, default=DEFAULT_WATCHDOG_S)
+    parser.add_argument("--startup-timeout-s", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+    known, _ = parser.parse_known_args(args)
+    if known.model is None:
+        from graphrt.model.default_model import default_model_dir
+
+        known.model = default_model_dir()
+    rank = int(os.environ["RANK"])
+    devices = [d.strip() for d in known.devices.split(",")] if known.devices else None
+    return WorkerOptions(
+        model=known.model,
+        dtype=known.dtype if known.dtype not in (None, "auto") else None,
+        buckets=parse_buckets(known.buckets) if known.buckets else None,
+        device=devices[rank] if devices else None,
+        watchdog_s=known.watchdog_s,
+        startup_timeout_s=known.startup_timeout_s,
+    )
+
+
+class StageWorker:
+    """One stage's loop: receive, run, pass on (or sample and answer rank 0)."""
+
+    def __init__(self, link: Link, plan: StagePlan, options: WorkerOptions, device: torch.device):
+        rank = link.rank
+        self.link, self.plan, self.rank = link, plan, rank
+        cfg = ModelConfig.from_dir(options.model)
+        dtype = parse_dtype(plan.dtype)
+        layers = plan.layers[rank]
+        self.stage = Stage(cfg, rank, plan.pp, layers, device, dtype, plan.max_model_len, kernel_set(plan.kernels, device.type))
+        self.stage.load(WeightFiles(options.model))
+        self.stage.choose_matmuls(max(plan.buckets), mode_from_env())
+        if device.type == "cpu":  # a CUDA stage keeps its kernel set's (--kernels)
+            self.stage.use_cpu_kernels(choose_cpu_kernels(
+                LayerShapes.of(cfg), plan.block_size, dtype, device, max(plan.buckets), cpu_kernel_mode_from_env()
+            ))
+        self.cache = StageKVCache.allocate(cfg, len(layers), plan.num_blocks, plan.block_size, device, dtype)
+        max_blocks = -(-plan.max_model_len // plan.block_size)
+        self.graphs, _ = capture_stage(
+            self.stage, self.cache, BucketPlan(tuple(plan.buckets)), max_blocks, plan.use_cuda_graphs,
+            plan.allow_eager, set(), show_progress=False,
+        )
+        self.buffers = [torch.empty(plan.max_tokens, cfg.hidden_size, dtype=dtype, device=device) for _ in range(plan.num_slots)]
+        self.sampler = None
+        if self.stage.is_last:
+            greedy_argmax, _ = choose_greedy_argmax(device, cfg.vocab_size, max(plan.buckets), cpu_kernel_mode_from_env())
+            self.sampler = Sampler(device, plan.seed, greedy_argmax)
+        self.generators: dict[int, torch.Generator] = {}  # request id -> its seeded generator
+        self.busy_s = 0.0
+        self.first_at: float | None = None
+
+    def run(self) -> None:
+        """Until rank 0 says stop; a dead or silent neighbour raises StageFailure."""
+        while True:
+            message = recv_message(self.link, self.rank - 1, self.buffers)
+            if message.kind in (HEARTBEAT, SHUTDOWN):
+                self._pass_on(message, None)
+                if message.kind == SHUTDOWN:
+                    return
+                continue
+            started = time.perf_counter()
+            self.first_at = self.first_at or started
+            meta = message.meta.to(self.stage.device)
+            if message.kind == PREFILL:
+                out = self.stage(message.hidden, meta, self.cache)
+            else:
+                out = self.graphs.run(message.hidden, meta)
+            reply = self._sample(message, out) if self.stage.is_last else None
+            self.busy_s += time.perf_counter() - started
+            if message.busy_us:  # rank 0 reports every stage's busy time from these (/metrics)
+                message.busy_us[self.rank] = int(self.busy_s * 1e6)
+            self._pass_on(message, out if not self.stage.is_last else None, reply)
+
+    def _sample(self, message: Message, out: torch.Tensor) -> Reply:
+        """The last stage's answer: the sampled rows' tokens, and the logprobs asked for."""
+        reply = Reply(message.kind, message.micro_batch, message.slot)
+        sampling = message.sampling
+        if sampling is None:
+            return reply
+        logits = None
+        if sampling.rows:
+            logits = out if len(sampling.rows) == out.shape[0] else out[torch.tensor(sampling.rows, device=out.device)]
+            generators = []
+            for request_id, seed in zip(sampling.request_ids, sampling.seeds):
+                if seed is not None and request_id not in self.generators:
+                    self.generators[request_id] = self.sampler.request_generator(seed)
+                generators.append(self.generators.get(request_id) if seed is not None else None)
+            reply.token_ids = self.sampler(logits, sampling.params, generators)
+        if sampling.num_top >= 0:
+            num_rows = message.meta.seq_lens.shape[0]
+            reply.logprobs = score_rows(
+                out, logits, reply.token_ids, sampling.scored, num_rows, sampling.prompt_targets, sampling.num_top
+            )
+        for request_id in sampling.released:
+            self.generators.pop(request_id, None)
+        return reply
+
+    def _pass_on(self, message: Message, out: torch.Tensor | None, reply: Reply | None = None) -> None:
+        if self.stage.is_last:
+            reply = reply or Reply(message.kind, message.micro_batch, message.slot)
+            reply.busy_us = message.busy_us or []
+            send_reply(self.link, reply)
+        else:
+            message.hidden = out
+            send_message(self.link, message, self.rank + 1)
+
+    def busy_report(self) -> str:
+        if self.first_at is None:
+            return f"{stage_name(self.rank)}: ran no micro-batch"
+        span = time.perf_counter() - self.first_at
+        return f"{stage_name(self.rank)}: busy {self.busy_s:.2f} s of {span:.2f} s since its first micro-batch ({self.busy_s / span:.0%})"
+
+
+def worker_view(options: WorkerOptions, world_size: int, device: torch.device):
+    def view(plan: StagePlan) -> WorkerView:
+        cfg = ModelConfig.from_dir(options.model)
+        dtype = str(parse_dtype(options.dtype)).removeprefix("torch.") if options.dtype else None
+        return WorkerView(model_fingerprint(options.model), partition_layers(cfg, world_size), world_size, dtype, options.buckets)
+
+    return view
+
+
+def run_worker(options: WorkerOptions) -> int:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if options.device is not None:
+        device = torch.device(options.device)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(cpu_threads_per_stage(world_size))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = open_group(backend, "env://", options.startup_timeout_s)
+    link = Link(group, rank, world_size, device if backend == "nccl" else torch.device("cpu"), options.watchdog_s)
+    worker = None
+    try:
+        plan = worker_handshake(link, worker_view(options, world_size, device), options.startup_timeout_s)
+        try:
+            worker = StageWorker(link, plan, options, device)
+        except Exception:
+            report_ready(link, None)
+            raise
+        report_ready(link, worker.stage.weight_bytes())
+        worker.run()
+    except GraphrtError as exc:
+        print(f"[graphrt] {stage_name(rank)} stops: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(f"[graphrt] {worker.busy_report()}", file=sys.stderr, flush=True)
+    return 0

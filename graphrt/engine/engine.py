@@ -1,0 +1,438 @@
+"""The engine: pipeline, KV cache, scheduler and sampler, stepped until done; token ids in, token ids out."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import itertools
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from graphrt.capture.buckets import GPU_MAX_BATCH_LIMIT, BucketPlan, default_buckets, default_max_batch
+from graphrt.capture.capture import capture_stage
+from graphrt.capture.manifest import (
+    StaleCacheError,
+    cached_cpu_kernels,
+    cached_matmul_plans,
+    device_name,
+    model_fingerprint,
+    read_manifest,
+    software_versions,
+    stale_fields,
+)
+from graphrt.config import EngineConfig, default_devices
+from graphrt.distributed.handshake import StagePlan
+from graphrt.distributed.remote import Cluster, load_first_stage
+from graphrt.distributed.transport import StageFailure
+from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.engine.kv_budget import kv_blocks_that_fit, measure_headroom
+from graphrt.engine.scheduler import Scheduler
+from graphrt.engine.sequence import FinishReason, Sequence
+from graphrt.engine.stats import EngineStats
+from graphrt.errors import ModelLoadError, RequestError, StageError
+from graphrt.kernels import argmax
+from graphrt.kernels.cpu.kernel_choice import argmax_path, choose_greedy_argmax
+from graphrt.kernels.cpu.kernel_choice import mode_from_env as cpu_kernel_mode_from_env
+from graphrt.kernels.cpu.openmp import LoadWatch, release_thread_pool
+from graphrt.model.config import ModelConfig
+from graphrt.model.eos import tokenizer_eos_token_id
+from graphrt.model.kv_cache import bytes_per_block
+from graphrt.model.weights import WeightFiles
+from graphrt.profiling.nvtx import Ranges
+from graphrt.profiling.timeline import Timeline
+from graphrt.runtime.pipeline import Pipeline, partition_layers
+from graphrt.runtime.ring import MicroBatch, Ring, build_inputs
+from graphrt.runtime.sampler import Sampler
+from graphrt.runtime.step import ScheduledStep
+from graphrt.sampling_params import SamplingParams
+
+logger = logging.getLogger("graphrt")
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU (on GPUs: graphrt.engine.kv_budget)
+
+
+class Engine:
+    def __init__(
+        self, model_dir: Path, config: EngineConfig, cache_dir: Path | None = None, show_progress: bool = False,
+        eos_token_id: Callable[[], int | None] | None = None,
+    ):
+        """The engine takes token ids only; text stays with its caller. `eos_token_id`: a function
+        returning the tokenizer's EOS id (a caller loading the tokenizer for text waits for it
+        there); None reads it from the model folder (graphrt.model.eos). Either runs on a thread
+        beside the weights and is waited for before the kernels are timed."""
+        load_watch = LoadWatch()  # what other processes do while this loads: the kernels are timed for it
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise ModelLoadError(f"model folder {self.model_dir} does not exist; pass --model DIR of a Hugging Face style model")
+        self.config = config
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        loader = ThreadPoolExecutor(1, thread_name_prefix="graphrt-tokenizer")
+        eos_id = loader.submit(eos_token_id or functools.partial(tokenizer_eos_token_id, self.model_dir))
+        loader.shutdown(wait=False)
+        files = WeightFiles(self.model_dir)
+        self.devices = [torch.device(d) for d in (config.devices or default_devices(config.pp))]
+        self.dtype = config.resolve_dtype(self.model_config, self.devices[0])
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
+        # With procs, stages 1..pp-1 live in worker processes (started now, so they boot meanwhile).
+        self.cluster = Cluster.start(self.model_dir, config) if config.procs else None
+        try:
+            self._start(files, cache_dir, show_progress, eos_id, load_watch)
+        except BaseException as exc:
+            if self.cluster is not None:  # workers must not wait out their timeouts for a dead engine
+                self.cluster.fail(f"the engine (rank 0) failed to start: {exc}")
+                self.cluster.close()
+            raise
+
+    def _start(
+        self, files: WeightFiles, cache_dir: Path | None, show_progress: bool, eos_id: Future, load_watch: LoadWatch
+    ) -> None:
+        """Load the stages, size the KV cache, capture the graphs, and build the ring."""
+        config = self.config
+        self.pipeline = (load_first_stage if self.cluster else Pipeline.load)(
+            self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels
+        )
+        self.backend = "cuda" if config.use_graphs and all(d.type == "cuda" for d in self.devices) else "eager"
+        num_blocks = self._num_kv_blocks()
+        self.pipeline.allocate_kv(num_blocks, config.block_size)
+        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.plan = self._bucket_plan(num_blocks)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        forced_eager = self._check_graph_cache() if self.cache_dir is not None else set()
+        # Before timing the matmuls, which the tokenizer's thread would disturb.
+        self.tokenizer_eos_id = eos_id.result()
+        manifest = read_manifest(self.cache_dir) if self.cache_dir is not None else {}
+        cached_matmuls = cached_matmul_plans(manifest) if manifest else None
+        cached_ops, cached_argmax = cached_cpu_kernels(manifest)
+        greedy_argmax, self.argmax_summary = argmax.greedy_argmax, None
+        on_cpu = any(device.type == "cpu" for device in self.devices)
+        # Beside busy neighbours the CPU kernels are timed on the smaller team the stage threads will run.
+        with load_watch.timing_team() if on_cpu else contextlib.nullcontext() as self.timing_note:
+            self.pipeline.choose_matmuls(self.plan.max_batch, cached_matmuls)  # before capture: graphs read the weights
+            self.pipeline.choose_cpu_kernels(self.plan.max_batch, config.block_size, cached=cached_ops)
+            if not self.cluster:  # with stage processes the last one samples, and chooses for itself
+                greedy_argmax, self.argmax_summary = choose_greedy_argmax(
+                    self.devices[-1], self.model_config.vocab_size, self.plan.max_batch, cpu_kernel_mode_from_env(),
+                    cached=cached_argmax,
+                )
+        self.ranges = Ranges()
+        self._capture_graphs(forced_eager, show_progress)
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer_eos_id is not None:
+            self.eos_ids.add(self.tokenizer_eos_id)
+        self.scheduler = Scheduler(
+            self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch,
+            eos_ids=frozenset(self.eos_ids), prefix_root=self._prefix_root() if config.prefix_caching else None,
+        )
+        # With stage processes the last rank samples (and makes each seeded request's generator from
+        # the seed it is sent): a sampler here would open a CUDA context on a GPU this rank never uses.
+        self.sampler = None if self.cluster else Sampler(self.devices[-1], config.seed, greedy_argmax)
+        local_devices = [stage.device for stage in self.pipeline.stages]
+        self.timeline = Timeline(local_devices) if config.timeline else None
+        self.stage_plan = self._stage_plan(num_blocks)
+        # Decode rows go to as many micro-batches as stages can run at once (+ depth), not to every slot.
+        self.num_decode_micro_batches = config.num_decode_micro_batches(self.devices)
+        if self.cluster:
+            self.cluster.handshake(self.stage_plan)
+        self.ring = (self.cluster.make_ring if self.cluster else Ring)(
+            self.pipeline, self.graphs, self.sampler, num_slots=self.stage_plan.num_slots,
+            max_tokens=self.stage_plan.max_tokens, block_size=config.block_size,
+            max_per_slot=1 + int(config.async_scheduling), timeline=self.timeline, ranges=self.ranges,
+            pin=self.devices[0].type == "cuda",
+        )
+        self._decode_busy_until = 0.0
+        self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        if on_cpu:
+            release_thread_pool()  # the stage threads compute from here on (see graphrt.kernels.cpu.openmp)
+
+    def cpu_kernels_record(self) -> dict | None:
+        """What a graph cache records of the CPU kernels, so that a start with --cache runs the same:
+        the first CPU stage's op paths (all CPU stages share them) and the greedy argmax's; None
+        without a CPU stage."""
+        stage = next((s for s in self.pipeline.stages if s.cpu_kernels is not None), None)
+        if stage is None:
+            return None
+        record = {"ops": stage.cpu_kernels.to_json()}
+        if not self.cluster and self.devices[-1].type == "cpu":
+            record["greedy_argmax"] = argmax_path(self.sampler.greedy_argmax)
+        return record
+
+    def kernel_summary(self) -> str:
+        """The start-up banner's line on kernels: the stages' (Pipeline.kernel_summary), the sampler's
+        greedy argmax where it was chosen, and the smaller team they were timed on, if they were."""
+        return "; ".join(filter(None, [self.pipeline.kernel_summary(), self.argmax_summary, self.timing_note]))
+
+    def _prefix_root(self) -> bytes:
+        """Where prefix-cache keys start: what, besides the tokens, decides a block's K/V."""
+        identity = f"{model_fingerprint(self.model_dir)}|{self.dtype}|{self.config.block_size}"
+        return hashlib.blake2b(identity.encode(), digest_size=16).digest()
+
+    def _stage_plan(self, num_blocks: int) -> StagePlan:
+        """What every stage must agree on, decided once here (and sent to stage processes)."""
+        config = self.config
+        return StagePlan(
+            fingerprint=model_fingerprint(self.model_dir),
+            dtype=str(self.dtype).removeprefix("torch."),
+            pp=config.pp,
+            layers=partition_layers(self.model_config, config.pp),
+            buckets=list(self.plan.sizes),
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            num_slots=config.pp + config.depth,  # the ring: L = pp + depth
+            max_tokens=max(config.prefill_chunk_size, self.plan.max_batch),  # a prompt chunk or the largest bucket
+            seed=config.seed,
+            use_cuda_graphs=self.backend == "cuda",
+            kernels=config.kernels,
+            allow_eager=config.allow_eager,
+        )
+
+    @property
+    def depth(self) -> int:
+        return self.stage_plan.num_slots - self.stage_plan.pp
+
+    def describe(self) -> str:
+        """The one line every start-up banner and report gives of this engine's shape."""
+        return (
+            f"pp={self.stage_plan.pp} depth={self.depth} on {','.join(map(str, self.devices))}, "
+            f"{str(self.dtype).removeprefix('torch.')}, {self.backend} decode, "
+            f"{'async' if self.config.async_scheduling else 'no async'} scheduling"
+        )
+
+    @property
+    def failure(self) -> StageFailure | None:
+        """What stopped the stage processes (--procs), or None: a pipeline that is up."""
+        return self.cluster.failure if self.cluster is not None else None
+
+    def _capture_graphs(self, forced_eager: set[tuple[int, int]], show_progress: bool) -> None:
+        self.graphs, self.graph_records = [], []
+        max_blocks = -(-self.max_model_len // self.config.block_size)
+        for stage, cache in zip(self.pipeline.stages, self.pipeline.caches):
+            graphs, records = capture_stage(
+                stage, cache, self.plan, max_blocks, self.backend == "cuda", self.config.allow_eager,
+                {bucket for s, bucket in forced_eager if s == stage.index}, show_progress, self.ranges,
+            )
+            self.graphs.append(graphs)
+            self.graph_records += records
+        for cache in self.pipeline.caches:
+            # Verification wrote random rows into the cache; unwritten slots of live blocks are read
+            # (masked) by attention, and leftovers there could be NaN or slow denormals.
+            cache.k.zero_()
+            cache.v.zero_()
+        self.eager_pairs = {(r.stage, r.bucket) for r in self.graph_records if r.mode == "eager"}
+        self.num_eager_fallbacks = 0  # decode micro-batches that ran eagerly on a CUDA-graph engine
+
+    def _num_kv_blocks(self) -> int:
+        """Every stage holds every block id (for its own layers), so the device that needs the most
+        bytes per block, relative to its free memory, decides how many blocks there are. On GPUs,
+        what graph pools, ring buffers and activations will take is measured first and left free
+        (graphrt.engine.kv_budget), and free memory is read after that probe."""
+        cfg, block_size = self.config, self.config.block_size
+        if cfg.kv_cache_tokens is not None:
+            return -(-cfg.kv_cache_tokens // block_size) + 1  # + the scratch block
+        per_block: dict[torch.device, int] = {}
+        for stage in self.pipeline.stages:
+            per_block[stage.device] = per_block.get(stage.device, 0) + bytes_per_block(
+                self.model_config, len(stage.layers), block_size, self.dtype
+            )
+        if self.devices[0].type == "cuda":
+            # The plan's largest bucket depends on the cache's size: measure at the most it can be.
+            max_batch = max(cfg.buckets) if cfg.buckets else min(cfg.max_batch or GPU_MAX_BATCH_LIMIT, cfg.max_num_seqs)
+            headroom = measure_headroom(
+                self.pipeline, block_size=block_size, max_model_len=self.max_model_len, max_batch=max_batch,
+                prefill_chunk_size=cfg.prefill_chunk_size, num_slots=cfg.pp + cfg.depth,
+                max_tokens=max(cfg.prefill_chunk_size, max_batch), use_cuda_graphs=self.backend == "cuda",
+            )
+            free = {d: torch.cuda.mem_get_info(d)[0] for d in per_block}
+            fits = kv_blocks_that_fit(free, headroom, per_block)
+            logger.info(
+                "KV cache: %d blocks; kept free besides it: %s", fits,
+                ", ".join(f"{d} {h.total / 2**20:.0f} MiB" for d, h in headroom.items()),
+            )
+        else:
+            fits = CPU_KV_CACHE_BYTES // sum(per_block.values())
+        # No need for more than every sequence at full context.
+        enough = self.config.max_num_seqs * -(-self.max_model_len // block_size) + 1
+        return max(2, min(fits, enough))
+
+    def _bucket_plan(self, num_blocks: int) -> BucketPlan:
+        if self.config.buckets:
+            return BucketPlan(tuple(sorted(set(self.config.buckets))))
+        kv_tokens = (num_blocks - 1) * self.config.block_size
+        max_batch = self.config.max_batch or default_max_batch(self.devices[0].type, kv_tokens)
+        return BucketPlan(tuple(default_buckets(min(max_batch, self.config.max_num_seqs))))
+
+    def identity(self) -> dict:
+        """What a graph cache must agree with to be used by this engine."""
+        return {
+            "model_fingerprint": model_fingerprint(self.model_dir),
+            "architecture": self.model_config.architecture,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "pp": len(self.pipeline.stages),
+            "stages": [{"layers": [s.layer_ids.start, s.layer_ids.stop], "device": str(s.device)} for s in self.pipeline.stages],
+            "device_names": [device_name(d) for d in self.devices],
+            "kernels": self.pipeline.stages[0].ops.name,
+            "backend": self.backend,
+            "block_size": self.config.block_size,
+            "max_model_len": self.max_model_len,
+            "buckets": list(self.plan.sizes),
+            **software_versions(),
+        }
+
+    def _check_graph_cache(self) -> set[tuple[int, int]]:
+        """Refuse a cache made for another model or machine; return the pairs it marks eager."""
+        manifest = read_manifest(self.cache_dir)
+        stale = stale_fields(manifest, self.identity())
+        if stale:
+            raise StaleCacheError(
+                f"the graph cache {self.cache_dir} was made for something else: " + "; ".join(stale)
+                + f". Refresh it with `graphrt capture --out {self.cache_dir}` and the same options as this run"
+            )
+        return {(g["stage"], g["bucket"]) for g in manifest["graphs"] if g.get("mode") == "eager"}
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Validate one request's token ids and queue it. Raises RequestError for this request only."""
+        if isinstance(prompt_ids, str):
+            raise RequestError("the engine takes token ids; text is tokenized in front of it (LLM.generate does)")
+        prompt_ids = list(prompt_ids)
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        max_tokens = self.scheduler.check(len(prompt_ids), params.max_tokens)
+        seq = Sequence(
+            request_id=next(self._ids),
+            prompt_ids=prompt_ids,
+            params=params,
+            max_tokens=max_tokens,
+            generator=self.sampler.request_generator(params.seed) if self.sampler is not None else None,
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a request now; its KV blocks return as soon as no micro-batch in flight uses them."""
+        if not seq.finished:
+            self.finish(seq, FinishReason.ABORT)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a request for a reason the engine can't see (a stop string in its text, an abort)."""
+        self.scheduler.finish(seq, reason)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self.ring.busy
+
+    # -- stepping -------------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """One scheduler tick: schedule -> launch -> poll -> update. Returns the sequences that got
+        a new token (finished ones included).
+
+        The finished micro-batch is taken first, so a freed slot is refilled before the host does
+        anything else. The host blocks only when nothing else can launch, and then only on the
+        oldest micro-batch, launched a whole ring earlier.
+        """
+        tick_start = self.timeline.now() if self.timeline else 0.0
+        with self.ranges.tick():
+            updated = self._update(self._poll(block=False))
+            launched = self._launch_next()
+            if not launched and not updated and self.ring.busy:
+                updated = self._update(self._poll(block=True))
+        if self.timeline:
+            self.timeline.record_tick(tick_start, self.timeline.now())
+        return updated
+
+    def _launch_next(self) -> bool:
+        """Schedule a step for the first open slot that has work, and launch it there.
+
+        An empty slot takes only rows whose tokens are back (or prompt chunks); a slot with a
+        micro-batch in flight also takes the rows that one samples, so with fewer rows than slots
+        async scheduling still launches ahead. schedule() changes nothing when it finds no work
+        (it may admit waiting requests), so trying the next slot is safe.
+        """
+        for slot in self.ring.open_slots():
+            step = self.scheduler.schedule(self.num_decode_micro_batches, follows=slot.in_flight[-1].id if slot.in_flight else None)
+            if step is not None:
+                break
+        else:
+            return False
+        if not step.is_prefill and self.eager_pairs and self.backend == "cuda":
+            self._count_eager_fallbacks(len(step.seqs))
+        try:
+            self.ring.launch(slot, step)
+        except Exception as exc:  # enqueuing itself failed (on CUDA, e.g. out of memory)
+            self._recover(exc, extra=step.seqs)
+        return True
+
+    def _poll(self, block: bool) -> MicroBatch | None:
+        try:
+            return self.ring.poll(block)
+        except Exception as exc:  # a stage raised while running the oldest micro-batch
+            self._recover(exc)
+
+    def _update(self, mb: MicroBatch | None) -> list[Sequence]:
+        """Hand a finished micro-batch's tokens to the scheduler."""
+        if mb is None:
+            return []
+        now = time.perf_counter()
+        logprobs = mb.logprobs.read_back(mb.token_ids) if mb.logprobs is not None else None
+        updated = self.scheduler.update_from_output(mb.step, mb.token_ids, now, logprobs)
+        self._account(mb, now, len(updated))
+        return updated
+
+    def _recover(self, exc: Exception, extra: list[Sequence] = ()) -> None:
+        """A stage failed, so every micro-batch in flight is lost: fail the requests they carried
+        (their KV blocks go back), start the ring afresh, and raise. Requests not in flight and
+        later ones are served as usual."""
+        lost = {id(seq): seq for mb in self.ring.in_flight for seq in mb.step.seqs}
+        lost.update((id(seq), seq) for seq in extra)
+        self.ring.reset(f"{type(exc).__name__} in stage 0: {exc}")
+        self.scheduler.fail(list(lost.values()))
+        pipeline_down = self.failure is not None
+        raise StageError(
+            f"a pipeline stage failed ({type(exc).__name__}: {exc}); the {len(lost)} requests in flight "
+            "were ended with an error"
+            + ("; the stage processes are gone, restart graphrt" if pipeline_down else " and the engine goes on with the rest")
+        ) from exc
+
+    def _account(self, mb: MicroBatch, now: float, new_tokens: int) -> None:
+        if mb.step.is_prefill:
+            self.stats.prefill_tokens += sum(mb.step.query_lens)
+            return
+        # Decode time is the union of the intervals in which a decode micro-batch was in flight.
+        self.stats.decode_seconds += max(0.0, now - max(mb.launched_at, self._decode_busy_until))
+        self._decode_busy_until = now
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += new_tokens
+
+    def run(self, step: ScheduledStep) -> torch.Tensor:
+        """Push one scheduled step through every stage on this thread; return each sequence's
+        last-token logits (nothing is sampled). A synchronous path for checks and tests, never
+        mixed with the ring."""
+        if self.ring.busy:
+            raise RuntimeError("Engine.run while micro-batches are in flight would race the stage workers")
+        token_ids, meta = build_inputs(step, self.config.block_size)
+        if not step.is_prefill and self.eager_pairs and self.backend == "cuda":
+            self._count_eager_fallbacks(len(step.seqs))
+        logits = self.pipeline.forward(token_ids, meta, self.graphs)  # (batch, vocab)
+        self.scheduler.update_from_output(step, None, time.perf_counter())
+        return logits
+
+    def _count_eager_fallbacks(self, rows: int) -> None:
+        bucket = self.plan.bucket_for(rows)
+        eager_stages = [s for s, b in self.eager_pairs if b == bucket]
+        if eager_stages:
+            if self.num_eager_fallbacks == 0:
+                logger.warning("decode bucket %d runs eagerly on stages %s (capture failed for them)", bucket, eager_stages)
+            self.num_eager_fallbacks += 1
+
+    def close(self) -> None:
+        self.ring.close()

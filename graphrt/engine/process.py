@@ -1,0 +1,197 @@
+"""The engine in a process of its own, as `graphrt serve` runs it by default.
+
+    front process: HTTP server, tokenizing, detokenizing  <-- ZMQ -->  engine process: scheduler, ring, stages
+
+In one process the asyncio server, the detokenizer and the engine loop share one interpreter and
+its GIL, so a burst of HTTP work delays the next micro-batch launch (vLLM's API server and
+EngineCore, SGLang's tokenizer manager, scheduler and detokenizer are split the same way). Here
+the engine process runs an `EngineCore` in a loop: it takes the commands waiting, steps the
+engine, and sends the new token ids of every sequence that got one, one message per step
+(graphrt.engine.messages). The front (graphrt.frontend.engine_client) turns token ids into text
+and ends a choice at a stop string by telling the engine.
+
+If the front dies, the engine process notices its parent gone and exits. Where it runs is planned
+once, in the front (graphrt.kernels.cpu.placement): pinned, the engine process is started on every
+core, told its own, and pins itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+
+import msgspec
+import zmq
+
+from graphrt.engine.core import Admitted, EngineCore, Rejected, heap_trimmer
+from graphrt.engine.messages import (
+    AbortJob,
+    AddJob,
+    ChoiceOutput,
+    EngineFacts,
+    Fatal,
+    JobAdmitted,
+    JobFailed,
+    JobRejected,
+    Outputs,
+    Ready,
+    Shutdown,
+    StopChoice,
+    ToEngine,
+)
+from graphrt.engine.sequence import FinishReason
+from graphrt.errors import GraphrtError
+from graphrt.kernels.cpu.placement import pin_process
+
+logger = logging.getLogger("graphrt.server")
+
+PARENT_CHECK_S = 1.0  # how often an idle engine process checks that the front is still there
+
+
+class EngineLoop:
+    """The engine process's main loop (see the module docstring)."""
+
+    def __init__(self, engine, commands: zmq.Socket, results: zmq.Socket, stopping: threading.Event):
+        self.engine, self.commands, self.results = engine, commands, results
+        self.stopping = stopping  # set by SIGTERM
+        self.core = EngineCore(engine)
+        self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToEngine)
+        self._sent: dict[int, int] = {}  # request id -> output tokens sent to the front
+        self._parent = os.getppid()
+        self._trim_heap = heap_trimmer()
+
+    def send(self, message) -> None:
+        self.results.send(self.encoder.encode(message))
+
+    def run(self) -> int:
+        self.send(Outputs([], self.core.snapshot()))  # /metrics has the engine's figures from the start
+        stepped = False
+        while True:
+            idle = not self.engine.has_work()
+            if idle and stepped:
+                self._trim_heap()
+                self.send(Outputs([], self.core.snapshot()))  # /metrics sees the engine at rest
+                stepped = False
+            if self.commands.poll(PARENT_CHECK_S * 1000 if idle else 0):
+                for message in self._drain():
+                    if isinstance(message, Shutdown):
+                        self.stopping.set()
+                        break
+                    self._handle(message)
+            if self.stopping.is_set():
+                for key, failed in self.core.stop():
+                    self.send(JobFailed(key, failed.status, failed.message))
+                return 0
+            if idle and os.getppid() != self._parent:
+                logger.error("the front process is gone; the engine process stops")
+                return 1
+            if self.engine.has_work():
+                self._step()
+                stepped = True
+            if self.engine.failure is not None:
+                self.send(Fatal(str(self.engine.failure)))
+                return 1
+
+    def _drain(self) -> list:
+        messages = []
+        while True:
+            try:
+                messages.append(self.decoder.decode(self.commands.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return messages
+
+    def _handle(self, message) -> None:
+        if isinstance(message, AddJob):
+            answer = self.core.add(message.job, message.prompt_ids, message.params)
+            if isinstance(answer, Admitted):
+                self.send(JobAdmitted(message.job, answer.prompt_tokens))
+            elif isinstance(answer, Rejected):
+                self.send(JobRejected(message.job, answer.message))
+            else:
+                self.send(JobFailed(message.job, answer.status, answer.message))
+        elif isinstance(message, AbortJob):
+            self.core.abort(message.job)
+        elif isinstance(message, StopChoice):
+            self.core.finish(message.job, message.choice, FinishReason.STOP)
+            self.core.forget_finished([message.job])
+        self._drop_sent_counts()
+
+    def _drop_sent_counts(self) -> None:
+        """Forget the counts of sequences whose job the core has forgotten (ended or aborted)."""
+        for request_id in [r for r in self._sent if r not in self.core.owners]:
+            del self._sent[request_id]
+
+    def _step(self) -> None:
+        updated, failed = self.core.step()
+        outputs = []
+        for key, choice, seq in updated:
+            sent = self._sent.get(seq.request_id, 0)
+            params = seq.params
+            outputs.append(ChoiceOutput(
+                key, choice, seq.output_ids[sent:], seq.finish_reason.value if seq.finished else None,
+                seq.logprobs[sent : len(seq.output_ids)] if params.logprobs is not None else None,
+                seq.prompt_logprobs if params.prompt_logprobs is not None and sent == 0 else None,
+            ))
+            self._sent[seq.request_id] = len(seq.output_ids)
+        self.core.forget_finished({key for key, _, _ in updated})
+        self._drop_sent_counts()
+        self.send(Outputs(outputs, self.core.snapshot()))
+        for key, answer in failed:
+            self.send(JobFailed(key, answer.status, answer.message))
+
+
+# What the engine process runs (not `-m`: this module is already imported with the graphrt.server
+# package, and running it again as __main__ would make two copies of its classes).
+ENGINE_PROCESS_MAIN = "import sys; from graphrt.engine.process import engine_process_main; sys.exit(engine_process_main())"
+
+
+def engine_process_main() -> int:
+    """The engine process: `python -c ENGINE_PROCESS_MAIN COMMANDS RESULTS`, with the LLM options and
+    the cores to pin itself to (null: stay where it was started) as JSON on stdin."""
+    logging.basicConfig(level=logging.WARNING, format="[graphrt engine] %(message)s")
+    commands_address, results_address = sys.argv[1:3]
+    launch = json.loads(sys.stdin.read())
+    llm_kwargs, engine_cores = launch["llm_kwargs"], launch["engine_cores"]
+    # Ctrl+C reaches the whole process group; the front decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())  # as a Shutdown from the front
+    context = zmq.Context()
+    commands, results = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    commands.connect(commands_address)
+    results.connect(results_address)
+    results.setsockopt(zmq.LINGER, 5000)  # the last answers go out before the process exits
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        if engine_cores is not None:
+            pin_process(engine_cores, "the engine process")
+        import torch
+
+        from graphrt.engine.startup import load_and_warm_up  # torch and the model: after pinning
+        from graphrt.kernels.cpu.openmp import share_load_with
+
+        if engine_cores is not None and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(len(engine_cores))
+        if engine_cores is None:  # pinned, the front works on a core this process's load watch leaves out
+            share_load_with(os.getppid())  # the front loads its tokenizer meanwhile: not a busy neighbour
+        banner: list[str] = []
+        engine = load_and_warm_up(llm_kwargs, banner.append, ", engine in its own process")  # the front tokenizes
+    except Exception as exc:  # noqa: BLE001 - the front prints it as the reason start-up failed
+        results.send(encoder.encode(Fatal(str(exc) if isinstance(exc, GraphrtError) else f"{type(exc).__name__}: {exc}")))
+        return 1
+    facts = EngineFacts(
+        str(engine.model_dir), engine.max_model_len, engine.allocator.capacity_tokens, banner,
+    )
+    results.send(encoder.encode(Ready(facts)))
+    try:
+        return EngineLoop(engine, commands, results, stopping).run()
+    except BaseException as exc:  # noqa: BLE001 - say why before the process ends
+        logger.error("the engine process failed", exc_info=exc)
+        results.send(encoder.encode(Fatal(f"internal error in the engine process ({type(exc).__name__}: {exc}); see its log")))
+        return 1
+    finally:
+        engine.close()

@@ -1,0 +1,74 @@
+"""Building an engine: from a model folder and options (a graph cache supplying what they leave
+unset), warmed up, with the start-up banner printed once. The LLM face, the in-thread server and
+the engine process all start an engine here."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from graphrt.capture.manifest import read_manifest
+from graphrt.config import EngineConfig
+from graphrt.engine.engine import Engine
+from graphrt.model.default_model import default_model_dir
+from graphrt.sampling_params import SamplingParams
+
+# Options a graph cache supplies when the caller leaves them unset; set differently, they make it stale.
+CACHE_DEFAULTS = ("pp", "dtype", "kernels", "buckets", "block_size", "max_model_len")
+
+
+def build_engine(
+    model: str | Path | None = None,
+    cache: str | Path | None = None,
+    show_progress: bool = False,
+    eos_token_id: Callable[[], int | None] | None = None,
+    **engine_options,
+) -> Engine:
+    """An engine for `model` (None: the default model), its options `EngineConfig` fields (None
+    means the default), those `cache` (a `graphrt capture` folder) records taken from it;
+    `eos_token_id` as Engine takes it."""
+    options = {k: v for k, v in engine_options.items() if v is not None}
+    if cache is not None:
+        cache = Path(cache)
+        # Compiled Triton kernels live in the cache too; triton reads this when it first compiles.
+        os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+        manifest = read_manifest(cache)
+        for field in CACHE_DEFAULTS:
+            options.setdefault(field, manifest[field])
+    model_dir = Path(model) if model is not None else default_model_dir()
+    return Engine(model_dir, EngineConfig(**options), cache_dir=cache, show_progress=show_progress, eos_token_id=eos_token_id)
+
+
+def warm_up(engine: Engine) -> None:
+    """A greedy and a sampled request of two tokens each, so the first client pays no first-call costs."""
+    for temperature in (0.0, 1.0):
+        engine.add_request([0], SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True, seed=0))
+    while engine.has_work():
+        engine.step()
+
+
+def load_and_warm_up(
+    llm_kwargs: dict, echo: Callable[[str], None], where: str = "", eos_token_id: Callable[[], int | None] | None = None
+) -> Engine:
+    """Build (from `LLM`'s keyword arguments) and warm up an engine for serving, echoing the
+    start-up banner line by line as each phase ends; `where` ends its first line (e.g. ", engine in
+    its own process")."""
+    start = time.perf_counter()
+    engine = build_engine(**llm_kwargs, eos_token_id=eos_token_id)
+    echo(
+        f"[graphrt] load and capture {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, {engine.describe()}, "
+        f"buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "
+        f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks{where}"
+    )
+    echo(f"[graphrt] {engine.pipeline.matmul_summary()}")
+    echo(f"[graphrt] {engine.kernel_summary()}")
+    start = time.perf_counter()
+    try:
+        warm_up(engine)
+    except BaseException:
+        engine.close()
+        raise
+    echo(f"[graphrt] warm-up {time.perf_counter() - start:.1f} s")
+    return engine

@@ -1,0 +1,156 @@
+"""Splitting the model into stages, placing them on devices, and running a step through them."""
+
+from __future__ import annotations
+
+import torch
+
+from graphrt.errors import GraphrtError
+from graphrt.kernels import kernel_set
+from graphrt.kernels.cpu.forcing import ForcedModes
+from graphrt.kernels.cpu.kernel_choice import CpuKernelChoice, LayerShapes, choose_cpu_kernels
+from graphrt.kernels.cpu.kernel_choice import mode_from_env as cpu_kernel_mode_from_env
+from graphrt.kernels.cpu.matmul_choice import MatmulChoice, MatmulPlan, mode_from_env, summarize
+from graphrt.model.batch import StepMetadata
+from graphrt.model.config import ModelConfig
+from graphrt.model.kv_cache import StageKVCache
+from graphrt.model.llama import Stage
+from graphrt.model.weights import WeightFiles
+
+
+def partition_layers(cfg: ModelConfig, pp: int) -> list[range]:
+    """Contiguous layer ranges that balance the weight bytes each stage reads per decode step.
+
+    The LM head weighs as much as several small layers (SmolLM2: 8), so an even split by layer
+    count would make the last stage the bottleneck. Minimises the heaviest stage exactly (small DP).
+    """
+    num_layers = cfg.num_layers
+    if pp > num_layers:
+        raise GraphrtError(f"--pp {pp} is larger than the model's {num_layers} layers; use --pp {num_layers} or fewer")
+    layer_cost = 2 * cfg.hidden_size * cfg.num_heads * cfg.head_dim + 2 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim
+    layer_cost += 3 * cfg.hidden_size * cfg.intermediate_size
+    head_cost = cfg.vocab_size * cfg.hidden_size
+
+    def cost(first: int, end: int, last_stage: bool) -> int:
+        return (end - first) * layer_cost + (head_cost if last_stage else 0)
+
+    # best[s][i]: minimal max cost of splitting layers [0, i) into s stages (not the last one).
+    inf = float("inf")
+    best = [[inf] * (num_layers + 1) for _ in range(pp + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(pp + 1)]
+    best[0][0] = 0
+    for s in range(1, pp + 1):
+        for i in range(s, num_layers + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], cost(j, i, last_stage=(s == pp and i == num_layers)))
+                if value <= best[s][i]:  # on ties, the later stage takes fewer layers
+                    best[s][i], cut[s][i] = value, j
+    bounds = [num_layers]
+    for s in range(pp, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    bounds.reverse()
+    return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+
+
+class Pipeline:
+    """The stages of one model, each with its KV cache, run one after another for a step.
+
+    The ring scheduler overlaps micro-batches across stages; this class is the plain data path.
+    """
+
+    def __init__(self, stages: list[Stage], caches: list[StageKVCache]):
+        self.stages = stages
+        self.caches = caches
+
+    @staticmethod
+    def load(
+        cfg: ModelConfig,
+        files: WeightFiles,
+        devices: list[torch.device],
+        dtype: torch.dtype,
+        max_position: int,
+        kernels: str = "auto",
+    ) -> Pipeline:
+        stages = []
+        for index, layers in enumerate(partition_layers(cfg, len(devices))):
+            ops = kernel_set(kernels, devices[index].type)
+            stage = Stage(cfg, index, len(devices), layers, devices[index], dtype, max_position, ops)
+            stage.load(files)
+            stages.append(stage)
+        return Pipeline(stages, [])
+
+    def choose_matmuls(
+        self, max_rows: int, cached: list[MatmulPlan] | None = None, mode: ForcedModes | str | None = None
+    ) -> None:
+        """Each stage runs each weight shape on F.linear, packed oneDNN or compiled panels, whichever
+        is fastest here at one row and at `max_rows` (Stage.choose_matmuls). A stage reuses what
+        `cached` (the graph cache's plans, by stage) or an earlier stage on the same device chose
+        for a shape, so a shape is timed once per device. `mode`: auto, dense, packed or panel, for
+        every shape or by shape name; None reads GRAPHRT_MATMUL. What it forces comes before `cached`."""
+        mode = mode_from_env() if mode is None else mode
+        known: dict[torch.device, dict[str, MatmulChoice]] = {}
+        for position, stage in enumerate(self.stages):
+            previous = dict(known.get(stage.device, {}))
+            if cached is not None and position < len(cached):
+                previous.update(cached[position].by_name())
+            plan = stage.choose_matmuls(max_rows, mode, previous)
+            known.setdefault(stage.device, {}).update(plan.by_name())
+
+    def choose_cpu_kernels(
+        self, max_rows: int, block_size: int, mode: ForcedModes | str | None = None, cached: dict[str, str] | None = None
+    ) -> None:
+        """Each CPU stage runs each hot-path op on its compiled kernel or its torch reference,
+        whichever is faster here at `max_rows` (kernels/cpu/kernel_choice.py); timed once per device.
+        `mode`: auto, torch or compiled, for every op or by op; None reads GRAPHRT_CPU_KERNELS.
+        `cached`: op -> path, the graph cache's, taken for the ops `mode` leaves to be timed."""
+        mode = cpu_kernel_mode_from_env() if mode is None else mode
+        chosen: dict[torch.device, CpuKernelChoice] = {}
+        for stage in self.stages:
+            if stage.device.type != "cpu":
+                continue  # a CUDA stage keeps its kernel set's (--kernels)
+            if stage.device not in chosen:
+                chosen[stage.device] = choose_cpu_kernels(
+                    LayerShapes.of(stage.cfg), block_size, stage.dtype, stage.device, max_rows, mode, cached=cached
+                )
+            stage.use_cpu_kernels(chosen[stage.device])
+
+    def kernel_summary(self) -> str:
+        """One line for the start-up banner: the kernels of the first stage (all stages of a device
+        share them; a CUDA stage runs its kernel set's)."""
+        stage = self.stages[0]
+        if stage.cpu_kernels is None:
+            return f"kernels: the {stage.ops.name} kernels on {stage.device.type}"
+        cpu_stages = [s for s in self.stages if s.device.type == "cpu"]
+        one_call = all(s.decode_layers_in_one_call() for s in cpu_stages)
+        return stage.cpu_kernels.summary() + ("; a decode step's layers in one call (graphrt::decode_layers)" if one_call else "")
+
+    def matmul_plans(self) -> list[MatmulPlan]:
+        """What each stage chose (what a graph cache records), in stage order."""
+        return [s.matmul_plan for s in self.stages if s.matmul_plan is not None]
+
+    def matmul_summary(self) -> str:
+        """One line for the start-up banner: which weight shapes run packed, which on F.linear."""
+        plans = self.matmul_plans()
+        return summarize(plans) if plans else "matmuls: not chosen yet"
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        self.caches = [
+            StageKVCache.allocate(s.cfg, len(s.layers), num_blocks, block_size, s.device, s.dtype) for s in self.stages
+        ]
+
+    def weight_bytes(self) -> int:
+        return sum(s.weight_bytes() for s in self.stages)
+
+    def forward(self, token_ids: torch.Tensor, meta: StepMetadata, graphs: list | None = None) -> torch.Tensor:
+        """token_ids: (tokens,) -> logits (batch, vocab) on the last stage's device.
+
+        Decode steps replay each stage's graph for the batch's bucket when `graphs` is given;
+        prefill chunks always run eagerly.
+        """
+        x = token_ids
+        for index, (stage, cache) in enumerate(zip(self.stages, self.caches)):
+            x = x.to(stage.device, non_blocking=True)
+            if graphs is not None and not meta.is_prefill:
+                x = graphs[index].run(x, meta)
+            else:
+                x = stage(x, meta.to(stage.device), cache)
+        return x

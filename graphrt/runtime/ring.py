@@ -1,0 +1,364 @@
+"""The micro-batch ring: L = pp + depth slots moving through the stages at once.
+
+Each slot owns, on every stage, the buffer its activations arrive in, so micro-batches running at
+once never share memory. Launching a micro-batch enqueues, stage by stage on that stage's stream:
+wait for the previous stage's event, run the stage (the bucket's graph for decode, eager for
+prefill), copy the output into the next stage's receive buffer for this slot, record an event.
+The last stage samples on device and writes the token ids twice: into the token feed on stage 0's
+device, where the next step of those sequences reads them, and into pinned host memory, which the
+host reads once the micro-batch's event has passed.
+
+Async scheduling: a slot holds up to `max_per_slot` micro-batches. The second one is launched before
+the first is read back; its stage 0 waits (on the device, not the host) for the first to leave
+the last stage, then takes its input tokens from the feed. The host so decides a whole ring ahead
+and its turnaround (read-back, detokenizing, stop checks, scheduling) overlaps the stages' work.
+Feed and host token buffers alternate between two halves per slot, so a micro-batch never
+overwrites tokens that a launched one has still to read.
+
+The engine sees `launch(slot, step)` and `poll(block)`: the ring builds the step's tensors, knows
+what is in flight (each slot's micro-batches, oldest first) and where each sequence's token still
+on the device lands in the feed, and hands back the oldest finished micro-batch with its tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from graphrt.capture.graphs import StageGraphs
+from graphrt.kernels.cpu.openmp import TeamSizer, openmp_available
+from graphrt.model import SCRATCH_BLOCK
+from graphrt.model.batch import StepMetadata
+from graphrt.profiling.nvtx import Ranges
+from graphrt.profiling.timeline import Timeline, mark
+from graphrt.runtime.logprobs import LogprobPlan, plan_logprobs, score_rows
+from graphrt.runtime.pipeline import Pipeline
+from graphrt.runtime.sampler import Sampler, host_to_device
+from graphrt.runtime.step import Row, ScheduledStep, feed_index, feed_ref, is_feed_ref
+from graphrt.runtime.streams import make_stream
+
+
+@dataclass
+class MicroBatch:
+    """A scheduled step in the ring; `token_ids` is set when the ring hands it back (`Ring.poll`)."""
+
+    step: ScheduledStep
+    slot: int
+    launched_at: float
+    token_base: int  # where its sampled tokens go in the ring's feed and host token buffer
+    reads_feed: bool  # some input tokens come from the feed (see feed_ref)
+    done: object = None  # the last stage's event
+    bucket: int | None = None
+    busy_events: list = field(default_factory=list)  # CUDA: (stage, start, end) events of its work
+    token_ids: list[int] | None = None  # one per sampled row, once read back
+    logprobs: LogprobPlan | None = None  # what its last stage scores, for the requests that ask
+
+    @property
+    def id(self) -> int:
+        return self.step.id
+
+    @property
+    def sample_rows(self) -> list[int]:
+        return self.step.sample_rows
+
+    @property
+    def sampled_seqs(self) -> list[Row]:
+        return self.step.sampled_seqs
+
+
+def build_inputs(
+    step: ScheduledStep, block_size: int, feed_indices: dict[int, int] | None = None, pin: bool = False,
+    extra_logits_rows: list[int] = (),
+) -> tuple[torch.Tensor, StepMetadata]:
+    """Token ids and metadata of a step on the host; the pipeline moves them to each stage. A token
+    not read back yet is given as a feed reference, from `feed_indices` (request id -> feed index).
+    The last stage computes logits for each sequence's last row, then for `extra_logits_rows`
+    (prompt rows to score, see graphrt.runtime.logprobs).
+
+    `pin` puts them in page-locked memory, so the copies to a GPU are truly asynchronous (from
+    pageable memory the driver may wait for the stream, and the host would block).
+    """
+    token_ids, positions, slots, seq_lens, last_rows = [], [], [], [], []
+    for seq, start, query_len in zip(step.seqs, step.starts, step.query_lens):
+        for pos in range(start, start + query_len):
+            token = seq.token_at(pos)
+            token_ids.append(token if token is not None else feed_ref(feed_indices[seq.request_id]))
+            positions.append(pos)
+            slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
+        seq_lens.append(start + query_len)
+        last_rows.append(len(token_ids) - 1)
+    # Only the blocks the context reaches so far (a sequence may hold one more, or a preempted
+    # one's recompute may be under way): attention reads no further.
+    live = [-(-seq_len // block_size) for seq_len in seq_lens]
+    width = max(live)
+    tables = []
+    for seq, blocks in zip(step.seqs, live):
+        tables += seq.block_ids[:blocks]
+        tables += [SCRATCH_BLOCK] * (width - blocks)
+    # One tensor construction per micro-batch, then views: this runs on the host every tick.
+    logits_rows = last_rows + list(extra_logits_rows)
+    flat = torch.tensor(token_ids + positions + slots + seq_lens + logits_rows + tables, dtype=torch.int64)
+    if pin:
+        flat = flat.pin_memory()
+    num_tokens, num_rows = len(token_ids), len(seq_lens)
+    rows_from = 3 * num_tokens  # after token ids, positions and slots: seq lens, logits rows, tables
+    tables_from = rows_from + num_rows + len(logits_rows)
+    meta = StepMetadata(
+        positions=flat[num_tokens : 2 * num_tokens],
+        slot_mapping=flat[2 * num_tokens : rows_from],
+        block_tables=flat[tables_from:].view(num_rows, width),
+        seq_lens=flat[rows_from : rows_from + num_rows],
+        logits_indices=flat[rows_from + num_rows : tables_from],
+        seq_lens_host=seq_lens,
+        query_lens=list(step.query_lens) if step.is_prefill else None,
+    )
+    return flat[:num_tokens], meta
+
+
+@dataclass
+class RingSlot:
+    index: int
+    recv: list[torch.Tensor | None]  # per stage: activations from the previous stage (None on stage 0)
+    in_flight: list[MicroBatch] = field(default_factory=list)  # oldest first; they run one after another
+    launches: int = 0
+
+
+@dataclass
+class Ring:
+    pipeline: Pipeline
+    graphs: list[StageGraphs]
+    sampler: Sampler | None  # None on rank 0 of stage processes: the last rank samples
+    num_slots: int
+    max_tokens: int  # per micro-batch: max(prefill chunk, largest bucket)
+    block_size: int
+    max_per_slot: int = 1  # micro-batches a slot may hold: 2 with async scheduling
+    timeline: Timeline | None = None
+    ranges: Ranges = field(default_factory=Ranges)
+    pin: bool = False  # build inputs in page-locked memory (a CUDA stage 0)
+    slots: list[RingSlot] = field(init=False)
+    # Tokens still on the device, by request id: the micro-batch sampling it, and its index in the feed.
+    _producers: dict[int, MicroBatch] = field(init=False, default_factory=dict)
+    _feed_indices: dict[int, int] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        stages = self.pipeline.stages
+        self.busy_s = [0.0] * len(stages)  # seconds each local stage has spent on micro-batches
+        self.streams = self._make_streams()
+        self.teams = self._make_teams()
+        self.slots = [
+            RingSlot(
+                index=k,
+                recv=[None]
+                + [torch.empty(self.max_tokens, s.cfg.hidden_size, dtype=s.dtype, device=s.device) for s in stages[1:]],
+            )
+            for k in range(self.num_slots)
+        ]
+        # Two halves per slot (see the module docstring), indexed by MicroBatch.token_base.
+        size = self.num_slots * 2 * self.max_tokens
+        self.host_tokens = torch.zeros(size, dtype=torch.int64, pin_memory=stages[-1].device.type == "cuda")
+        self.feed = self._make_feed()
+
+    def _make_feed(self) -> torch.Tensor:
+        """Where stage 0 reads the tokens of a micro-batch not yet read back: on its device."""
+        first = self.pipeline.stages[0].device
+        return self.host_tokens if first.type == "cpu" else torch.zeros_like(self.host_tokens, device=first)
+
+    def _make_streams(self) -> list:
+        return [make_stream(stage.device, f"graphrt-stage{stage.index}") for stage in self.pipeline.stages]
+
+    def _make_teams(self) -> list[TeamSizer | None]:
+        """Each CPU stage thread's OpenMP team, sized to the cores other processes leave it (made
+        with the threads: a fresh thread starts with torch's team)."""
+        sized = openmp_available()
+        return [TeamSizer() if sized and stage.device.type == "cpu" else None for stage in self.pipeline.stages]
+
+    def reset(self, cause: str) -> None:
+        """After a stage failure (`cause`): every micro-batch in flight is dropped and every slot is
+        free. Waits for the stage workers to drain first, so no late write lands in a freed block;
+        the streams are fresh (a CPU worker keeps its error)."""
+        for stream in self.streams:
+            stream.close()
+        self.streams = self._make_streams()
+        self.teams = self._make_teams()
+        self._forget_in_flight()
+
+    def _forget_in_flight(self) -> None:
+        for slot in self.slots:
+            slot.in_flight.clear()
+        self._producers.clear()
+        self._feed_indices.clear()
+
+    @property
+    def in_flight(self) -> list[MicroBatch]:
+        """Every micro-batch launched and not handed back, in launch order."""
+        return sorted((mb for slot in self.slots for mb in slot.in_flight), key=lambda mb: mb.id)
+
+    @property
+    def busy(self) -> bool:
+        return any(slot.in_flight for slot in self.slots)
+
+    def open_slots(self) -> list[RingSlot]:
+        """The slots that can take a micro-batch, in the order to try them: empty ones first, then
+        the one whose micro-batch in flight was launched first (it is the first to finish)."""
+        def order(slot: RingSlot) -> tuple[int, int]:
+            return len(slot.in_flight), slot.in_flight[-1].id if slot.in_flight else 0
+
+        return sorted((slot for slot in self.slots if len(slot.in_flight) < self.max_per_slot), key=order)
+
+    def launch(self, slot: RingSlot, step: ScheduledStep) -> MicroBatch:
+        """Build the step's tensors and enqueue it on every stage; returns at once (CUDA) or after
+        queuing (CPU)."""
+        logprobs = plan_logprobs(step)
+        extra_rows = logprobs.prompt_rows if logprobs is not None else []
+        token_ids, meta = build_inputs(step, self.block_size, self._feed_indices, self.pin, extra_rows)
+        # The micro-batches in flight whose tokens this one reads from the feed.
+        producers = {}
+        for seq, start in zip(step.seqs, step.starts):
+            if start >= seq.num_tokens:
+                producer = self._producers[seq.request_id]
+                producers[id(producer)] = producer
+        bucket = None if step.is_prefill else self.graphs[0].plan.bucket_for(len(step.seqs))
+        token_base = (2 * slot.index + slot.launches % 2) * self.max_tokens
+        mb = MicroBatch(
+            step, slot.index, time.perf_counter(), token_base=token_base, reads_feed=bool(producers), bucket=bucket,
+            logprobs=logprobs,
+        )
+        if logprobs is not None:
+            logprobs.allocate(pin=self.pipeline.stages[-1].device.type == "cuda")
+        self._enqueue(slot, mb, token_ids, meta, list(producers.values()))
+        for row, seq in enumerate(mb.sampled_seqs):
+            self._producers[seq.request_id], self._feed_indices[seq.request_id] = mb, token_base + row
+        return mb
+
+    def _enqueue(
+        self, slot: RingSlot, mb: MicroBatch, token_ids: torch.Tensor, meta: StepMetadata, producers: list[MicroBatch]
+    ) -> None:
+        params = [seq.params for seq in mb.sampled_seqs]
+        generators = [seq.generator for seq in mb.sampled_seqs]
+        # Stage 0 starts once the slot's earlier micro-batch has left the last stage (its buffers
+        # are free) and the tokens it reads are in the feed.
+        waits = {id(earlier): earlier for earlier in [*slot.in_flight, *producers]}
+        for earlier in waits.values():
+            self._wait_on_stage0(earlier)
+        event = None
+        for index, stream in enumerate(self.streams):
+            if event is not None:
+                stream.wait_event(event)
+            stream.submit(lambda i=index: self._run_stage(i, slot, mb, token_ids, meta, params, generators))
+            event = stream.record()
+        mb.done = event
+        slot.in_flight.append(mb)
+        slot.launches += 1
+
+    def _wait_on_stage0(self, earlier: MicroBatch) -> None:
+        self.streams[0].wait_event(earlier.done)
+
+    def poll(self, block: bool) -> MicroBatch | None:
+        """The oldest micro-batch with its token ids read back, once it is done (waiting for it when
+        `block`), or None. Raises what a stage raised while running it (it stays in flight).
+
+        Micro-batches pass every stage in launch order, so the oldest is always the first done.
+        """
+        busy = [slot.in_flight[0] for slot in self.slots if slot.in_flight]
+        oldest = min(busy, key=lambda mb: mb.id) if busy else None
+        if oldest is not None and (block or oldest.done.query()):
+            waited_from = self.timeline.now() if self.timeline else 0.0
+            oldest.done.synchronize()
+            self.collect_busy(oldest)
+            if self.timeline:
+                self.timeline.record_wait(waited_from, self.timeline.now())
+            oldest.token_ids = self.host_tokens[oldest.token_base : oldest.token_base + len(oldest.sample_rows)].tolist()
+            self.slots[oldest.slot].in_flight.remove(oldest)  # the slot may take another micro-batch
+            for seq in oldest.sampled_seqs:
+                if self._producers.get(seq.request_id) is oldest:
+                    del self._producers[seq.request_id], self._feed_indices[seq.request_id]
+        else:
+            oldest = None
+        if self.timeline:
+            self.timeline.resolve()
+        return oldest
+
+    def _run_stage(self, index, slot, mb, token_ids, meta, params, generators) -> None:
+        stage, cache = self.pipeline.stages[index], self.pipeline.caches[index]
+        num_tokens = token_ids.shape[0]
+        kind = "prefill" if mb.step.is_prefill else "decode"
+        team = self.teams[index]
+        if team is not None:
+            team.fit()
+        started = self.timeline.begin(stage.device) if self.timeline else None
+        busy_from = mark(stage.device)
+        if mb.step.is_prefill:
+            work = self.ranges.prefill(index, num_tokens)
+        else:
+            work = self.ranges.stage(index, mb.slot, mb.bucket)
+        with work:
+            x = self._input_ids(token_ids, mb).to(stage.device, non_blocking=True) if index == 0 else slot.recv[index][:num_tokens]
+            stage_meta = meta.to(stage.device)
+            if mb.step.is_prefill:
+                out = stage(x, stage_meta, cache)
+            else:
+                out = self.graphs[index].run(x, stage_meta)
+            if not stage.is_last:
+                with self.ranges.transfer(index):
+                    slot.recv[index + 1][:num_tokens].copy_(out, non_blocking=True)
+            else:
+                self._sample(mb, out, params, generators)
+        self._busy_end(index, stage.device, busy_from, mb)
+        if self.timeline:
+            self.timeline.end(
+                stage.device, started, stage=index, slot=mb.slot, micro_batch=mb.id, kind=kind,
+                rows=len(mb.step.seqs), bucket=mb.bucket,
+            )
+
+    def _sample(self, mb: MicroBatch, out: torch.Tensor, params, generators) -> None:
+        """On the last stage: sample the rows that get a token, score what `mb.logprobs` asks for."""
+        logits = token_ids_out = None
+        if mb.sample_rows:
+            logits = out if len(mb.sample_rows) == out.shape[0] else out[host_to_device(mb.sample_rows, torch.int64, out.device)]
+            with self.ranges.sample():
+                token_ids_out = self.sampler(logits, params, generators)
+            rows = slice(mb.token_base, mb.token_base + len(mb.sample_rows))
+            if self.feed is not self.host_tokens:
+                self.feed[rows].copy_(token_ids_out, non_blocking=True)
+            self.host_tokens[rows].copy_(token_ids_out, non_blocking=True)
+        plan = mb.logprobs
+        if plan is not None:
+            values, top_ids = score_rows(
+                out, logits, token_ids_out, plan.sampled, len(mb.step.seqs), plan.prompt_targets, plan.num_top
+            )
+            plan.values.copy_(values, non_blocking=True)
+            plan.top_ids.copy_(top_ids, non_blocking=True)
+
+    def _input_ids(self, token_ids: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """Stage 0's token ids, with each feed reference replaced by the token in the feed."""
+        if not mb.reads_feed:
+            return token_ids
+        ids = token_ids.to(self.feed.device, non_blocking=True)
+        return torch.where(is_feed_ref(ids), self.feed[feed_index(ids).clamp(min=0)], ids)
+
+    # Always-on per-stage busy time, for /metrics: a clock read in the CPU worker, or a pair of
+    # CUDA events read back with the micro-batch (never a host clock around asynchronous work).
+
+    def _busy_end(self, index: int, device: torch.device, began, mb: MicroBatch) -> None:
+        ended = mark(device)
+        if device.type == "cuda":
+            mb.busy_events.append((index, began, ended))
+        else:
+            self.busy_s[index] += ended - began
+
+    @property
+    def stage_busy_s(self) -> list[float]:
+        """Seconds each stage has spent on micro-batches (all stages are local here)."""
+        return list(self.busy_s)
+
+    def collect_busy(self, mb: MicroBatch) -> None:
+        """Add a finished micro-batch's CUDA-timed stage work to `busy_s`."""
+        for index, began, ended in mb.busy_events:
+            self.busy_s[index] += began.elapsed_time(ended) / 1000
+        mb.busy_events.clear()
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()

@@ -1,0 +1,1 @@
+"""The commands beside serving: bench, doctor, profile, and the synthetic stage they use."""

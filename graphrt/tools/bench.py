@@ -1,0 +1,143 @@
+"""`graphrt bench`: an offline workload through the ring, and optionally through transformers.
+
+Requests are random token ids with seeded random prompt and output lengths, all submitted at
+once; EOS is ignored so every request produces exactly its output length. With a shared prefix,
+every prompt starts with the same tokens (a system prompt) before its own, which the prefix cache
+computes once. transformers runs the
+same requests in static batches of the same maximum size (left-padded, each batch generating
+until its longest request is done); only the requested tokens count for both.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from graphrt.frontend.output_processor import OutputProcessor
+from graphrt.llm import LLM
+from graphrt.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    output_len: int
+
+
+def make_workload(
+    num_requests: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, seed: int, shared_prefix: int = 0,
+) -> list[Request]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab_size) for _ in range(shared_prefix)]
+    return [
+        Request(
+            prompt=prefix + [rng.randrange(3, vocab_size) for _ in range(rng.randint(*input_range))],
+            output_len=rng.randint(*output_range),
+        )
+        for _ in range(num_requests)
+    ]
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99)}
+
+
+@dataclass
+class BenchResult:
+    name: str
+    seconds: float
+    output_tokens: int
+    num_requests: int
+    ttft_s: dict[str, float] | None = None
+    tpot_s: dict[str, float] | None = None
+    weight_gb_s: float | None = None
+    prefix_hit_rate: float | None = None  # prompt tokens taken from the prefix cache, of those looked up
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def lines(self) -> list[str]:
+        out = [
+            f"{self.name}: {self.output_tokens} output tokens from {self.num_requests} requests in {self.seconds:.2f} s",
+            f"  output {self.output_tok_s:.1f} tok/s, {self.num_requests / self.seconds:.2f} requests/s",
+        ]
+        if self.ttft_s:
+            fmt = lambda d: ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in d.items())  # noqa: E731
+            out.append(f"  TTFT {fmt(self.ttft_s)}; TPOT {fmt(self.tpot_s)}")
+        if self.weight_gb_s is not None:
+            out.append(f"  weight bandwidth during decode: {self.weight_gb_s:.1f} GB/s")
+        if self.prefix_hit_rate is not None:
+            out.append(f"  prefix cache hit rate: {self.prefix_hit_rate:.1%} of prompt tokens")
+        return out
+
+
+def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
+    engine = llm.engine
+    # Warm-up: one short request, so first-call costs don't count; its prompt is the first one
+    # reversed, which shares no prefix with any request.
+    llm.generate([workload[0].prompt[::-1]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    allocator = engine.allocator
+    before = (engine.stats.decode_steps, engine.stats.decode_seconds, allocator.num_queried_tokens, allocator.num_hit_tokens)
+    start = time.perf_counter()
+    seqs = [
+        engine.add_request(r.prompt, SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True))
+        for r in workload
+    ]
+    processor = OutputProcessor(engine, llm.tokenizer)  # detokenizing is part of serving
+    while engine.has_work():
+        processor.process(engine.step())
+    seconds = time.perf_counter() - start
+    ttft = [s.first_token_time - s.arrival_time for s in seqs]
+    tpot = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs if len(s.output_ids) > 1]
+    steps = engine.stats.decode_steps - before[0]
+    decode_seconds = engine.stats.decode_seconds - before[1]
+    queried, hits = allocator.num_queried_tokens - before[2], allocator.num_hit_tokens - before[3]
+    return BenchResult(
+        name=f"graphrt pp={engine.stage_plan.pp} depth={engine.depth}",
+        seconds=seconds,
+        output_tokens=sum(len(s.output_ids) for s in seqs),
+        num_requests=len(seqs),
+        ttft_s=percentiles(ttft),
+        tpot_s=percentiles(tpot),
+        weight_gb_s=engine.weight_bytes * steps / decode_seconds / 1e9 if decode_seconds else None,
+        prefix_hit_rate=hits / queried if engine.config.prefix_caching and queried else None,
+    )
+
+
+def run_transformers(model_dir, workload: list[Request], batch_size: int, dtype: torch.dtype) -> BenchResult:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.generation_config.pad_token_id = 0
+    start = time.perf_counter()
+    for first in range(0, len(workload), batch_size):
+        batch = workload[first : first + batch_size]
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch])
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+        new_tokens = max(r.output_len for r in batch)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    seconds = time.perf_counter() - start
+    return BenchResult(
+        name=f"transformers generate (static batches of {batch_size})",
+        seconds=seconds,
+        output_tokens=sum(r.output_len for r in workload),
+        num_requests=len(workload),
+    )
+
+
+def summarize(ours: BenchResult, theirs: BenchResult | None) -> str:
+    lines = ours.lines()
+    if theirs is not None:
+        lines += theirs.lines()
+        lines.append(f"graphrt / transformers output tok/s: {ours.output_tok_s / theirs.output_tok_s:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""`graphrt profile`: run a workload with the timeline on, at one ring depth or several, and write
+trace JSON, timeline PNGs, report.md and (for a sweep) depth.png into one folder."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from graphrt.frontend.output_processor import OutputProcessor
+from graphrt.llm import LLM
+from graphrt.profiling.plots import plot_depth_sweep, plot_timeline
+from graphrt.profiling.report import RunSummary, render_report, summarize
+from graphrt.profiling.trace import write_trace
+from graphrt.sampling_params import SamplingParams
+from graphrt.tools.bench import make_workload
+from graphrt.tools.synthetic import make_synthetic, make_tiny_model
+
+SYNTHETIC_VARIANT = "llama-gqa-tied"
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    engine_kwargs: dict  # LLM(...) keyword arguments, depth aside
+    depths: list[int]
+    sweep: bool  # several depths: files are suffixed -depth{d} and depth.png is drawn
+    out: Path
+    num_requests: int = 16
+    input_range: tuple[int, int] = (8, 32)
+    output_range: tuple[int, int] = (32, 32)
+    synthetic_ms: float | None = None  # each stage takes this long, on a tiny random model
+    host_ms: float = 0.0  # host time per micro-batch read back
+    seed: int = 0
+    command: str = "graphrt profile"
+
+    def __post_init__(self) -> None:
+        if not self.depths or min(self.depths) < 0:
+            raise ValueError(f"depths must be non-negative integers, got {self.depths}")
+        if self.synthetic_ms is not None and self.synthetic_ms < 0:
+            raise ValueError(f"--synthetic takes a stage time in ms >= 0, got {self.synthetic_ms}")
+        if self.host_ms < 0:
+            raise ValueError(f"--host-ms must be >= 0, got {self.host_ms}")
+        if self.output_range[0] < 2:
+            raise ValueError("--output-len must be at least 2, or there is no decode to profile")
+
+
+def profile_once(options: ProfileOptions, depth: int, model_dir: Path | None) -> tuple[RunSummary, list[str]]:
+    """One engine at one depth, run to completion; writes its trace and timeline PNG."""
+    kwargs = {**options.engine_kwargs, "depth": depth, "timeline": True}
+    if model_dir is not None:
+        kwargs["model"] = model_dir
+    llm = LLM(**kwargs)
+    engine = llm.engine
+    try:
+        if options.synthetic_ms is not None or options.host_ms:
+            make_synthetic(engine, stage_ms=options.synthetic_ms or 0.0, host_ms=options.host_ms)
+        workload = make_workload(
+            options.num_requests, options.input_range, options.output_range, engine.model_config.vocab_size, options.seed
+        )
+        for request in workload:
+            engine.add_request(request.prompt, SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True))
+        processor = OutputProcessor(engine, llm.tokenizer)
+        while engine.has_work():
+            processor.process(engine.step())
+        timeline = engine.timeline
+        timeline.resolve()
+        pp = len(engine.pipeline.stages)
+        summary = summarize(timeline, pp, depth)
+        suffix = f"-depth{depth}" if options.sweep else ""
+        title = f"pp={pp}, depth={depth}: {options.num_requests} requests" + (
+            f", synthetic {options.synthetic_ms:g} ms stages" if options.synthetic_ms is not None else ""
+        ) + (f", host {options.host_ms:g} ms per micro-batch" if options.host_ms else "")
+        trace = write_trace(timeline, pp, options.out / f"trace{suffix}.json", title=title)
+        picture = plot_timeline(timeline, pp, options.out / f"timeline{suffix}.png", title, window=summary.window)
+        return summary, [trace.name, picture.name]
+    finally:
+        engine.close()
+
+
+def run_profile(options: ProfileOptions, echo: Callable[[str], None] = print) -> list[RunSummary]:
+    options.out.mkdir(parents=True, exist_ok=True)
+    summaries, files = [], []
+    with tempfile.TemporaryDirectory(prefix="graphrt-synthetic-") as tmp:
+        model_dir = None
+        if options.synthetic_ms is not None:
+            # One layer per stage, so each stage's own compute is small beside its known sleep.
+            model_dir = make_tiny_model(Path(tmp) / "tiny", SYNTHETIC_VARIANT, num_layers=options.engine_kwargs.get("pp") or 1)
+        for depth in options.depths:
+            summary, names = profile_once(options, depth, model_dir)
+            busy = ", ".join(f"{100 * s.busy:.0f}%" for s in summary.stages)
+            echo(f"[graphrt] depth {depth}: stage busy {busy}; {summary.tokens_per_s:.1f} tok/s; wrote {', '.join(names)}")
+            summaries.append(summary)
+            files.append(names)
+    if options.sweep:
+        plot_depth_sweep(summaries, options.out / "depth.png", f"pp={summaries[0].pp}: utilization and throughput against ring depth")
+        files[0] = files[0] + ["depth.png"]
+    workload = (
+        f"{options.num_requests} requests, prompts of {options.input_range[0]}-{options.input_range[1]} random tokens, "
+        f"{options.output_range[0]}-{options.output_range[1]} output tokens each (greedy, EOS ignored), all submitted at once"
+        + (f"; synthetic stages of {options.synthetic_ms:g} ms on a tiny random Llama, one layer per stage" if options.synthetic_ms is not None else "")
+        + (f"; {options.host_ms:g} ms host time per micro-batch read back" if options.host_ms else "")
+    )
+    report = options.out / "report.md"
+    report.write_text(render_report(summaries, files, options.command, workload))
+    echo(f"[graphrt] wrote {report}")
+    return summaries

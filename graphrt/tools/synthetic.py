@@ -1,0 +1,130 @@
+"""Synthetic stages: real stages that also take a known time, for measuring the ring itself.
+
+Each stage's forward sleeps `stage_ms` (a sleep releases the GIL, as a GPU kernel would free the
+host) and the host spends `host_ms` on every micro-batch it reads back (standing in for
+detokenizing, stop checks and streaming). With these known, the pipeline formula in
+docs/profiling.md predicts each stage's busy share, and the timeline measures it.
+
+`make_tiny_model` writes a small random Llama-family model (no download), which tests,
+benchmarks and `graphrt profile --synthetic` run these stages on.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from graphrt.engine.engine import Engine
+
+
+def make_synthetic(engine: Engine, stage_ms: float, host_ms: float = 0.0) -> Engine:
+    for stage in engine.pipeline.stages:
+        forward = stage.forward
+
+        def slow_forward(x, meta, cache, forward=forward):
+            time.sleep(stage_ms / 1000)
+            return forward(x, meta, cache)
+
+        stage.forward = slow_forward
+    if host_ms:
+        account = engine._account
+
+        def slow_account(mb, now, new_tokens, account=account):
+            time.sleep(host_ms / 1000)
+            account(mb, now, new_tokens)
+
+        engine._account = slow_account
+    return engine
+
+
+def predicted_busy_fraction(pp: int, depth: int, stage_s: float, host_s: float, async_scheduling: bool) -> float:
+    """Steady-state busy share of each stage, with micro-batches of T per stage and h of host time each.
+
+    Without async scheduling a slot comes back after it crossed all stages and the host handled it
+    (pp * T + h), while the stage has L = pp + depth micro-batches of T to run in that time:
+    busy = L * T / max(L * T, pp * T + h). With it, the host handles a micro-batch while the slot's
+    next one runs, so only its rate counts: one micro-batch per h against one per T on each stage,
+    busy = T / max(T, h), at any depth. Both assume rows for every slot.
+    """
+    if async_scheduling:
+        return stage_s / max(stage_s, host_s)
+    ring = pp + depth
+    return ring * stage_s / max(ring * stage_s, pp * stage_s + host_s)
+
+
+# Tiny configurations covering what differs between the supported architectures.
+TINY_COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+TINY_VARIANTS = {
+    "llama-gqa-tied": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama-mha-untied": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)),
+    "llama3-rope": (
+        "llama",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            rope_parameters=dict(
+                rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+    "mistral": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    "qwen2-qkv-bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3-qk-norm": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+}
+
+
+# Spread of the random weights (transformers draws every matrix with std 0.02). At 0.02, attention
+# scores are about 0.1, so every head attends almost uniformly: removing RoPE moved the logits by
+# under 3e-3 and never a greedy token, and greedy output repeated one token. Larger q/k make
+# attention peaked (scores with a std of about 6); larger v/o and MLP weights make what attention
+# reads outweigh the current token's embedding in the residual stream, so output depends on context;
+# the embedding / LM head set a logit span of about 6. Only weights: biases stay small.
+TINY_INIT_STD = {
+    "embed_tokens": 0.15, "lm_head": 0.15, "q_proj": 0.3, "k_proj": 0.3, "v_proj": 0.16, "o_proj": 0.16, "mlp": 0.12,
+}
+# Qwen3 normalises each head of q and k, so there the norm weights set the scale of the scores.
+TINY_QK_NORM_GAIN = 3.0
+
+
+def make_tiny_model(
+    path: Path, variant: str, seed: int = 0, num_layers: int | None = None, overrides: dict | None = None
+) -> Path:
+    """Write a randomly initialised transformers model of `variant` to `path` (safetensors, no tokenizer);
+    `overrides`: config values to change (e.g. intermediate_size)."""
+    import transformers
+
+    family, extra = TINY_VARIANTS[variant]
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[family]
+    options = {**TINY_COMMON, **extra, **(overrides or {})}
+    if num_layers is not None:
+        options["num_hidden_layers"] = num_layers
+    config = config_cls(**options)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # transformers initialises biases and norm weights to constants; randomise them so they matter.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.mul_(TINY_QK_NORM_GAIN)
+            for part, std in TINY_INIT_STD.items():
+                if part in name and name.endswith("weight"):
+                    param.mul_(std / config.initializer_range)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

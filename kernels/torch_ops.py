@@ -1,0 +1,16 @@
+"""The torch kernel set: every op as its plain torch reference, which defines the semantics."""
+
+from __future__ import annotations
+
+from graphrt.kernels import activation, paged_attention, rmsnorm, rotary
+from graphrt.kernels.kernel_set import KernelSet
+
+TORCH = KernelSet(
+    name="torch",
+    rms_norm=rmsnorm.rms_norm,
+    apply_rotary=rotary.apply_rotary,
+    silu_and_mul=activation.silu_and_mul,
+    write_kv=paged_attention.write_kv,
+    paged_decode_attention=paged_attention.paged_decode_attention,
+    paged_prefill_attention=paged_attention.paged_prefill_attention,
+)
