@@ -133,7 +133,9 @@ def capture_stage(
     show_progress: bool = True,
     ranges: Ranges | None = None,
 ) -> tuple[StageGraphs, list[GraphRecord]]:
-    """Largest bucket first, so smaller graphs reuse the pool memory the largest one reserved."""
+    """Record (or set up eagerly) and verify a graph per bucket of `stage`; the cache is left zeroed.
+    Largest bucket first, so smaller graphs reuse the pool memory the largest one reserved. Rank 0
+    and every stage process capture their stages here."""
     ranges = ranges if ranges is not None else Ranges()
     pool = torch.cuda.graph_pool_handle() if use_cuda_graphs else None
     side_stream = torch.cuda.Stream(stage.device) if use_cuda_graphs else None
@@ -161,6 +163,10 @@ def capture_stage(
             graphs[bucket] = graph
             records.append(record)
     bar.close()
+    # Verification wrote random rows into the cache; unwritten slots of live blocks are read
+    # (masked) by attention, and leftovers there could be NaN or slow denormals.
+    cache.k.zero_()
+    cache.v.zero_()
     records.sort(key=lambda r: r.bucket)
     return StageGraphs(stage, plan, graphs), records
 

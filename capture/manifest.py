@@ -92,7 +92,7 @@ def device_name(device: torch.device) -> str:
 
 
 def cached_matmul_plans(manifest: dict) -> list[MatmulPlan] | None:
-    """The matmul paths a cache recorded per stage (Stage.choose_matmuls), or None for a cache
+    """The matmul paths a cache recorded per stage (kernels/cpu/stage_kernels.choose_matmuls), or None for a cache
     written before they were recorded (the stages then measure again)."""
     if "matmuls" not in manifest:
         return None

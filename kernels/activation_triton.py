@@ -42,3 +42,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         num_warps=4,
     )
     return out
+
+
+def gate_up_silu(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's first half: the fused gate/up matmul on cuBLAS, then silu_and_mul in Triton."""
+    return silu_and_mul(torch.nn.functional.linear(x, gate_up_weight))

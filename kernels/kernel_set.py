@@ -9,10 +9,15 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class KernelSet:
-    name: str
+    name: str  # what --kernels chose: torch or triton (a CPU stage's set stays "torch", whatever it compiled)
     rms_norm: Callable
     apply_rotary: Callable
     silu_and_mul: Callable
     write_kv: Callable
     paged_decode_attention: Callable
     paged_prefill_attention: Callable
+    linear: Callable  # (x, weight, bias=None) -> x @ weight.T + bias, for the weight in whatever form the set keeps it
+    gate_up_silu: Callable  # (x, gate_up_weight) -> silu_and_mul(linear(x, gate_up_weight)), in one pass where it can
+    # (stage) -> a function running a decode step through all of the stage's layers in one call,
+    # (hidden, meta, cos, sin, kv) -> (hidden, residual), or None where it can't run that stage.
+    decode_layers: Callable | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch.nn.functional as F
+
 from graphrt.kernels import activation, paged_attention, rmsnorm, rotary
 from graphrt.kernels.kernel_set import KernelSet
 
@@ -13,4 +15,6 @@ TORCH = KernelSet(
     write_kv=paged_attention.write_kv,
     paged_decode_attention=paged_attention.paged_decode_attention,
     paged_prefill_attention=paged_attention.paged_prefill_attention,
+    linear=F.linear,
+    gate_up_silu=activation.gate_up_silu,
 )

@@ -6,6 +6,8 @@ run on CPU tensors through Triton's interpreter, which is how the tests check th
 
 from __future__ import annotations
 
+import torch.nn.functional as F
+
 from graphrt.kernels import activation_triton, paged_attention_triton, rmsnorm_triton, rotary_triton
 from graphrt.kernels.kernel_set import KernelSet
 
@@ -17,4 +19,6 @@ TRITON = KernelSet(
     write_kv=paged_attention_triton.write_kv,
     paged_decode_attention=paged_attention_triton.paged_decode_attention,
     paged_prefill_attention=paged_attention_triton.paged_prefill_attention,  # the torch reference: prefill is eager
+    linear=F.linear,  # cuBLAS
+    gate_up_silu=activation_triton.gate_up_silu,
 )

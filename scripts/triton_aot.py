@@ -188,17 +188,18 @@ def record_only_kernel_set() -> None:
 
         return call
 
-    from graphrt.runtime.pipeline import Pipeline
+    from graphrt.runtime import stage_builder
 
-    # A CPU stage would swap its kernel set for the CPU's compiled kernels or torch references.
-    Pipeline.choose_cpu_kernels = lambda self, *args, **kwargs: None
+    # A CPU stage would swap its kernel set for the CPU's compiled kernels or torch references and
+    # its weights for packed forms, as a CUDA stage does not: it keeps them dense, and its set,
+    os.environ["GRAPHRT_MATMUL"], os.environ["GRAPHRT_CPU_KERNELS"] = "dense", "torch"  # nothing timed
+    stage_builder.cpu_kernel_set = lambda ops, choice: ops
     # and "auto" is triton, as on CUDA.
-    pipeline_module = sys.modules[Pipeline.__module__]
-    choose = pipeline_module.kernel_set
-    pipeline_module.kernel_set = lambda name, device_type: choose(name, "cuda" if device_type == "cpu" else device_type)
+    choose = stage_builder.kernel_set
+    stage_builder.kernel_set = lambda name, device_type: choose(name, "cuda" if device_type == "cpu" else device_type)
     triton = triton_ops.TRITON
-    triton_ops.TRITON = KernelSet(**{
-        f.name: getattr(triton, f.name) if f.name == "name" else both(getattr(triton, f.name), getattr(TORCH, f.name))
+    triton_ops.TRITON = KernelSet(**{  # the name as it is, no one-call decode step (both sets have none)
+        f.name: getattr(triton, f.name) if f.name in ("name", "decode_layers") else both(getattr(triton, f.name), getattr(TORCH, f.name))
         for f in dataclasses.fields(KernelSet)
     })
 

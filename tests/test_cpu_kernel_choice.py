@@ -14,6 +14,7 @@ from graphrt.kernels.cpu import extension as cpu_extension
 from graphrt.kernels.cpu import kernel_choice as cpu_kernel_choice
 from graphrt.kernels.cpu import paged_attention as paged_attention_cpu
 from graphrt.kernels.cpu.kernel_choice import OPS, CpuKernelChoice, LayerShapes, choose_cpu_kernels, mode_from_env, time_paths
+from graphrt.kernels.cpu.stage_kernels import cpu_kernel_set
 from graphrt.kernels.torch_ops import TORCH
 from graphrt.runtime.pipeline import Pipeline
 
@@ -89,7 +90,8 @@ def test_where_the_kernels_cannot_run_the_references_run_and_the_banner_says_why
     monkeypatch.setattr(cpu_extension, "unavailable_reason", lambda *_: "no C++ compiler: 'c++' is not on PATH")
     choice = choose_cpu_kernels(**SHAPES)
     assert (choice.source, set(choice.paths.values())) == ("only", {"torch"})
-    assert choice.apply(TORCH).rms_norm is TORCH.rms_norm
+    ops = cpu_kernel_set(TORCH, choice)
+    assert ops.rms_norm is TORCH.rms_norm and ops.decode_layers is None  # the one-call step needs the compiled ops
     assert "no C++ compiler" in choice.summary()
     with pytest.raises(ValueError, match="GRAPHRT_CPU_KERNELS=compiled.*no C\\+\\+ compiler"):
         choose_cpu_kernels(**SHAPES, mode="compiled")
@@ -117,7 +119,7 @@ def test_an_engine_on_the_compiled_kernels_generates_what_the_references_do(tiny
         monkeypatch.setenv("GRAPHRT_CPU_KERNELS", mode)
         llm = LLM(model=tiny_model_factory(), pp=2, dtype="float64", kv_cache_tokens=1024, block_size=16, prefill_chunk_size=16)
         stage = llm.engine.pipeline.stages[1]
-        assert set(stage.cpu_kernels.paths.values()) == {mode}
+        assert set(llm.engine.pipeline.kernels[1].cpu.paths.values()) == {mode}
         expected = {"torch": cpu_kernel_choice.TORCH_OPS["rms_norm"], "compiled": elementwise_cpu.rms_norm}[mode]
         assert stage.layers[0].ops.rms_norm is expected
         attention = {"torch": TORCH.paged_decode_attention, "compiled": paged_attention_cpu.paged_decode_attention}[mode]
@@ -134,15 +136,20 @@ def test_an_engine_on_the_compiled_kernels_generates_what_the_references_do(tiny
 
 
 def test_a_cuda_stage_keeps_its_kernel_set():
-    class CudaStage:  # what Pipeline reads of a stage; a real one needs a GPU
-        device, cpu_kernels = torch.device("cuda"), None
+    class CudaStage:  # what choosing reads of a stage; a real one needs a GPU
+        device, dtype = torch.device("cuda"), torch.float16
         ops = type("Ops", (), {"name": "triton"})()
 
-        def use_cpu_kernels(self, choice):
-            pytest.fail(f"a CUDA stage was given {choice}")
+        def matmul_owners(self):
+            return {}
+
+        def use_kernels(self, ops):
+            if ops is not self.ops:
+                pytest.fail(f"a CUDA stage was given {ops}")
 
     pipeline = Pipeline([CudaStage()], [])
-    pipeline.choose_cpu_kernels(max_rows=8, block_size=16, mode="auto")
+    pipeline.choose_kernels(max_rows=8, block_size=16, matmul_mode="auto", cpu_mode="auto")
+    assert pipeline.kernels[0].cpu is None and pipeline.cpu_kernels() is None
     assert pipeline.kernel_summary() == "kernels: the triton kernels on cuda"
 
 
@@ -191,12 +198,12 @@ def test_a_start_with_the_graph_cache_runs_the_cpu_kernels_it_recorded(tiny_mode
     engine = LLM(model=model, pp=2, dtype="float32", kv_cache_tokens=256).engine
     write_manifest(tmp_path, build_manifest(engine))
     recorded = read_manifest(tmp_path)["cpu_kernels"]
-    assert recorded == {"ops": engine.pipeline.stages[0].cpu_kernels.paths, "greedy_argmax": "torch"}
+    assert recorded == {"ops": engine.pipeline.cpu_kernels().paths, "greedy_argmax": "torch"}
     monkeypatch.setenv("GRAPHRT_CPU_KERNELS", "auto")
     monkeypatch.setattr(cpu_kernel_choice, "time_paths", lambda *_: pytest.fail("timed a kernel the cache gave"))
     cached = LLM(model=model, pp=2, dtype="float32", kv_cache_tokens=256, cache=tmp_path).engine
-    for stage in cached.pipeline.stages:
-        assert stage.cpu_kernels.paths == recorded["ops"]
+    for stage, chosen in zip(cached.pipeline.stages, cached.pipeline.kernels):
+        assert chosen.cpu.paths == recorded["ops"]
         assert stage.layers[0].ops.paged_decode_attention is TORCH.paged_decode_attention
     assert cached.sampler.greedy_argmax is argmax.greedy_argmax
     summary = cached.kernel_summary()

@@ -5,16 +5,16 @@ and every matmul is in panels."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
-import graphrt.model.llama
 from graphrt import LLM, SamplingParams
+from graphrt.kernels.cpu import stage_kernels
 from graphrt.kernels.cpu.linear import can_use_panels
 from graphrt.model.batch import StepMetadata
-from graphrt.model.llama import Stage
 from graphrt.tools.synthetic import make_tiny_model
 
 CPU = torch.device("cpu")
@@ -66,7 +66,7 @@ def forward(llm: LLM, token_ids: torch.Tensor, meta: StepMetadata, one_call: boo
     with monkeypatch.context() as patch:
         patch.setattr(torch.ops.graphrt, "decode_layers", lambda *args: calls.append(1) or op(*args))
         if not one_call:
-            patch.setattr(Stage, "_decode_layers_weights", lambda self: None)
+            patch.setattr(stage, "_decode_step", None)  # what the kernel set's decode_layers made
         with torch.inference_mode():
             logits = stage(token_ids, meta, cache)
     assert len(calls) == (1 if one_call else 0)
@@ -112,7 +112,7 @@ def test_the_op_names_what_a_call_lacks(tiny_model_factory, monkeypatch):
     stage, cache = llm.engine.pipeline.stages[0], llm.engine.pipeline.caches[0]
     token_ids, meta = decode_step(llm)
     layers = stage.layers
-    weights = [getattr(layer, name) for layer in layers for name in graphrt.model.llama.DECODE_LAYER_WEIGHTS]
+    weights = [getattr(layer, name) for layer in layers for name in stage_kernels.DECODE_LAYER_WEIGHTS]
     nones = [None] * len(layers)
     norms = [layer.input_norm for layer in layers]  # refused before any shape is read
 
@@ -140,13 +140,15 @@ def test_the_python_loop_ends_gate_up_in_silu_and_mul_where_that_op_is_compiled(
     layers = llm.engine.pipeline.stages[0].layers
     token_ids, meta = decode_step(llm)
     fused_calls = []
-    fused_op = graphrt.model.llama.panel_linear_silu_and_mul
-    monkeypatch.setattr(graphrt.model.llama, "panel_linear_silu_and_mul", lambda *a: fused_calls.append(1) or fused_op(*a))
+    fused_op = stage_kernels.panel_linear_silu_and_mul
+    monkeypatch.setattr(stage_kernels, "panel_linear_silu_and_mul", lambda *a: fused_calls.append(1) or fused_op(*a))
     logits, caches = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
     assert len(fused_calls) == (len(layers) if kernels == "compiled" else 0)
     if kernels == "compiled":
-        for layer in layers:
-            monkeypatch.setattr(layer, "compiled_silu_and_mul", None)
+        for layer in layers:  # the same kernels, gate/up's matmul and silu_and_mul as two calls
+            ops = layer.ops
+            unfused = dataclasses.replace(ops, gate_up_silu=lambda x, weight, ops=ops: ops.silu_and_mul(ops.linear(x, weight)))
+            monkeypatch.setattr(layer, "ops", unfused)
         unfused_logits, unfused_caches = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
         assert len(fused_calls) == len(layers)
         assert torch.equal(unfused_logits, logits) and all(map(torch.equal, unfused_caches, caches))
@@ -179,6 +181,9 @@ def test_up_columns_that_are_not_whole_panels_keep_the_two_ops(tmp_path, monkeyp
     llm = llm_for(make_tiny_model(tmp_path, "llama-gqa-tied", overrides={"intermediate_size": 40}), "float32", monkeypatch)
     stage = llm.engine.pipeline.stages[0]
     assert stage.layers[0].gate_up_proj.dim() == 4 and stage.layers[0].gate_up_proj.shape[0] == 5
-    assert not stage.layers[0].ends_gate_up_in_silu_and_mul() and not stage.decode_layers_in_one_call()
+    assert not stage.decode_layers_in_one_call()
+    fused_calls = []
+    fused_op = stage_kernels.panel_linear_silu_and_mul
+    monkeypatch.setattr(stage_kernels, "panel_linear_silu_and_mul", lambda *a: fused_calls.append(1) or fused_op(*a))
     tokens = llm.generate([[5, 9, 2, 41]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].token_ids
-    assert len(tokens) == 6
+    assert len(tokens) == 6 and fused_calls == []

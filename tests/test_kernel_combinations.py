@@ -70,13 +70,13 @@ def prompts(model):
 def assert_forced(engine: Engine, matmuls: ForcedModes, kernels: ForcedModes) -> None:
     """Every stage runs what was forced: each shape's path where it can run here (F.linear where it
     can't: bfloat16 panels need AVX512-BF16), each op's implementation, one call or not."""
-    for stage in engine.pipeline.stages:
+    for stage, chosen in zip(engine.pipeline.stages, engine.pipeline.kernels):
         for name, owners in stage.matmul_owners().items():
             forced = matmuls.of(name)
             shape = tuple(dense_weight(getattr(*owners[0])).shape)
             expected = forced if forced in available_paths(stage.device, stage.dtype, shape, forced) else "dense"
             assert {weight_form(getattr(*owner)) for owner in owners} == {expected}, name
-        assert stage.cpu_kernels.paths == {op: kernels.of(op) for op in OPS}
+        assert chosen.cpu.paths == {op: kernels.of(op) for op in OPS}
         one_call = kernels.of("decode_layers") != "off" and all(matmuls.of(name) == "panel" for name in SHAPE_NAMES[:4])
         one_call = one_call and all(kernels.of(op) == "compiled" for op in DECODE_LAYER_OPS)
         assert stage.decode_layers_in_one_call() == (one_call and all(

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from graphrt import LLM, SamplingParams  # noqa: E402
-from graphrt.kernels import (  # noqa: E402  # noqa: E402
+from graphrt.kernels import (  # noqa: E402
     activation,
     activation_triton,
     paged_attention,
@@ -26,10 +26,9 @@ from graphrt.kernels import (  # noqa: E402  # noqa: E402
     rmsnorm,
     rmsnorm_triton,
     rotary,
-    rotary_cos_sin,
     rotary_triton,
 )
-from graphrt.kernels.rotary import RopeConfig  # noqa: E402
+from graphrt.kernels.rotary import RopeConfig, rotary_cos_sin  # noqa: E402
 from helpers import prompt_logits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

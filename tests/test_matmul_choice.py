@@ -183,8 +183,7 @@ def test_a_measured_stage_holds_each_weight_in_the_form_chosen_and_computes_what
     monkeypatch.setenv("GRAPHRT_MATMUL", "auto")
     llm = LLM(model=tiny_model_factory("qwen2-qkv-bias"), pp=2, dtype=dtype, max_batch=8)
     generator = torch.Generator().manual_seed(0)
-    for stage in llm.engine.pipeline.stages:
-        plan = stage.matmul_plan
+    for stage, plan in zip(llm.engine.pipeline.stages, llm.engine.pipeline.matmul_plans()):
         assert plan.rows == (1, 8)  # one row and the largest decode bucket
         for name, owners in stage.matmul_owners().items():
             choice = plan.by_name()[name]
@@ -210,7 +209,7 @@ def test_every_forced_path_gives_the_logits_of_the_others(tiny_model_factory, mo
         monkeypatch.setenv("GRAPHRT_MATMUL", mode)
         engine = LLM(model=model, pp=2, dtype="float32", kv_cache_tokens=256).engine
         if mode != "auto":
-            paths = {c.name: c.path for s in engine.pipeline.stages for c in s.matmul_plan.choices}
+            paths = {c.name: c.path for plan in engine.pipeline.matmul_plans() for c in plan.choices}
             # A 97-token vocabulary does not cut into panels of 16: that LM head stays on F.linear.
             assert set(paths.values()) <= {mode, "dense"} and paths["qkv_proj"] == (mode if mode in available_paths(
                 torch.device("cpu"), torch.float32, (128, 64)) else "dense")
@@ -254,14 +253,14 @@ def test_a_start_with_the_graph_cache_takes_its_matmul_paths_without_measuring(t
     engine = LLM(model=model, pp=2, dtype="float32", kv_cache_tokens=256).engine
     manifest = build_manifest(engine)
     # Paths no measurement would be asked for: every shape the opposite of what was measured.
-    flipped = [MatmulPlan(tuple(MatmulChoice(c.name, c.shape, "dense" if c.path == "packed" else "packed", "measured") for c in s.matmul_plan.choices), s.matmul_plan.rows)
-               for s in engine.pipeline.stages]
+    flipped = [MatmulPlan(tuple(MatmulChoice(c.name, c.shape, "dense" if c.path == "packed" else "packed", "measured") for c in plan.choices), plan.rows)
+               for plan in engine.pipeline.matmul_plans()]
     manifest["matmuls"] = [plan.to_json() for plan in flipped]
     write_manifest(tmp_path, manifest)
     cached = LLM(model=model, cache=tmp_path, kv_cache_tokens=256).engine
     assert cached.pipeline.matmul_summary().endswith("(from the graph cache)")
-    for stage, plan in zip(cached.pipeline.stages, flipped):
-        assert stage.matmul_plan.measure_s == 0.0
+    for stage, plan, chosen in zip(cached.pipeline.stages, flipped, cached.pipeline.matmul_plans()):
+        assert chosen.measure_s == 0.0
         for choice in plan.choices:
             owner, attr = stage.matmul_owners()[choice.name][0]
             assert weight_form(getattr(owner, attr)) == choice.path

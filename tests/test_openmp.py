@@ -266,8 +266,8 @@ def test_engine_times_its_kernels_on_the_sized_team_and_says_so(tiny_model_facto
 
     monkeypatch.setattr(graphrt.engine.engine, "LoadWatch", watch_beside_busy_loops)
     timed_on = []
-    choose = graphrt.runtime.pipeline.Pipeline.choose_cpu_kernels
-    monkeypatch.setattr(graphrt.runtime.pipeline.Pipeline, "choose_cpu_kernels",
+    choose = graphrt.runtime.pipeline.Pipeline.choose_kernels
+    monkeypatch.setattr(graphrt.runtime.pipeline.Pipeline, "choose_kernels",
                         lambda self, *args, **kwargs: timed_on.append(torch.get_num_threads()) or choose(self, *args, **kwargs))
     model = tiny_model_factory()
 

@@ -37,10 +37,9 @@ from graphrt.distributed.transport import (
     send_message,
     stage_name,
 )
-from graphrt.kernels import kernel_set
-from graphrt.model.llama import Stage
 from graphrt.runtime.pipeline import Pipeline, partition_layers
 from graphrt.runtime.ring import MicroBatch, Ring, RingSlot
+from graphrt.runtime.stage_builder import load_stage
 from graphrt.runtime.streams import CpuStream, use_own_cuda_stream
 
 STARTUP_TIMEOUT_S = 600.0  # loading and capturing a large stage can take minutes
@@ -50,9 +49,8 @@ MONITOR_INTERVAL_S = 0.1
 
 def load_first_stage(cfg, files, devices, dtype, max_position, kernels="auto") -> Pipeline:
     """Pipeline.load for rank 0: stage 0 of len(devices) stages, and nothing else."""
-    stage = Stage(cfg, 0, len(devices), partition_layers(cfg, len(devices))[0], devices[0], dtype, max_position, kernel_set(kernels, devices[0].type))
-    stage.load(files)
-    return Pipeline([stage], [])
+    layers = partition_layers(cfg, len(devices))[0]
+    return Pipeline([load_stage(cfg, 0, len(devices), layers, devices[0], dtype, max_position, kernels, files)], [])
 
 
 def free_port() -> int:

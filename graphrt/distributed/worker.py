@@ -40,17 +40,16 @@ from graphrt.distributed.transport import (
     stage_name,
 )
 from graphrt.errors import GraphrtError
-from graphrt.kernels import kernel_set
-from graphrt.kernels.cpu.kernel_choice import LayerShapes, choose_cpu_kernels, choose_greedy_argmax
+from graphrt.kernels.cpu.kernel_choice import choose_greedy_argmax
 from graphrt.kernels.cpu.kernel_choice import mode_from_env as cpu_kernel_mode_from_env
 from graphrt.kernels.cpu.matmul_choice import mode_from_env
 from graphrt.model.config import ModelConfig
 from graphrt.model.kv_cache import StageKVCache
-from graphrt.model.llama import Stage
 from graphrt.model.weights import WeightFiles
 from graphrt.runtime.logprobs import score_rows
 from graphrt.runtime.pipeline import partition_layers
 from graphrt.runtime.sampler import Sampler
+from graphrt.runtime.stage_builder import choose_stage_kernels, load_stage
 
 DEFAULT_WATCHDOG_S = 30.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
@@ -101,13 +100,9 @@ class StageWorker:
         cfg = ModelConfig.from_dir(options.model)
         dtype = parse_dtype(plan.dtype)
         layers = plan.layers[rank]
-        self.stage = Stage(cfg, rank, plan.pp, layers, device, dtype, plan.max_model_len, kernel_set(plan.kernels, device.type))
-        self.stage.load(WeightFiles(options.model))
-        self.stage.choose_matmuls(max(plan.buckets), mode_from_env())
-        if device.type == "cpu":  # a CUDA stage keeps its kernel set's (--kernels)
-            self.stage.use_cpu_kernels(choose_cpu_kernels(
-                LayerShapes.of(cfg), plan.block_size, dtype, device, max(plan.buckets), cpu_kernel_mode_from_env()
-            ))
+        # Built as rank 0 builds its stages (graphrt.runtime.stage_builder), then captured as it does.
+        self.stage = load_stage(cfg, rank, plan.pp, layers, device, dtype, plan.max_model_len, plan.kernels, WeightFiles(options.model))
+        self.kernels = choose_stage_kernels(self.stage, max(plan.buckets), plan.block_size, mode_from_env(), cpu_kernel_mode_from_env())
         self.cache = StageKVCache.allocate(cfg, len(layers), plan.num_blocks, plan.block_size, device, dtype)
         max_blocks = -(-plan.max_model_len // plan.block_size)
         self.graphs, _ = capture_stage(

@@ -113,8 +113,8 @@ class Engine:
         on_cpu = any(device.type == "cpu" for device in self.devices)
         # Beside busy neighbours the CPU kernels are timed on the smaller team the stage threads will run.
         with load_watch.timing_team() if on_cpu else contextlib.nullcontext() as self.timing_note:
-            self.pipeline.choose_matmuls(self.plan.max_batch, cached_matmuls)  # before capture: graphs read the weights
-            self.pipeline.choose_cpu_kernels(self.plan.max_batch, config.block_size, cached=cached_ops)
+            # Before capture: graphs read the weights in the forms chosen here.
+            self.pipeline.choose_kernels(self.plan.max_batch, config.block_size, cached_matmuls, cached_ops)
             if not self.cluster:  # with stage processes the last one samples, and chooses for itself
                 greedy_argmax, self.argmax_summary = choose_greedy_argmax(
                     self.devices[-1], self.model_config.vocab_size, self.plan.max_batch, cpu_kernel_mode_from_env(),
@@ -156,10 +156,10 @@ class Engine:
         """What a graph cache records of the CPU kernels, so that a start with --cache runs the same:
         the first CPU stage's op paths (all CPU stages share them) and the greedy argmax's; None
         without a CPU stage."""
-        stage = next((s for s in self.pipeline.stages if s.cpu_kernels is not None), None)
-        if stage is None:
+        choice = self.pipeline.cpu_kernels()
+        if choice is None:
             return None
-        record = {"ops": stage.cpu_kernels.to_json()}
+        record = {"ops": choice.to_json()}
         if not self.cluster and self.devices[-1].type == "cpu":
             record["greedy_argmax"] = argmax_path(self.sampler.greedy_argmax)
         return record
@@ -221,11 +221,6 @@ class Engine:
             )
             self.graphs.append(graphs)
             self.graph_records += records
-        for cache in self.pipeline.caches:
-            # Verification wrote random rows into the cache; unwritten slots of live blocks are read
-            # (masked) by attention, and leftovers there could be NaN or slow denormals.
-            cache.k.zero_()
-            cache.v.zero_()
         self.eager_pairs = {(r.stage, r.bucket) for r in self.graph_records if r.mode == "eager"}
         self.num_eager_fallbacks = 0  # decode micro-batches that ran eagerly on a CUDA-graph engine
 

@@ -7,7 +7,6 @@ q/k/v, Qwen3 an RMSNorm on each head of q and k. q/k/v and gate/up are fused int
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -15,21 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrt.kernels import KernelSet
-from graphrt.kernels.cpu.forcing import ForcedModes, as_forced
-from graphrt.kernels.cpu.kernel_choice import DECODE_LAYER_OPS, CpuKernelChoice, compiled_ops
-from graphrt.kernels.cpu.linear import convert, linear, panel_linear_silu_and_mul
-from graphrt.kernels.cpu.matmul_choice import MatmulChoice, MatmulPlan, available_paths, choose_path
 from graphrt.kernels.rotary import rotary_cos_sin
 from graphrt.model.batch import StepMetadata
 from graphrt.model.config import ModelConfig
 from graphrt.model.kv_cache import StageKVCache
 from graphrt.model.weights import WeightFiles
-
-# What graphrt::decode_layers (kernels/cpu/csrc/decode_layers_cpu.cpp) runs a CPU decode step's layers
-# with: the DECODE_LAYER_OPS, compiled, and each layer's weights in this order (its LayerWeight
-# enum), the matmuls' in panels, gate/up's with whole panels of up columns (it ends in silu_and_mul).
-DECODE_LAYER_WEIGHTS = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
-DECODE_LAYER_MATMULS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class DecoderLayer(nn.Module):
@@ -50,15 +39,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = empty(cfg.hidden_size)
         self.gate_up_proj = empty(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = empty(cfg.hidden_size, cfg.intermediate_size)
-        self.compiled_silu_and_mul: Callable | None = None  # set by Stage.use_cpu_kernels
-
-    def ends_gate_up_in_silu_and_mul(self) -> bool:
-        """Whether the gate/up matmul ends in silu_and_mul (kernels/cpu/linear.py): where the layer
-        runs the compiled silu_and_mul and its gate/up weight is in panels, up's as whole panels."""
-        gate_up = self.gate_up_proj
-        return (
-            self.ops.silu_and_mul is self.compiled_silu_and_mul and gate_up.dim() == 4 and gate_up.shape[0] % 2 == 0
-        )
 
     @staticmethod
     def hf_names(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
@@ -89,12 +69,12 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # kernels/cpu/csrc/decode_layers_cpu.cpp runs this same loop body for CPU decode steps
-        # (Stage.forward): a change here is a change there (tests/test_decode_layers_cpu.py).
+        # A kernel set's decode_layers may run this same body for all layers of a decode step in one
+        # call: a change here is a change there (tests/test_decode_layers_cpu.py compares the two).
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
         hidden, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
-        qkv = linear(hidden, self.qkv_proj, self.qkv_bias)
+        qkv = ops.linear(hidden, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -115,12 +95,9 @@ class DecoderLayer(nn.Module):
             attn = ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.max_seq_len
             )
-        hidden = linear(attn.reshape(-1, self.q_size), self.o_proj)
+        hidden = ops.linear(attn.reshape(-1, self.q_size), self.o_proj)
         hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, eps, residual)
-        if self.ends_gate_up_in_silu_and_mul():
-            hidden = linear(panel_linear_silu_and_mul(hidden, self.gate_up_proj), self.down_proj)
-        else:
-            hidden = linear(ops.silu_and_mul(linear(hidden, self.gate_up_proj)), self.down_proj)
+        hidden = ops.linear(ops.gate_up_silu(hidden, self.gate_up_proj), self.down_proj)
         return hidden, residual
 
 
@@ -147,11 +124,7 @@ class Stage(nn.Module):
         self.layer_ids = layers
         self.device = device
         self.dtype = dtype
-        self.matmul_plan: MatmulPlan | None = None  # set by choose_matmuls
-        self.cpu_kernels: CpuKernelChoice | None = None  # set by use_cpu_kernels
-        self.compiled_functions: dict[str, Callable] = {}  # op -> its compiled kernel: set by use_cpu_kernels
-        # What decode_layers_in_one_call decided, and for which layer ops: see _decode_layers_weights.
-        self._decode_layers_decision: tuple[list[KernelSet], tuple | None] | None = None
+        self._decode_step: Callable | None = None  # what ops.decode_layers made for this stage: see use_kernels
         meta = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         self.embed_tokens = meta(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in layers)
@@ -185,108 +158,31 @@ class Stage(nn.Module):
             for ours, theirs in names.items()
         }
         self.load_state_dict(state, strict=True, assign=True)
-        # Weights stay dense until choose_matmuls, which needs the largest decode bucket.
+        # Weights stay dense until the stage's kernels are chosen (graphrt.runtime.stage_builder),
+        # which may keep them in forms of their own and needs the largest decode bucket.
 
     def matmul_owners(self) -> dict[str, list[tuple[nn.Module, str]]]:
         """Weight shape name -> where each weight of that shape lives (one per layer; the LM head
-        on the last stage). The embedding is not a matmul, it is a gather."""
+        on the last stage), for a kernel set that keeps its weights in a form of its own
+        (`KernelSet.prepare_weights`). The embedding is not a matmul, it is a gather."""
         owners = {name: [(layer, name) for layer in self.layers] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
         owners = {name: places for name, places in owners.items() if places}
         if self.is_last:
             owners["lm_head"] = [(self, "lm_head")]
         return owners
 
-    def choose_matmuls(
-        self,
-        max_rows: int,
-        mode: ForcedModes | str = "auto",
-        previous: dict[str, MatmulChoice] | None = None,
-        timer: Callable[[], float] = time.perf_counter,
-    ) -> MatmulPlan:
-        """Run each weight shape on F.linear, packed oneDNN or the compiled panel kernel, whichever
-        this machine runs fastest at one row and at `max_rows` (graphrt/kernels/cpu/matmul_choice.py), or
-        the path `mode` forces for it, and convert the weights of each shape to its path's form.
-        `previous`: choices to reuse by
-        shape name (the graph cache's, or another stage's on the same device). Runs once; the
-        result is `self.matmul_plan`."""
-        if self.matmul_plan is not None:
-            return self.matmul_plan
-        owners_of = self.matmul_owners()
-        modes = as_forced(mode)
-        # Before the clock starts: finding out whether the panel kernel runs may mean building it.
-        paths_of = {
-            name: available_paths(self.device, self.dtype, tuple(getattr(*owners[0]).shape), modes.of(name))
-            for name, owners in owners_of.items()
-        }
-        start = timer()
-        rows = tuple(sorted({1, max_rows}))
-        choices = []
-        for name, owners in owners_of.items():
-            weights = [getattr(o, a) for o, a in owners]
-            choice, trial = choose_path(name, weights, rows, modes.of(name), paths_of[name], (previous or {}).get(name), timer)
-            del weights
-            if choice.path != "dense":
-                for index, (owner, attr) in enumerate(owners):
-                    # Each dense weight is freed as soon as its converted copy replaces it.
-                    converted = trial[index] if index < len(trial) else convert(choice.path, getattr(owner, attr))
-                    setattr(owner, attr, nn.Parameter(converted, requires_grad=False))
-            del trial
-            choices.append(choice)
-        measured = any(c.source == "measured" and c.seconds for c in choices)
-        self.matmul_plan = MatmulPlan(tuple(choices), rows, timer() - start if measured else 0.0)
-        self.weights_changed()
-        return self.matmul_plan
-
-    def use_cpu_kernels(self, choice: CpuKernelChoice) -> None:
-        """Run each op on the implementation chosen for it, compiled or torch reference
-        (graphrt/kernels/cpu/kernel_choice.py)."""
-        self.ops = choice.apply(self.ops)
-        self.cpu_kernels = choice
-        # Which functions are the compiled kernels, to tell what a layer runs from its own `ops`,
-        # which tests and benchmarks replace (tests/test_informative_models.py).
-        self.compiled_functions = compiled_ops() if "compiled" in choice.paths.values() else {}
+    def use_kernels(self, ops: KernelSet) -> None:
+        """Run every layer on `ops`. Call again after replacing weights (benchmarks do), so that the
+        set's `decode_layers` decides afresh whether it runs this stage's decode steps in one call."""
+        self.ops = ops
         for layer in self.layers:
-            layer.ops = self.ops
-            layer.compiled_silu_and_mul = self.compiled_functions.get("silu_and_mul")
-        self.weights_changed()
+            layer.ops = ops
+        self._decode_step = ops.decode_layers(self) if ops.decode_layers is not None else None
 
     def decode_layers_in_one_call(self) -> bool:
-        """Whether a decode step's layers run as one call of graphrt::decode_layers: every layer runs
-        the compiled kernel of every op it uses, and its matmuls on panels, ending gate/up in
-        silu_and_mul."""
-        return self._decode_layers_weights() is not None
-
-    def weights_changed(self) -> None:
-        """Call after replacing a layer's weights (benchmarks/decode_step_profile.py --dense does), so
-        that the next step decides again whether its layers run in one call."""
-        self._decode_layers_decision = None
-
-    def _decode_layers_weights(self) -> tuple | None:
-        """graphrt::decode_layers' weight arguments (weights, q/k/v biases, q norms, k norms) where it
-        runs this stage's decode steps, else None. Decided once (checking 30 layers' parameters takes
-        about 0.3 ms, 1% of a step) and again when a layer's `ops` is replaced (tests do) or after
-        weights_changed()."""
-        ops = [layer.ops for layer in self.layers]
-        decision = self._decode_layers_decision
-        if decision is None or any(now is not then for now, then in zip(ops, decision[0])):
-            compiled = self.compiled_functions
-            one_call_allowed = self.cpu_kernels is not None and self.cpu_kernels.one_call
-            runs = bool(compiled) and one_call_allowed and all(
-                all(getattr(layer.ops, op) is compiled[op] for op in DECODE_LAYER_OPS)
-                and all(getattr(layer, name).dim() == 4 for name in DECODE_LAYER_MATMULS)
-                and layer.ends_gate_up_in_silu_and_mul()
-                for layer in self.layers
-            )
-            weights = (
-                (
-                    [getattr(layer, name) for layer in self.layers for name in DECODE_LAYER_WEIGHTS],
-                    *([getattr(layer, name) for layer in self.layers] for name in ("qkv_bias", "q_norm", "k_norm")),
-                )
-                if runs
-                else None
-            )
-            decision = self._decode_layers_decision = (ops, weights)
-        return decision[1]
+        """Whether a decode step's layers run as one call of the kernel set's decode_layers (every
+        layer still on the stage's set: a test may give one layer a set of its own)."""
+        return self._decode_step is not None and all(layer.ops is self.ops for layer in self.layers)
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads (the embedding is a gather, so it is not counted)."""
@@ -302,19 +198,12 @@ class Stage(nn.Module):
         hidden = F.embedding(x, self.embed_tokens) if self.is_first else x
         cos, sin = self.cos[meta.positions], self.sin[meta.positions]
         residual = None
-        one_call = None if meta.is_prefill else self._decode_layers_weights()
-        if one_call is not None:
-            # The loop below in C++, bitwise the same: no interpreter time between the ops.
-            weights, biases, q_norms, k_norms = one_call
-            hidden, residual = torch.ops.graphrt.decode_layers(
-                hidden, weights, biases, q_norms, k_norms, cos, sin, kv.k, kv.v, meta.slot_mapping,
-                meta.block_tables, meta.seq_lens, self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.rms_norm_eps,
-                self.layers[0].scale,
-            )
+        if not meta.is_prefill and self.decode_layers_in_one_call():
+            hidden, residual = self._decode_step(hidden, meta, cos, sin, kv)  # the loop below, in one call
         else:
             for i, layer in enumerate(self.layers):
                 hidden, residual = layer(hidden, residual, meta, cos, sin, kv.k[i], kv.v[i])
         if not self.is_last:
             return hidden + residual
         hidden, _ = self.ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)
-        return linear(hidden[meta.logits_indices], self.lm_head)
+        return self.ops.linear(hidden[meta.logits_indices], self.lm_head)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from graphrt.errors import GraphrtError
-from graphrt.kernels import kernel_set
 from graphrt.kernels.cpu.forcing import ForcedModes
-from graphrt.kernels.cpu.kernel_choice import CpuKernelChoice, LayerShapes, choose_cpu_kernels
+from graphrt.kernels.cpu.kernel_choice import CpuKernelChoice
 from graphrt.kernels.cpu.kernel_choice import mode_from_env as cpu_kernel_mode_from_env
 from graphrt.kernels.cpu.matmul_choice import MatmulChoice, MatmulPlan, mode_from_env, summarize
 from graphrt.model.batch import StepMetadata
@@ -15,6 +14,7 @@ from graphrt.model.config import ModelConfig
 from graphrt.model.kv_cache import StageKVCache
 from graphrt.model.llama import Stage
 from graphrt.model.weights import WeightFiles
+from graphrt.runtime.stage_builder import StageKernels, choose_stage_kernels, load_stage
 
 
 def partition_layers(cfg: ModelConfig, pp: int) -> list[range]:
@@ -60,6 +60,7 @@ class Pipeline:
     def __init__(self, stages: list[Stage], caches: list[StageKVCache]):
         self.stages = stages
         self.caches = caches
+        self.kernels: list[StageKernels] = []  # what each stage runs, once chosen (choose_kernels)
 
     @staticmethod
     def load(
@@ -70,62 +71,65 @@ class Pipeline:
         max_position: int,
         kernels: str = "auto",
     ) -> Pipeline:
-        stages = []
-        for index, layers in enumerate(partition_layers(cfg, len(devices))):
-            ops = kernel_set(kernels, devices[index].type)
-            stage = Stage(cfg, index, len(devices), layers, devices[index], dtype, max_position, ops)
-            stage.load(files)
-            stages.append(stage)
+        num_stages = len(devices)
+        stages = [
+            load_stage(cfg, index, num_stages, layers, devices[index], dtype, max_position, kernels, files)
+            for index, layers in enumerate(partition_layers(cfg, num_stages))
+        ]
         return Pipeline(stages, [])
 
-    def choose_matmuls(
-        self, max_rows: int, cached: list[MatmulPlan] | None = None, mode: ForcedModes | str | None = None
+    def choose_kernels(
+        self,
+        max_rows: int,
+        block_size: int,
+        cached_matmuls: list[MatmulPlan] | None = None,
+        cached_ops: dict[str, str] | None = None,
+        matmul_mode: ForcedModes | str | None = None,
+        cpu_mode: ForcedModes | str | None = None,
     ) -> None:
-        """Each stage runs each weight shape on F.linear, packed oneDNN or compiled panels, whichever
-        is fastest here at one row and at `max_rows` (Stage.choose_matmuls). A stage reuses what
-        `cached` (the graph cache's plans, by stage) or an earlier stage on the same device chose
-        for a shape, so a shape is timed once per device. `mode`: auto, dense, packed or panel, for
-        every shape or by shape name; None reads GRAPHRT_MATMUL. What it forces comes before `cached`."""
-        mode = mode_from_env() if mode is None else mode
+        """What each stage runs at up to `max_rows` decode rows (runtime/stage_builder.py): each weight
+        shape on F.linear, packed oneDNN or compiled panels, whichever is fastest here at one row and at
+        `max_rows`, and on a CPU each hot-path op on its compiled kernel or its torch reference. A stage
+        reuses what `cached_matmuls` (the graph cache's plans, by stage) or an earlier stage on the
+        same device chose for a shape, and the op choice of an earlier CPU stage, so each is timed
+        once per device; `cached_ops` is the graph cache's op choice. The modes: auto, dense, packed
+        or panel for matmuls, auto, torch or compiled for ops, for all or by name; None reads
+        GRAPHRT_MATMUL and GRAPHRT_CPU_KERNELS. What they force comes before the cache."""
+        matmul_mode = mode_from_env() if matmul_mode is None else matmul_mode
+        cpu_mode = cpu_kernel_mode_from_env() if cpu_mode is None else cpu_mode
         known: dict[torch.device, dict[str, MatmulChoice]] = {}
+        cpu_choices: dict[torch.device, CpuKernelChoice] = {}
+        self.kernels = []
         for position, stage in enumerate(self.stages):
             previous = dict(known.get(stage.device, {}))
-            if cached is not None and position < len(cached):
-                previous.update(cached[position].by_name())
-            plan = stage.choose_matmuls(max_rows, mode, previous)
-            known.setdefault(stage.device, {}).update(plan.by_name())
+            if cached_matmuls is not None and position < len(cached_matmuls):
+                previous.update(cached_matmuls[position].by_name())
+            chosen = choose_stage_kernels(
+                stage, max_rows, block_size, matmul_mode, cpu_mode, previous, cached_ops, cpu_choices.get(stage.device)
+            )
+            known.setdefault(stage.device, {}).update(chosen.matmuls.by_name())
+            if chosen.cpu is not None:
+                cpu_choices[stage.device] = chosen.cpu
+            self.kernels.append(chosen)
 
-    def choose_cpu_kernels(
-        self, max_rows: int, block_size: int, mode: ForcedModes | str | None = None, cached: dict[str, str] | None = None
-    ) -> None:
-        """Each CPU stage runs each hot-path op on its compiled kernel or its torch reference,
-        whichever is faster here at `max_rows` (kernels/cpu/kernel_choice.py); timed once per device.
-        `mode`: auto, torch or compiled, for every op or by op; None reads GRAPHRT_CPU_KERNELS.
-        `cached`: op -> path, the graph cache's, taken for the ops `mode` leaves to be timed."""
-        mode = cpu_kernel_mode_from_env() if mode is None else mode
-        chosen: dict[torch.device, CpuKernelChoice] = {}
-        for stage in self.stages:
-            if stage.device.type != "cpu":
-                continue  # a CUDA stage keeps its kernel set's (--kernels)
-            if stage.device not in chosen:
-                chosen[stage.device] = choose_cpu_kernels(
-                    LayerShapes.of(stage.cfg), block_size, stage.dtype, stage.device, max_rows, mode, cached=cached
-                )
-            stage.use_cpu_kernels(chosen[stage.device])
+    def cpu_kernels(self) -> CpuKernelChoice | None:
+        """The op choice of the CPU stages (one per device; on a CPU there is one), None without one."""
+        return next((k.cpu for k in self.kernels if k.cpu is not None), None)
 
     def kernel_summary(self) -> str:
         """One line for the start-up banner: the kernels of the first stage (all stages of a device
         share them; a CUDA stage runs its kernel set's)."""
         stage = self.stages[0]
-        if stage.cpu_kernels is None:
+        choice = self.kernels[0].cpu if self.kernels else None
+        if choice is None:
             return f"kernels: the {stage.ops.name} kernels on {stage.device.type}"
         cpu_stages = [s for s in self.stages if s.device.type == "cpu"]
         one_call = all(s.decode_layers_in_one_call() for s in cpu_stages)
-        return stage.cpu_kernels.summary() + ("; a decode step's layers in one call (graphrt::decode_layers)" if one_call else "")
+        return choice.summary() + ("; a decode step's layers in one call (graphrt::decode_layers)" if one_call else "")
 
     def matmul_plans(self) -> list[MatmulPlan]:
         """What each stage chose (what a graph cache records), in stage order."""
-        return [s.matmul_plan for s in self.stages if s.matmul_plan is not None]
+        return [k.matmuls for k in self.kernels]
 
     def matmul_summary(self) -> str:
         """One line for the start-up banner: which weight shapes run packed, which on F.linear."""

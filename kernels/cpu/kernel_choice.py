@@ -11,8 +11,6 @@ elsewhere on the machine slows both alike.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import os
 import statistics
@@ -22,7 +20,6 @@ from typing import Callable, Mapping
 
 import torch
 
-from graphrt.kernels import KernelSet
 from graphrt.kernels.cpu.forcing import ForcedModes, as_forced
 from graphrt.kernels.cpu.forcing import mode_from_env as env_mode
 from graphrt.kernels.torch_ops import TORCH
@@ -110,13 +107,6 @@ class CpuKernelChoice:
         """op -> the function that runs it."""
         compiled = compiled_ops() if "compiled" in self.paths.values() else {}
         return {op: compiled[op] if path == "compiled" else TORCH_OPS[op] for op, path in self.paths.items()}
-
-    def apply(self, ops: KernelSet) -> KernelSet:
-        """`ops` with the chosen functions; a prompt chunk's riding decode rows attend through the
-        chosen decode attention too."""
-        chosen = self.functions()
-        prefill = functools.partial(chosen["paged_prefill_attention"], decode_attention=chosen["paged_decode_attention"])
-        return dataclasses.replace(ops, **{**chosen, "paged_prefill_attention": prefill})
 
     def summary(self) -> str:
         """One line for the start-up banner."""

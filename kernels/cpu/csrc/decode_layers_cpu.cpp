@@ -5,9 +5,10 @@
 // (tests/test_decode_layers_cpu.py), without the interpreter's time per op: about 16 ops a layer,
 // 500 a step, each 5-8 us of Python on the host thread while torch's other thread waits (8% of the
 // host thread's samples in a 32-row float32 step; benchmarks/results.md). The CPU's counterpart of a
-// CUDA graph: one launch per micro-batch. Stage.forward takes it where every op of the layers is the
-// compiled one and every matmul weight is in panels; anything else (prefill chunks, torch's
-// reference ops, oneDNN or dense weights) goes through Python.
+// CUDA graph: one launch per micro-batch. The CPU kernel set's decode_layers (kernels/cpu/
+// stage_kernels.py) runs it where every op of the layers is the compiled one and every matmul weight
+// is in panels; anything else (prefill chunks, torch's reference ops, oneDNN or dense weights) goes
+// through Python.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -1,0 +1,67 @@
+"""One way to build a pipeline stage, for rank 0 (every stage of an in-process pipeline, stage 0
+under --procs) and for each stage process (graphrt.distributed.worker) alike: load the stage's
+weights (`load_stage`), then choose what it runs (`choose_stage_kernels`): its kernel set's
+matmuls on every weight shape and, on a CPU, the kernels the CPU wing chooses and the weight forms
+they read (graphrt.kernels.cpu). Capture (graphrt.capture.capture.capture_stage) comes after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphrt.kernels import kernel_set
+from graphrt.kernels.cpu.forcing import ForcedModes
+from graphrt.kernels.cpu.kernel_choice import CpuKernelChoice, LayerShapes, choose_cpu_kernels
+from graphrt.kernels.cpu.matmul_choice import MatmulChoice, MatmulPlan
+from graphrt.kernels.cpu.stage_kernels import choose_matmuls, cpu_kernel_set
+from graphrt.model.config import ModelConfig
+from graphrt.model.llama import Stage
+from graphrt.model.weights import WeightFiles
+
+
+@dataclass(frozen=True)
+class StageKernels:
+    """What was chosen for one stage: each weight shape's matmul form, and on a CPU each op's
+    kernel (None on CUDA, where the stage runs its kernel set's). The banner says it; a graph
+    cache records it."""
+
+    matmuls: MatmulPlan
+    cpu: CpuKernelChoice | None
+
+
+def load_stage(
+    cfg: ModelConfig, index: int, num_stages: int, layers: range, device: torch.device, dtype: torch.dtype,
+    max_position: int, kernels: str, files: WeightFiles,
+) -> Stage:
+    """Stage `index` of `num_stages`, holding `layers`, its weights loaded onto `device`; it runs
+    the `kernels` set (--kernels) until `choose_stage_kernels`."""
+    stage = Stage(cfg, index, num_stages, layers, device, dtype, max_position, kernel_set(kernels, device.type))
+    stage.load(files)
+    return stage
+
+
+def choose_stage_kernels(
+    stage: Stage,
+    max_rows: int,
+    block_size: int,
+    matmul_mode: ForcedModes | str,
+    cpu_mode: ForcedModes | str,
+    previous_matmuls: dict[str, MatmulChoice] | None = None,
+    cached_ops: dict[str, str] | None = None,
+    cpu_choice: CpuKernelChoice | None = None,
+) -> StageKernels:
+    """Choose and apply what `stage` runs at up to `max_rows` decode rows: the matmul form of each
+    weight shape (`matmul_mode` forcing, `previous_matmuls` reused by shape name), then on a CPU
+    the kernel of each op (`cpu_mode` forcing, `cached_ops` the graph cache's, or `cpu_choice`
+    already made for another stage on the same device)."""
+    plan = choose_matmuls(stage, max_rows, matmul_mode, previous_matmuls)
+    if stage.device.type != "cpu":
+        return StageKernels(plan, None)  # a CUDA stage keeps its kernel set's (--kernels)
+    if cpu_choice is None:
+        cpu_choice = choose_cpu_kernels(
+            LayerShapes.of(stage.cfg), block_size, stage.dtype, stage.device, max_rows, cpu_mode, cached=cached_ops
+        )
+    stage.use_kernels(cpu_kernel_set(stage.ops, cpu_choice))
+    return StageKernels(plan, cpu_choice)

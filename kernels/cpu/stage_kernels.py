@@ -1,0 +1,118 @@
+"""The CPU wing's one entry: what a stage on a CPU runs, chosen once when it is built.
+
+`choose_matmuls` converts each weight shape of a stage to the form this machine runs fastest
+(F.linear on the dense weight, packed oneDNN, or compiled panels: matmul_choice.py), or the one
+forced or cached; `cpu_kernel_set` makes the `KernelSet` the stage then runs: each op compiled or
+its torch reference (kernel_choice.py), a `linear` for whichever form a weight is in, the gate/up
+matmul ending in silu_and_mul in one pass where that is compiled and the weight is in panels, and,
+where every op a decode step's layers call is compiled, a `decode_layers` that runs those layers
+as one call of graphrt::decode_layers. The model (graphrt/model/) sees only the set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from graphrt.kernels import KernelSet
+from graphrt.kernels.cpu.forcing import ForcedModes, as_forced
+from graphrt.kernels.cpu.kernel_choice import DECODE_LAYER_OPS, CpuKernelChoice
+from graphrt.kernels.cpu.linear import convert, linear, panel_linear_silu_and_mul
+from graphrt.kernels.cpu.matmul_choice import MatmulChoice, MatmulPlan, available_paths, choose_path
+
+# A stage here is a graphrt.model.llama.Stage, read by its attributes (the kernels sit below the
+# model and do not import it): its layers, their weights by name, matmul_owners() and use_kernels().
+Stage = nn.Module
+
+# What graphrt::decode_layers (csrc/decode_layers_cpu.cpp) runs a decode step's layers with: the
+# DECODE_LAYER_OPS, compiled, and each layer's weights in this order (its LayerWeight enum), the
+# matmuls' in panels, gate/up's with whole panels of up columns (it ends in silu_and_mul).
+DECODE_LAYER_WEIGHTS = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
+DECODE_LAYER_MATMULS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def choose_matmuls(
+    stage: Stage,
+    max_rows: int,
+    mode: ForcedModes | str = "auto",
+    previous: dict[str, MatmulChoice] | None = None,
+    timer: Callable[[], float] = time.perf_counter,
+) -> MatmulPlan:
+    """Run each weight shape of `stage` on F.linear, packed oneDNN or the compiled panel kernel,
+    whichever this machine runs fastest at one row and at `max_rows` (matmul_choice.py), or the path
+    `mode` forces for it, and convert the stage's weights of each shape to its path's form.
+    `previous`: choices to reuse by shape name (the graph cache's, or another stage's on the same
+    device). Call it once per stage, before the stage runs `cpu_kernel_set`'s kernels."""
+    owners_of = stage.matmul_owners()
+    modes = as_forced(mode)
+    # Before the clock starts: finding out whether the panel kernel runs may mean building it.
+    paths_of = {
+        name: available_paths(stage.device, stage.dtype, tuple(getattr(*owners[0]).shape), modes.of(name))
+        for name, owners in owners_of.items()
+    }
+    start = timer()
+    rows = tuple(sorted({1, max_rows}))
+    choices = []
+    for name, owners in owners_of.items():
+        weights = [getattr(o, a) for o, a in owners]
+        choice, trial = choose_path(name, weights, rows, modes.of(name), paths_of[name], (previous or {}).get(name), timer)
+        del weights
+        if choice.path != "dense":
+            for index, (owner, attr) in enumerate(owners):
+                # Each dense weight is freed as soon as its converted copy replaces it.
+                converted = trial[index] if index < len(trial) else convert(choice.path, getattr(owner, attr))
+                setattr(owner, attr, nn.Parameter(converted, requires_grad=False))
+        del trial
+        choices.append(choice)
+    measured = any(c.source == "measured" and c.seconds for c in choices)
+    stage.use_kernels(stage.ops)  # weights replaced: the set decides again what runs in one call
+    return MatmulPlan(tuple(choices), rows, timer() - start if measured else 0.0)
+
+
+def cpu_kernel_set(ops: KernelSet, choice: CpuKernelChoice) -> KernelSet:
+    """`ops` (a CPU stage's, `--kernels torch`) with the kernels `choice` chose: each op's function,
+    a prompt chunk's riding decode rows attending through the chosen decode attention too, matmuls
+    for every weight form, and the one-call decode step where it may run."""
+    chosen = choice.functions()
+    prefill = functools.partial(chosen["paged_prefill_attention"], decode_attention=chosen["paged_decode_attention"])
+    silu_and_mul = chosen["silu_and_mul"]
+    fused = choice.paths["silu_and_mul"] == "compiled"
+
+    def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if fused and weight.dim() == 4 and weight.shape[0] % 2 == 0:  # panels, whole ones of up columns
+            return panel_linear_silu_and_mul(x, weight)  # bitwise the two ops below, in one pass
+        return silu_and_mul(linear(x, weight))
+
+    one_call = choice.one_call and all(choice.paths[op] == "compiled" for op in DECODE_LAYER_OPS)
+    return dataclasses.replace(
+        ops, **{**chosen, "paged_prefill_attention": prefill}, linear=linear, gate_up_silu=gate_up_silu,
+        decode_layers=decode_layers_in_one_call if one_call else None,
+    )
+
+
+def decode_layers_in_one_call(stage: Stage) -> Callable | None:
+    """graphrt::decode_layers bound to the stage's weights: a decode step's layers in one call,
+    bitwise the Python loop of DecoderLayer.forward. None where a layer's matmul weights are not all
+    in panels (or gate/up's not in whole panels of up columns): the loop runs those."""
+    layers = stage.layers
+    if not layers or not all(
+        all(getattr(layer, name).dim() == 4 for name in DECODE_LAYER_MATMULS) and layer.gate_up_proj.shape[0] % 2 == 0
+        for layer in layers
+    ):
+        return None
+    weights = [getattr(layer, name) for layer in layers for name in DECODE_LAYER_WEIGHTS]
+    biases, q_norms, k_norms = ([getattr(layer, name) for layer in layers] for name in ("qkv_bias", "q_norm", "k_norm"))
+    cfg, scale = stage.cfg, layers[0].scale
+
+    def run(hidden, meta, cos, sin, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.graphrt.decode_layers(
+            hidden, weights, biases, q_norms, k_norms, cos, sin, kv.k, kv.v, meta.slot_mapping, meta.block_tables,
+            meta.seq_lens, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, scale,
+        )
+
+    return run
