@@ -259,7 +259,7 @@ def test_engine_times_its_kernels_on_the_sized_team_and_says_so(tiny_model_facto
 
     machine = FakeMachine()
 
-    def watch_beside_busy_loops() -> LoadWatch:
+    def watch_beside_busy_loops(colleagues=()) -> LoadWatch:
         watch = LoadWatch(clock=lambda: machine.now, usage=lambda: (machine.busy, machine.own))
         machine.run(2.0, own_cores=1.0, other_cores=1.0)  # what /proc says once the load is done
         return watch
@@ -293,3 +293,15 @@ def test_set_team_size_changes_the_calling_thread_only():
     assert on_new_thread(on_a_thread) == {"set": True, "threads": 1, "workers": set()}
     assert torch.get_num_threads() == 2  # this thread, and torch's default for new ones, keep theirs
     assert on_new_thread(torch.get_num_threads) == 2
+
+
+def test_a_load_watch_counts_the_processes_it_is_given_as_its_own(monkeypatch):
+    """The engine process watches with its front as a colleague (the front loads its tokenizer
+    meanwhile); the processes are the watch's argument, not state another module fills."""
+    import graphrt.kernels.cpu.openmp as openmp
+
+    asked = []
+    monkeypatch.setattr(openmp, "cpu_seconds", lambda colleagues=(): asked.append(tuple(colleagues)) or (0.0, 0.0))
+    LoadWatch(colleagues=(os.getppid(),)).others()
+    LoadWatch().others()
+    assert asked == [(os.getppid(),)] * 2 + [()] * 2

@@ -61,12 +61,14 @@ class Engine:
     def __init__(
         self, model_dir: Path, config: EngineConfig, cache_dir: Path | None = None, show_progress: bool = False,
         eos_token_id: Callable[[], int | None] | None = None,
+        load_colleagues: tuple[int, ...] = (),
     ):
         """The engine takes token ids only; text stays with its caller. `eos_token_id`: a function
         returning the tokenizer's EOS id (a caller loading the tokenizer for text waits for it
         there); None reads it from the model folder (graphrt.model.eos). Either runs on a thread
-        beside the weights and is waited for before the kernels are timed."""
-        load_watch = LoadWatch()  # what other processes do while this loads: the kernels are timed for it
+        beside the weights and is waited for before the kernels are timed. `load_colleagues`: processes
+        whose CPU counts as this one's while it loads (see LoadWatch), not as a busy neighbour's."""
+        load_watch = LoadWatch(colleagues=load_colleagues)  # what other processes do while this loads: the kernels are timed for it
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model folder {self.model_dir} does not exist; pass --model DIR of a Hugging Face style model")

@@ -172,14 +172,14 @@ def engine_process_main() -> int:
         import torch
 
         from graphrt.engine.startup import load_and_warm_up  # torch and the model: after pinning
-        from graphrt.kernels.cpu.openmp import share_load_with
 
         if engine_cores is not None and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(len(engine_cores))
-        if engine_cores is None:  # pinned, the front works on a core this process's load watch leaves out
-            share_load_with(os.getppid())  # the front loads its tokenizer meanwhile: not a busy neighbour
+        # Floating, the front loads its tokenizer beside this load: not a busy neighbour. (Pinned, it
+        # works on a core this process's load watch leaves out.)
+        colleagues = (os.getppid(),) if engine_cores is None else ()
         banner: list[str] = []
-        engine = load_and_warm_up(llm_kwargs, banner.append, ", engine in its own process")  # the front tokenizes
+        engine = load_and_warm_up(llm_kwargs, banner.append, ", engine in its own process", load_colleagues=colleagues)
     except Exception as exc:  # noqa: BLE001 - the front prints it as the reason start-up failed
         results.send(encoder.encode(Fatal(str(exc) if isinstance(exc, GraphrtError) else f"{type(exc).__name__}: {exc}")))
         return 1

@@ -24,11 +24,12 @@ def build_engine(
     cache: str | Path | None = None,
     show_progress: bool = False,
     eos_token_id: Callable[[], int | None] | None = None,
+    load_colleagues: tuple[int, ...] = (),
     **engine_options,
 ) -> Engine:
     """An engine for `model` (None: the default model), its options `EngineConfig` fields (None
     means the default), those `cache` (a `graphrt capture` folder) records taken from it;
-    `eos_token_id` as Engine takes it."""
+    `eos_token_id` and `load_colleagues` as Engine takes them."""
     options = {k: v for k, v in engine_options.items() if v is not None}
     if cache is not None:
         cache = Path(cache)
@@ -38,7 +39,10 @@ def build_engine(
         for field in CACHE_DEFAULTS:
             options.setdefault(field, manifest[field])
     model_dir = Path(model) if model is not None else default_model_dir()
-    return Engine(model_dir, EngineConfig(**options), cache_dir=cache, show_progress=show_progress, eos_token_id=eos_token_id)
+    return Engine(
+        model_dir, EngineConfig(**options), cache_dir=cache, show_progress=show_progress, eos_token_id=eos_token_id,
+        load_colleagues=load_colleagues,
+    )
 
 
 def warm_up(engine: Engine) -> None:
@@ -50,13 +54,14 @@ def warm_up(engine: Engine) -> None:
 
 
 def load_and_warm_up(
-    llm_kwargs: dict, echo: Callable[[str], None], where: str = "", eos_token_id: Callable[[], int | None] | None = None
+    llm_kwargs: dict, echo: Callable[[str], None], where: str = "", eos_token_id: Callable[[], int | None] | None = None,
+    load_colleagues: tuple[int, ...] = (),
 ) -> Engine:
     """Build (from `LLM`'s keyword arguments) and warm up an engine for serving, echoing the
     start-up banner line by line as each phase ends; `where` ends its first line (e.g. ", engine in
     its own process")."""
     start = time.perf_counter()
-    engine = build_engine(**llm_kwargs, eos_token_id=eos_token_id)
+    engine = build_engine(**llm_kwargs, eos_token_id=eos_token_id, load_colleagues=load_colleagues)
     echo(
         f"[graphrt] load and capture {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, {engine.describe()}, "
         f"buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "

@@ -147,15 +147,6 @@ def others_cores(before: tuple[float, float], after: tuple[float, float], second
     return max(0.0, (busy1 - busy0) - (own1 - own0)) / seconds
 
 
-_load_colleagues: set[int] = set()
-
-
-def share_load_with(pid: int) -> None:
-    """Count process `pid`'s CPU as this process's own while an engine loads here (`LoadWatch`): the
-    server's front, which loads its tokenizer while its engine process loads the weights."""
-    _load_colleagues.add(pid)
-
-
 def affinity_cores() -> int:
     """CPUs this process may run on."""
     return len(usable_cores())
@@ -219,8 +210,9 @@ class TeamSizer:
 
 class LoadWatch:
     """What other processes do with the cores while the engine loads, from the moment it is made
-    (processes named to `share_load_with` count as this one); `timing_team` then sizes the calling
-    thread's team for timing the kernels as `TeamSizer` would size a stage thread's."""
+    (the processes in `colleagues` count as this one: the server's front, which loads its tokenizer
+    while its engine process loads the weights); `timing_team` then sizes the calling thread's team
+    for timing the kernels as `TeamSizer` would size a stage thread's."""
 
     MIN_WINDOW_S = 0.05  # shorter (a tiny model loads in milliseconds): too few clock ticks to tell
 
@@ -231,10 +223,11 @@ class LoadWatch:
         apply: Callable[[int], bool] = set_team_size,
         num_cores: int | None = None,
         window: str = "while loading",
+        colleagues: tuple[int, ...] = (),
     ):
         """`window`: how the banner's note names the time watched."""
         self.clock, self.apply, self.window = clock, apply, window
-        self.usage = usage or (lambda: cpu_seconds(tuple(_load_colleagues)))
+        self.usage = usage or (lambda: cpu_seconds(colleagues))
         self.num_cores = num_cores or affinity_cores()
         self.started, self.start_usage = clock(), self.usage()
 
