@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from graphrt.engine.sequence import FinishReason
 from graphrt.engine.startup import build_engine
 from graphrt.errors import RequestError
 from graphrt.frontend.output_processor import OutputProcessor
@@ -94,11 +95,17 @@ class LLM:
             for seq in seqs:
                 engine.abort(seq)
             raise
-        processor = OutputProcessor(engine, self.tokenizer)
+        processor = OutputProcessor(self.tokenizer)
+        for seq in seqs:
+            processor.add(seq.request_id, seq.params)
+        by_id = {seq.request_id: seq for seq in seqs}
         texts: dict[int, str] = {}
         while engine.has_work():
-            for seq, text in processor.process(engine.step()):
-                texts[seq.request_id] = text.text
+            states, stopped = processor.process(engine.step())
+            for request_id in stopped:  # a stop string in its text: no further step for it
+                engine.finish(by_id[request_id], FinishReason.STOP)
+            for state in states:
+                texts[state.request_id] = state.text.text
         return [
             RequestOutput(
                 prompt=prompt,

@@ -86,7 +86,7 @@ def test_the_scheduler_emits_plain_data():
 
 def test_one_place_frees_kv_blocks_and_one_place_grows_an_output():
     """What a newcomer's grep finds: the scheduler frees blocks and appends tokens, nobody else
-    (but the front's mirror of what the engine process appended)."""
+    (but the front's own state of each request, built from the engine's deltas)."""
     frees, appends = [], []
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -96,9 +96,9 @@ def test_one_place_frees_kv_blocks_and_one_place_grows_an_output():
             if "output_ids.append(" in line or "output_ids +=" in line or "output_ids.extend(" in line:
                 appends.append(where)
     assert len(frees) == 1 and frees[0].startswith("engine/scheduler.py:"), frees
-    # Besides the scheduler, only the server's front copies into its mirror of each sequence the
-    # tokens the engine process appended (graphrt/frontend/engine_client.py).
-    assert sorted(where.split(":")[0] for where in appends) == ["engine/scheduler.py", "frontend/engine_client.py"], appends
+    # Besides the scheduler, only the front's state of each request grows, from the engine's deltas
+    # (graphrt/frontend/output_processor.py).
+    assert sorted(where.split(":")[0] for where in appends) == ["engine/scheduler.py", "frontend/output_processor.py"], appends
 
 
 # Each layer, lowest first: a module imports its own layer and those below. The package

@@ -14,7 +14,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from graphrt.engine.sequence import FinishReason, Sequence
+from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
 from graphrt.errors import RequestError, StageError
 from graphrt.sampling_params import SamplingParams
 
@@ -120,18 +120,18 @@ class EngineCore:
             if all(seq.finished for seq in self.jobs.get(key, [])):
                 self.forget(key)
 
-    def step(self) -> tuple[list[tuple[Hashable, int, Sequence]], list[tuple[Hashable, Failed]]]:
-        """One engine step: the (key, choice, sequence) of every sequence that got a token, and the
+    def step(self) -> tuple[list[tuple[Hashable, int, SequenceOutput]], list[tuple[Hashable, Failed]]]:
+        """One engine step: the (key, choice, delta) of every sequence that got a token, and the
         jobs a failure ended (aborted here, each with what to answer)."""
         try:
-            seqs = self.engine.step()
+            outputs = self.engine.step()
         except Exception as exc:
             return [], self._failed_by(exc)
         updated = []
-        for seq in seqs:
-            key, choice = self.owners[seq.request_id]
+        for output in outputs:
+            key, choice = self.owners[output.request_id]
             self._started.add(key)
-            updated.append((key, choice, seq))
+            updated.append((key, choice, output))
         return updated, []
 
     def _failed_by(self, exc: Exception) -> list[tuple[Hashable, Failed]]:

@@ -33,7 +33,7 @@ from graphrt.distributed.transport import StageFailure
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.kv_budget import kv_blocks_that_fit, measure_headroom
 from graphrt.engine.scheduler import Scheduler
-from graphrt.engine.sequence import FinishReason, Sequence
+from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
 from graphrt.engine.stats import EngineStats
 from graphrt.errors import ModelLoadError, RequestError, StageError
 from graphrt.kernels import argmax
@@ -329,9 +329,9 @@ class Engine:
 
     # -- stepping -------------------------------------------------------------------------------
 
-    def step(self) -> list[Sequence]:
-        """One scheduler tick: schedule -> launch -> poll -> update. Returns the sequences that got
-        a new token (finished ones included).
+    def step(self) -> list[SequenceOutput]:
+        """One scheduler tick: schedule -> launch -> poll -> update. Returns the delta of every
+        sequence that got a new token (finished ones included).
 
         The finished micro-batch is taken first, so a freed slot is refilled before the host does
         anything else. The host blocks only when nothing else can launch, and then only on the
@@ -375,7 +375,7 @@ class Engine:
         except Exception as exc:  # a stage raised while running the oldest micro-batch
             self._recover(exc)
 
-    def _update(self, mb: MicroBatch | None) -> list[Sequence]:
+    def _update(self, mb: MicroBatch | None) -> list[SequenceOutput]:
         """Hand a finished micro-batch's tokens to the scheduler."""
         if mb is None:
             return []

@@ -60,7 +60,6 @@ class EngineLoop:
         self.stopping = stopping  # set by SIGTERM
         self.core = EngineCore(engine)
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToEngine)
-        self._sent: dict[int, int] = {}  # request id -> output tokens sent to the front
         self._parent = os.getppid()
         self._trim_heap = heap_trimmer()
 
@@ -118,27 +117,17 @@ class EngineLoop:
         elif isinstance(message, StopChoice):
             self.core.finish(message.job, message.choice, FinishReason.STOP)
             self.core.forget_finished([message.job])
-        self._drop_sent_counts()
-
-    def _drop_sent_counts(self) -> None:
-        """Forget the counts of sequences whose job the core has forgotten (ended or aborted)."""
-        for request_id in [r for r in self._sent if r not in self.core.owners]:
-            del self._sent[request_id]
 
     def _step(self) -> None:
         updated, failed = self.core.step()
-        outputs = []
-        for key, choice, seq in updated:
-            sent = self._sent.get(seq.request_id, 0)
-            params = seq.params
-            outputs.append(ChoiceOutput(
-                key, choice, seq.output_ids[sent:], seq.finish_reason.value if seq.finished else None,
-                seq.logprobs[sent : len(seq.output_ids)] if params.logprobs is not None else None,
-                seq.prompt_logprobs if params.prompt_logprobs is not None and sent == 0 else None,
-            ))
-            self._sent[seq.request_id] = len(seq.output_ids)
+        outputs = [
+            ChoiceOutput(
+                key, choice, output.new_token_ids, output.finish_reason.value if output.finish_reason else None,
+                output.new_logprobs, output.prompt_logprobs,
+            )
+            for key, choice, output in updated
+        ]
         self.core.forget_finished({key for key, _, _ in updated})
-        self._drop_sent_counts()
         self.send(Outputs(outputs, self.core.snapshot()))
         for key, answer in failed:
             self.send(JobFailed(key, answer.status, answer.message))

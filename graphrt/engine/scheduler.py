@@ -36,7 +36,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from graphrt.engine.block_allocator import BlockAllocator, block_keys
-from graphrt.engine.sequence import FinishReason, Sequence
+from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
 from graphrt.errors import RequestError
 from graphrt.runtime.step import ScheduledStep
 
@@ -287,11 +287,11 @@ class Scheduler:
 
     def update_from_output(
         self, step: ScheduledStep, token_ids: list[int] | None, now: float, logprobs: StepLogprobs | None = None
-    ) -> list[Sequence]:
+    ) -> list[SequenceOutput]:
         """A step is back from the ring with one token per sampled row (None: it ran for its logits
         only, see Engine.run), and the logprobs of the requests that asked. Append the tokens and
         their logprobs, end sequences at EOS or max_tokens, free the blocks of every ended sequence
-        nothing in flight still uses. Returns the sequences that got a token."""
+        nothing in flight still uses. Returns the delta of every sequence that got a token."""
         for seq in step.seqs:
             seq.num_in_flight -= 1
         if logprobs is not None:
@@ -299,22 +299,27 @@ class Scheduler:
                 seq = step.seqs[row]
                 if len(seq.prompt_logprobs) == position:
                     seq.prompt_logprobs.append(entry)
-        updated: list[Sequence] = []
+        outputs: list[SequenceOutput] = []
         for row, seq in enumerate(step.sampled_seqs):
             seq.num_output_placeholders -= 1
             # Aborted while in flight, or finished a step earlier (async scheduling had already
             # launched the next one): the token is dropped.
             if token_ids is not None and not seq.finished:
-                if logprobs is not None and row in logprobs.sampled:
-                    seq.logprobs.append(logprobs.sampled[row])
+                new_logprobs = None
+                if seq.params.logprobs is not None and logprobs is not None and row in logprobs.sampled:
+                    new_logprobs = [logprobs.sampled[row]]
+                    seq.logprobs += new_logprobs
                 self._append(seq, token_ids[row], now)
-                updated.append(seq)
+                outputs.append(SequenceOutput(
+                    seq.request_id, [token_ids[row]], seq.finish_reason, new_logprobs,
+                    list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None and len(seq.output_ids) == 1 else None,
+                ))
                 if self.prefix_root is not None:
                     self._register_full_blocks(seq)
         for seq in step.seqs:
             if seq.finished:
                 self._free_when_idle(seq)
-        return updated
+        return outputs
 
     def _append(self, seq: Sequence, token_id: int, now: float) -> None:
         seq.output_ids.append(token_id)

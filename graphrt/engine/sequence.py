@@ -89,3 +89,16 @@ class Sequence:
         if self.num_output_placeholders == 0:
             raise RuntimeError(f"request {self.request_id}: token {position} is neither read back nor being sampled")
         return None
+
+
+@dataclass
+class SequenceOutput:
+    """What one step added to one request: the engine's one delta per request per step
+    (Scheduler.update_from_output), in process and, as messages.ChoiceOutput, on the wire. The
+    front builds its own state of the request from these (graphrt.frontend.output_processor)."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None  # EOS or the length; a stop string is the front's to find
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, for a request that asks
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with its first output, for a request that asks

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from graphrt.engine.core import Admitted, EngineCore, EngineSnapshot, Failed, Rejected, heap_trimmer, prompt_of  # noqa: F401 (re-exported)
-from graphrt.engine.sequence import Sequence
+from graphrt.engine.sequence import FinishReason, Sequence
 from graphrt.errors import GraphrtError, RequestError
-from graphrt.frontend.output_processor import OutputProcessor
+from graphrt.frontend.output_processor import OutputProcessor, RequestState
 from graphrt.runtime.logprobs import TokenLogprob
 from graphrt.sampling_params import SamplingParams
 
@@ -51,8 +51,8 @@ class ChoiceUpdate:
     num_tokens: int
     finish_reason: str | None
     at: float  # time.perf_counter() when the step that made it ended
-    # For requests that ask: the sequence's own lists, which only grow (on the engine thread);
-    # the first `num_tokens` logprobs are final. The prompt's are complete by the first token.
+    # For requests that ask: the front's lists of the choice (RequestState), which only grow (on the
+    # engine thread); the first `num_tokens` logprobs are final. The prompt's come with the first token.
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -97,7 +97,7 @@ class AsyncEngine:
         self.accepting = False
         self._admission = threading.Lock()  # no job can be queued behind the stop command
         self._prompts = PromptPreparer(tokenizer, engine.max_model_len, engine.scheduler.check, engine.model_dir.name)
-        self._outputs = OutputProcessor(engine, tokenizer)  # engine thread only
+        self._outputs = OutputProcessor(tokenizer)  # engine thread only
         self._trim_heap = heap_trimmer()
         self.snapshot = self._core.snapshot()
 
@@ -178,7 +178,10 @@ class AsyncEngine:
                 stepped = False
             for kind, job in self._take_commands(block=idle):
                 if kind == "add":
-                    deliveries.append((job, core.add(job, job.prompt_ids, job.params)))
+                    answer = core.add(job, job.prompt_ids, job.params)
+                    for seq in core.jobs.get(job, []) if isinstance(answer, Admitted) else []:
+                        self._outputs.add(seq.request_id, seq.params)
+                    deliveries.append((job, answer))
                 elif kind == "abort":
                     self._forget_texts(core.abort(job))
                 else:
@@ -203,14 +206,18 @@ class AsyncEngine:
         updated, failed = self._core.step()
         deliveries += failed
         now = time.perf_counter()
-        texts = self._outputs.process([seq for _, _, seq in updated])  # may end sequences at a stop string
-        for (job, choice, seq), (_, text) in zip(updated, texts):
-            deliveries.append((job, choice_update(choice, seq, text, now)))
+        states, stopped = self._outputs.process([output for _, _, output in updated])
+        for request_id in stopped:  # a stop string in its text: end it in the engine within this step
+            self._core.finish(*self._core.owners[request_id], FinishReason.STOP)
+        changed = {state.request_id: state for state in states}
+        for job, choice, output in updated:
+            if output.request_id in changed:
+                deliveries.append((job, choice_update(choice, changed[output.request_id], now)))
         self._core.forget_finished({job for job, _, _ in updated})
 
     def _forget_texts(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
-            self._outputs.forget(seq)
+            self._outputs.forget(seq.request_id)
 
     def _deliver(self, deliveries: list) -> None:
         if not deliveries:
@@ -221,14 +228,12 @@ class AsyncEngine:
             pass  # the event loop is closed: nobody is waiting any more
 
 
-def choice_update(choice: int, seq: Sequence, text, now: float) -> ChoiceUpdate:
+def choice_update(choice: int, state: RequestState, now: float) -> ChoiceUpdate:
     """What a job hears of one choice after a step: its text so far and, if asked, its logprobs."""
-    reason = seq.finish_reason.value if seq.finish_reason is not None else None
-    params = seq.params
+    text = state.text
     return ChoiceUpdate(
-        choice, text.text, text.num_streamable, len(seq.output_ids), reason, now,
-        seq.logprobs if params.logprobs is not None else None,
-        seq.prompt_logprobs if params.prompt_logprobs is not None else None,
+        choice, text.text, text.num_streamable, len(state.output_ids), state.finish_reason, now,
+        state.logprobs, state.prompt_logprobs,
     )
 
 

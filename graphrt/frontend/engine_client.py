@@ -44,10 +44,10 @@ from graphrt.engine.messages import (
 )
 from graphrt.engine.process import ENGINE_PROCESS_MAIN
 from graphrt.engine.scheduler import check_lengths
-from graphrt.engine.sequence import FinishReason, Sequence
+from graphrt.engine.sequence import FinishReason, SequenceOutput
 from graphrt.errors import GraphrtError
 from graphrt.frontend.async_engine import GenerationJob, PromptPreparer, choice_update
-from graphrt.frontend.output_processor import OutputProcessor
+from graphrt.frontend.output_processor import OutputProcessor, RequestState
 from graphrt.frontend.tokenizer import Tokenizer
 from graphrt.kernels.cpu.placement import CpuPlacement, pin_process, plan_cpu_placement, usable_cores
 from graphrt.model.default_model import default_model_dir
@@ -59,10 +59,10 @@ WATCH_INTERVAL_S = 0.1  # how often the front checks that the engine process is 
 
 
 class _FrontJob:
-    """A job as the front tracks it: the HTTP side's job and a mirror sequence per choice."""
+    """A job as the front tracks it: the HTTP side's job and the front's state of each choice."""
 
-    def __init__(self, job: GenerationJob, mirrors: list[Sequence]):
-        self.job, self.mirrors = job, mirrors
+    def __init__(self, job: GenerationJob, states: list[RequestState]):
+        self.job, self.states = job, states
 
 
 class EngineClient:
@@ -121,12 +121,12 @@ class EngineClient:
             lambda prompt_len, max_tokens: check_lengths(prompt_len, max_tokens, self.max_model_len, self.facts.capacity_tokens),
             Path(self.facts.model_dir).name,
         )
-        self._outputs = OutputProcessor(self, self.tokenizer)  # detokenizing; calls self.finish at a stop string
+        self._outputs = OutputProcessor(self.tokenizer)  # detokenizing, stop strings
         self._jobs: dict[int, _FrontJob] = {}
         self._ids = itertools.count()
         self._job_ids: dict[GenerationJob, int] = {}
         self._request_ids = itertools.count()
-        self._owners: dict[int, tuple[int, int]] = {}  # mirror request id -> (job id, choice)
+        self._owners: dict[int, tuple[int, int]] = {}  # the front's request id of a choice -> (job id, choice)
         self.snapshot = EngineSnapshot(0, 0, 0, 0, 0)
         self.accepting = False
         self.failure: GraphrtError | None = None
@@ -178,12 +178,12 @@ class EngineClient:
         if not self.healthy:
             return False
         job_id = next(self._ids)
-        mirrors = []
+        states = []
         for choice, params in enumerate(job.params):
-            mirror = Sequence(next(self._request_ids), job.prompt_ids[job.prompt_index(choice)], params, max_tokens=0)
-            self._owners[mirror.request_id] = (job_id, choice)
-            mirrors.append(mirror)
-        self._jobs[job_id] = _FrontJob(job, mirrors)
+            state = self._outputs.add(next(self._request_ids), params)
+            self._owners[state.request_id] = (job_id, choice)
+            states.append(state)
+        self._jobs[job_id] = _FrontJob(job, states)
         self._job_ids[job] = job_id
         self._send(AddJob(job_id, job.prompt_ids, job.params))
         return True
@@ -193,12 +193,6 @@ class EngineClient:
         if job_id is not None:
             self._forget(job_id)
             self._send(AbortJob(job_id))
-
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """The OutputProcessor found a stop string: end the choice here and in the engine."""
-        seq.finish_reason = reason
-        job_id, choice = self._owners[seq.request_id]
-        self._send(StopChoice(job_id, choice))
 
     def stop(self) -> None:
         """Stop admitting; the engine answers every job in flight with a 503, then exits."""
@@ -247,28 +241,25 @@ class EngineClient:
 
     def _apply(self, outputs: list[ChoiceOutput]) -> None:
         now = time.perf_counter()
-        touched: list[tuple[int, int, Sequence]] = []
+        deltas = []
         for output in outputs:
             front = self._jobs.get(output.job)
             if front is None:
                 continue  # aborted here since
-            mirror = front.mirrors[output.choice]
-            if mirror.finished:
-                continue  # ended at a stop string here; the engine's next tokens are dropped
-            mirror.output_ids += output.token_ids
-            if output.logprobs is not None:
-                mirror.logprobs += output.logprobs
-            if output.prompt_logprobs is not None:
-                mirror.prompt_logprobs = output.prompt_logprobs
-            if output.finish_reason is not None:
-                mirror.finish_reason = FinishReason(output.finish_reason)
-            touched.append((output.job, output.choice, mirror))
-        texts = self._outputs.process([mirror for _, _, mirror in touched])
-        for (job_id, choice, mirror), (_, text) in zip(touched, texts):
-            self._jobs[job_id].job.updates.put_nowait(choice_update(choice, mirror, text, now))
-        for job_id in {job_id for job_id, _, _ in touched}:
+            reason = FinishReason(output.finish_reason) if output.finish_reason is not None else None
+            deltas.append(SequenceOutput(
+                front.states[output.choice].request_id, output.token_ids, reason, output.logprobs, output.prompt_logprobs,
+            ))
+        # A choice a stop string ended here drops the engine's tokens that were already on the way.
+        states, stopped = self._outputs.process(deltas)
+        for request_id in stopped:
+            self._send(StopChoice(*self._owners[request_id]))
+        for state in states:
+            job_id, choice = self._owners[state.request_id]
+            self._jobs[job_id].job.updates.put_nowait(choice_update(choice, state, now))
+        for job_id in {self._owners[state.request_id][0] for state in states}:
             front = self._jobs.get(job_id)
-            if front is not None and all(mirror.finished for mirror in front.mirrors):
+            if front is not None and all(state.finished for state in front.states):
                 self._forget(job_id)
 
     async def _watch(self) -> None:
@@ -303,9 +294,9 @@ class EngineClient:
         if front is None:
             return
         self._job_ids.pop(front.job, None)
-        for mirror in front.mirrors:
-            self._owners.pop(mirror.request_id, None)
-            self._outputs.forget(mirror)
+        for state in front.states:
+            self._owners.pop(state.request_id, None)
+            self._outputs.forget(state.request_id)
 
     # -- clean-up ----------------------------------------------------------------------------------
 

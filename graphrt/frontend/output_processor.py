@@ -1,22 +1,25 @@
 """Token ids to what a client sees: detokenizing, stop strings, and the text that is safe to stream.
 
-The engine emits token ids; `LLM.generate` and the server both hand every step's updated
-sequences to an `OutputProcessor`, the one place text is made. A stop string cuts the text where
-it starts and ends the sequence in the engine (within the same step, so no further token of it is
-scheduled). While a request runs, the last characters that could still become the start of a stop
-string, or a multi-byte character cut in half, are not yet safe to stream.
+The engine emits one `SequenceOutput` per request per step (its new tokens, and how it ended if it
+did); `LLM.generate` and both servers' fronts hand them to an `OutputProcessor`, which keeps each
+request's own state (`RequestState`: its tokens, logprobs and text) and is the one place text is
+made. A stop string cuts the text where it starts and ends the request here; `process` returns
+the requests it ended so, for the caller to end in the engine within the same step, so no further
+token of theirs is scheduled. While a request runs, the last characters that could still become
+the start of a stop string, or a multi-byte character cut in half, are not yet safe to stream.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from graphrt.engine.sequence import FinishReason, Sequence
+from graphrt.engine.sequence import SequenceOutput
 
 if TYPE_CHECKING:
-    from graphrt.engine.engine import Engine
     from graphrt.frontend.tokenizer import Tokenizer
+    from graphrt.runtime.logprobs import TokenLogprob
+    from graphrt.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode ending inside a multi-byte character ends with
 
@@ -41,43 +44,80 @@ class RequestText:
         return len(self.text[: len(self.text) - holdback].rstrip(REPLACEMENT_CHAR))
 
 
+@dataclass
+class RequestState:
+    """What the front knows of one request, from the engine's deltas: it never reads the engine's
+    own sequence. `logprobs` and `prompt_logprobs` only for a request that asks."""
+
+    request_id: int
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    text: RequestText = field(default_factory=lambda: RequestText([]))
+
+    def __post_init__(self) -> None:
+        self.text.stops = list(self.params.stop)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 class OutputProcessor:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer | None):
-        self.engine = engine
+    def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
-        self._texts: dict[int, RequestText] = {}  # request id -> text, while the request runs
+        self._requests: dict[int, RequestState] = {}  # request id -> its state, while it runs
 
-    def process(self, seqs: list[Sequence]) -> list[tuple[Sequence, RequestText]]:
-        """Extend the text of every sequence that got a token in this step (ending it at a stop
-        string); a finished one's text is handed out for the last time."""
-        out = []
-        for seq in seqs:
-            text = self._texts.get(seq.request_id)
-            if text is None:
-                text = self._texts[seq.request_id] = RequestText(list(seq.params.stop))
-            if self.tokenizer is not None:
-                self._extend(seq, text)
-            text.finished = seq.finished
-            if seq.finished:
-                del self._texts[seq.request_id]
-            out.append((seq, text))
-        return out
+    def add(self, request_id: int, params: SamplingParams) -> RequestState:
+        """Start following a request the engine admitted."""
+        state = self._requests[request_id] = RequestState(request_id, params)
+        return state
 
-    def forget(self, seq: Sequence) -> None:
-        """Drop the text of a request nobody waits for any more (aborted)."""
-        self._texts.pop(seq.request_id, None)
+    def process(self, outputs: list[SequenceOutput]) -> tuple[list[RequestState], list[int]]:
+        """Apply one step's deltas: each request's new tokens, logprobs and text (cut at a stop
+        string). Returns the states that changed (a finished one for the last time) and the ids of
+        the requests a stop string ended here, which the caller ends in the engine."""
+        changed, stopped = [], []
+        for output in outputs:
+            state = self._requests.get(output.request_id)
+            if state is None or state.finished:
+                continue  # forgotten (aborted), or ended at a stop string a step earlier
+            state.output_ids += output.new_token_ids
+            if state.logprobs is not None and output.new_logprobs is not None:
+                state.logprobs += output.new_logprobs
+            if output.prompt_logprobs is not None:
+                state.prompt_logprobs = output.prompt_logprobs
+            if output.finish_reason is not None:
+                state.finish_reason = output.finish_reason.value
+            if self.tokenizer is not None and self._extend(state):
+                state.finish_reason = "stop"
+                stopped.append(state.request_id)
+            state.text.finished = state.finished
+            if state.finished:
+                del self._requests[state.request_id]
+            changed.append(state)
+        return changed, stopped
 
-    def _extend(self, seq: Sequence, text: RequestText) -> None:
-        """Append the new token's text (decoding a few tokens, not the whole output: this runs for
-        every token) and end the sequence at a stop string."""
+    def forget(self, request_id: int) -> None:
+        """Drop the state of a request nobody waits for any more (aborted)."""
+        self._requests.pop(request_id, None)
+
+    def _extend(self, state: RequestState) -> bool:
+        """Append the new tokens' text (decoding a few tokens, not the whole output: this runs for
+        every token); True where a stop string ended it, the text cut where the stop string starts."""
+        text = state.text
         old_len = len(text.text)
         delta, text.prefix_offset, text.read_offset = self.tokenizer.decode_next(
-            seq.output_ids, text.prefix_offset, text.read_offset, final=seq.finished
+            state.output_ids, text.prefix_offset, text.read_offset, final=state.finished
         )
         text.text += delta
-        for stop in text.stops:
-            # Only a stop string that ends in the new text can be new.
-            cut = text.text.find(stop, max(0, old_len - len(stop) + 1))
-            if cut != -1:
-                text.text = text.text[:cut]
-                self.engine.finish(seq, FinishReason.STOP)
+        # Only a stop string that ends in the new text can be new; the one that starts first wins.
+        cuts = [cut for stop in text.stops if (cut := text.text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
+        if not cuts:
+            return False
+        text.text = text.text[: min(cuts)]
+        return True

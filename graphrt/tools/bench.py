@@ -91,7 +91,9 @@ def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
         engine.add_request(r.prompt, SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True))
         for r in workload
     ]
-    processor = OutputProcessor(engine, llm.tokenizer)  # detokenizing is part of serving
+    processor = OutputProcessor(llm.tokenizer)  # detokenizing is part of serving
+    for seq in seqs:
+        processor.add(seq.request_id, seq.params)
     while engine.has_work():
         processor.process(engine.step())
     seconds = time.perf_counter() - start

@@ -58,9 +58,10 @@ def profile_once(options: ProfileOptions, depth: int, model_dir: Path | None) ->
         workload = make_workload(
             options.num_requests, options.input_range, options.output_range, engine.model_config.vocab_size, options.seed
         )
+        processor = OutputProcessor(llm.tokenizer)
         for request in workload:
-            engine.add_request(request.prompt, SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True))
-        processor = OutputProcessor(engine, llm.tokenizer)
+            params = SamplingParams(max_tokens=request.output_len, temperature=0, ignore_eos=True)
+            processor.add(engine.add_request(request.prompt, params).request_id, params)
         while engine.has_work():
             processor.process(engine.step())
         timeline = engine.timeline

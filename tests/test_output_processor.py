@@ -1,0 +1,83 @@
+"""One delta per request per step, from the scheduler to the front, and the front's own state of
+each request: text, stop strings (ended as data, for the caller to end in the engine), logprobs."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.engine.scheduler import Scheduler
+from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
+from graphrt.frontend.output_processor import OutputProcessor
+from graphrt.frontend.tokenizer import Tokenizer
+from graphrt.runtime.logprobs import StepLogprobs, TokenLogprob
+from graphrt.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def scheduler() -> Scheduler:
+    return Scheduler(BlockAllocator(64, 4), max_num_seqs=8, prefill_chunk_size=64, max_model_len=64, max_decode_batch=8, eos_ids=frozenset({EOS}))
+
+
+def test_update_from_output_returns_one_delta_per_request_that_got_a_token():
+    sched = scheduler()
+    asks = SamplingParams(max_tokens=3, logprobs=1, prompt_logprobs=0)
+    plain, scored = Sequence(0, [5, 6, 7], SamplingParams(max_tokens=2), 2), Sequence(1, [8, 9], asks, 3)
+    for seq in (plain, scored):
+        sched.add(seq)
+    entries = [TokenLogprob(40 + i, -0.5 - i, ((40 + i, -0.5 - i),)) for i in range(3)]
+    outputs = []
+    for step_index, tokens in enumerate(([11, 21], [12, EOS])):
+        step = sched.schedule()
+        assert [s.request_id for s in step.sampled_seqs] == [0, 1]
+        prompt = [(1, 1, entries[2])] if step_index == 0 else []
+        outputs.append(sched.update_from_output(step, tokens, now=1.0 + step_index, logprobs=StepLogprobs({1: entries[step_index]}, prompt)))
+    first, second = outputs
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in first] == [(0, [11], None), (1, [21], None)]
+    assert first[0].new_logprobs is None and first[0].prompt_logprobs is None  # it asked for none
+    assert first[1].new_logprobs == [entries[0]] and first[1].prompt_logprobs == [None, entries[2]]  # with its first token
+    # The last step: max_tokens ends one, EOS the other; the prompt's logprobs came once.
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in second] == [
+        (0, [12], FinishReason.LENGTH), (1, [EOS], FinishReason.STOP),
+    ]
+    assert second[1].new_logprobs == [entries[1]] and second[1].prompt_logprobs is None
+    assert scored.logprobs == entries[:2] and plain.output_ids == [11, 12]  # the engine's own sequence, the scheduler's to grow
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model) -> Tokenizer:
+    return Tokenizer.from_dir(default_model)
+
+
+def feed(processor: OutputProcessor, request_id: int, token_ids: list[int]) -> tuple[list, list[int]]:
+    """The tokens one per step, as the engine sends them; every step's (states, stopped)."""
+    return [processor.process([SequenceOutput(request_id, [token], None)]) for token in token_ids]
+
+
+def test_a_stop_string_ends_the_request_here_and_says_so_rather_than_calling_the_engine(tokenizer):
+    processor = OutputProcessor(tokenizer)  # no engine: ending it there is the caller's
+    text = "The capital of France is Paris. It is"
+    state = processor.add(7, SamplingParams(stop=["Paris", "France"]))
+    steps = feed(processor, 7, tokenizer.encode(text))
+    stopped_at = [index for index, (_, stopped) in enumerate(steps) if stopped]
+    assert len(stopped_at) == 1 and steps[stopped_at[0]][1] == [7]
+    # The stop string that starts first wins, and the text ends where it starts.
+    assert state.text.text == "The capital of " and state.finish_reason == "stop" and state.text.num_streamable == len(state.text.text)
+    # Tokens the engine had already on the way when it heard of the stop are dropped.
+    assert all(states == [] for states, _ in steps[stopped_at[0] + 1:])
+    assert len(state.output_ids) == stopped_at[0] + 1
+
+
+def test_the_front_state_is_built_from_deltas_alone(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    state = processor.add(3, SamplingParams(logprobs=0))
+    entry = TokenLogprob(10, -1.0, ())
+    token_ids = tokenizer.encode("Hello there")
+    states, _ = processor.process([SequenceOutput(3, token_ids[:1], None, [entry], [None])])
+    assert states == [state] and state.output_ids == token_ids[:1] and state.logprobs == [entry] and state.prompt_logprobs == [None]
+    assert not state.text.finished
+    states, stopped = processor.process([SequenceOutput(3, token_ids[1:], FinishReason.LENGTH, [entry] * (len(token_ids) - 1))])
+    assert stopped == [] and state.finish_reason == "length" and state.text.finished and state.text.text == "Hello there"
+    assert len(state.logprobs) == len(token_ids)
+    assert processor.process([SequenceOutput(3, [5], None)]) == ([], [])  # finished: forgotten
