@@ -1,6 +1,6 @@
 """What a request asks of sampling: how to pick each next token, and when to stop.
 
-Plain data with no torch, so the front and the scheduler can hold it without loading torch.
+Plain data with no torch, so the scheduler (and the CLI) can hold it without loading torch.
 """
 
 from __future__ import annotations

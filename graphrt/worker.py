@@ -13,7 +13,8 @@ import signal
 import sys
 import threading
 
-from graphrt.distributed.worker import parse_options, run_worker, stage_name
+from graphrt.distributed.transport import stage_name
+from graphrt.distributed.worker import parse_options, run_worker
 
 
 def main(args: list[str] | None = None) -> None:

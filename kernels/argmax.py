@@ -1,4 +1,4 @@
-"""Greedy sampling's argmax, the torch reference (its compiled CPU twin: elementwise_cpu.py)."""
+"""Greedy sampling's argmax, the torch reference (its compiled CPU twin: kernels/cpu/elementwise.py)."""
 
 from __future__ import annotations
 

@@ -81,3 +81,41 @@ def test_the_front_state_is_built_from_deltas_alone(tokenizer):
     assert stopped == [] and state.finish_reason == "length" and state.text.finished and state.text.text == "Hello there"
     assert len(state.logprobs) == len(token_ids)
     assert processor.process([SequenceOutput(3, [5], None)]) == ([], [])  # finished: forgotten
+
+
+def test_a_step_that_raises_after_reading_tokens_back_hands_them_out_at_the_next(tiny_model_factory, monkeypatch):
+    """A launch that fails (a stage error the engine recovered from) raises past the step's return:
+    the deltas it had already taken from the ring come with the next step, none lost."""
+    from graphrt import LLM
+    from graphrt.errors import StageError
+
+    llm = LLM(tiny_model_factory(), dtype="float32", kv_cache_tokens=256)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = llm.generate([[5, 9, 2]], params)[0].token_ids
+    seq = engine.add_request([5, 9, 2], params)
+    update, launch, failed, just_read = engine._update, engine._launch_next, [], []
+
+    def reading(mb):
+        outputs = update(mb)
+        just_read.append(bool(outputs))
+        return outputs
+
+    def fail_once_right_after_a_read():
+        if just_read and just_read[-1] and not failed:  # this step has read a token back
+            failed.append(len(seq.output_ids))
+            raise StageError("a stage failed (test)")
+        just_read.clear()
+        return launch()
+
+    poll = engine._poll
+    monkeypatch.setattr(engine, "_poll", lambda block: poll(block=engine.ring.busy))  # a step starts with one back
+    monkeypatch.setattr(engine, "_update", reading)
+    monkeypatch.setattr(engine, "_launch_next", fail_once_right_after_a_read)
+    delivered = []
+    while engine.has_work():
+        try:
+            delivered += [token for output in engine.step() for token in output.new_token_ids]
+        except StageError:
+            pass
+    assert failed and delivered == seq.output_ids == expected

@@ -38,4 +38,6 @@ def test_one_stage_fault_fails_only_the_request_in_flight(tiny_model_factory):
         after = client.completions.create(**request)
         assert after.choices[0].text == before.choices[0].text
         assert after.usage.completion_tokens == 8
+        # Nothing of the failed request is left in the front's state either.
+        assert running.async_engine._outputs._requests == {} and running.async_engine._request_ids == {}
     assert engine.allocator.num_free == engine.allocator.num_blocks - 1

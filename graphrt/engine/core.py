@@ -129,6 +129,8 @@ class EngineCore:
             return [], self._failed_by(exc)
         updated = []
         for output in outputs:
+            if output.request_id not in self.owners:
+                continue  # its job ended while the delta waited (a stage failure ended it)
             key, choice = self.owners[output.request_id]
             self._started.add(key)
             updated.append((key, choice, output))

@@ -151,6 +151,7 @@ class Engine:
         self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._undelivered: list[SequenceOutput] = []  # deltas of a step that raised before returning them
         if on_cpu:
             release_thread_pool()  # the stage threads compute from here on (see graphrt.kernels.cpu.openmp)
 
@@ -339,13 +340,16 @@ class Engine:
         """
         tick_start = self.timeline.now() if self.timeline else 0.0
         with self.ranges.tick():
-            updated = self._update(self._poll(block=False))
+            # Kept until returned: a launch that fails raises past the return (see _recover), and
+            # the next step hands these out, so no request that survives misses a token.
+            self._undelivered += self._update(self._poll(block=False))
             launched = self._launch_next()
-            if not launched and not updated and self.ring.busy:
-                updated = self._update(self._poll(block=True))
+            if not launched and not self._undelivered and self.ring.busy:
+                self._undelivered += self._update(self._poll(block=True))
         if self.timeline:
             self.timeline.record_tick(tick_start, self.timeline.now())
-        return updated
+        outputs, self._undelivered = self._undelivered, []
+        return outputs
 
     def _launch_next(self) -> bool:
         """Schedule a step for the first open slot that has work, and launch it there.

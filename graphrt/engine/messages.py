@@ -19,7 +19,7 @@ from graphrt.sampling_params import SamplingParams
 class AddJob(msgspec.Struct, tag=True):
     job: int
     prompt_ids: list[list[int]]
-    params: list[SamplingParams]  # one per choice; choice i continues prompt engine_core.prompt_of(i, ...)
+    params: list[SamplingParams]  # one per choice; choice i continues prompt graphrt.engine.core.prompt_of(i, ...)
 
 
 class AbortJob(msgspec.Struct, tag=True):

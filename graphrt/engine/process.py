@@ -133,8 +133,8 @@ class EngineLoop:
             self.send(JobFailed(key, answer.status, answer.message))
 
 
-# What the engine process runs (not `-m`: this module is already imported with the graphrt.server
-# package, and running it again as __main__ would make two copies of its classes).
+# What the engine process runs (not `-m`: the front's graphrt.frontend.engine_client imports this
+# module, and running it again as __main__ would make two copies of its classes).
 ENGINE_PROCESS_MAIN = "import sys; from graphrt.engine.process import engine_process_main; sys.exit(engine_process_main())"
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from graphrt.engine.core import Admitted, EngineCore, EngineSnapshot, Failed, Rejected, heap_trimmer, prompt_of  # noqa: F401 (re-exported)
-from graphrt.engine.sequence import FinishReason, Sequence
+from graphrt.engine.sequence import FinishReason
 from graphrt.errors import GraphrtError, RequestError
 from graphrt.frontend.output_processor import OutputProcessor, RequestState
 from graphrt.runtime.logprobs import TokenLogprob
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("graphrt.server")
 
 
-# -- what the engine sends to a job (besides Admitted, Rejected and Failed: engine_core.py) ----------
+# -- what the engine sends to a job (besides Admitted, Rejected and Failed: graphrt.engine.core) ----
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,7 @@ class AsyncEngine:
         self._admission = threading.Lock()  # no job can be queued behind the stop command
         self._prompts = PromptPreparer(tokenizer, engine.max_model_len, engine.scheduler.check, engine.model_dir.name)
         self._outputs = OutputProcessor(tokenizer)  # engine thread only
+        self._request_ids: dict[GenerationJob, list[int]] = {}  # engine thread only: each job's requests, while it runs
         self._trim_heap = heap_trimmer()
         self.snapshot = self._core.snapshot()
 
@@ -179,11 +180,14 @@ class AsyncEngine:
             for kind, job in self._take_commands(block=idle):
                 if kind == "add":
                     answer = core.add(job, job.prompt_ids, job.params)
-                    for seq in core.jobs.get(job, []) if isinstance(answer, Admitted) else []:
-                        self._outputs.add(seq.request_id, seq.params)
+                    if isinstance(answer, Admitted):
+                        for seq in core.jobs[job]:
+                            self._outputs.add(seq.request_id, seq.params)
+                        self._request_ids[job] = [seq.request_id for seq in core.jobs[job]]
                     deliveries.append((job, answer))
                 elif kind == "abort":
-                    self._forget_texts(core.abort(job))
+                    core.abort(job)
+                    self._forget_texts(job)
                 else:
                     running = False
             if not running:
@@ -205,6 +209,8 @@ class AsyncEngine:
     def _step(self, deliveries: list) -> None:
         updated, failed = self._core.step()
         deliveries += failed
+        for job, _ in failed:  # a failure ended them in the engine: nobody waits for their text
+            self._forget_texts(job)
         now = time.perf_counter()
         states, stopped = self._outputs.process([output for _, _, output in updated])
         for request_id in stopped:  # a stop string in its text: end it in the engine within this step
@@ -213,11 +219,14 @@ class AsyncEngine:
         for job, choice, output in updated:
             if output.request_id in changed:
                 deliveries.append((job, choice_update(choice, changed[output.request_id], now)))
-        self._core.forget_finished({job for job, _, _ in updated})
+        ended = {job for job, _, _ in updated}
+        self._core.forget_finished(ended)
+        for job in ended - self._core.jobs.keys():  # every choice finished: their states are gone
+            self._request_ids.pop(job, None)
 
-    def _forget_texts(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            self._outputs.forget(seq.request_id)
+    def _forget_texts(self, job: GenerationJob) -> None:
+        for request_id in self._request_ids.pop(job, []):
+            self._outputs.forget(request_id)
 
     def _deliver(self, deliveries: list) -> None:
         if not deliveries:

@@ -1,8 +1,9 @@
 """The front's handle on the engine process (graphrt.engine.process), as `graphrt serve` runs it by
 default: the same interface as the in-thread `AsyncEngine`.
 
-The front keeps a mirror of each choice, turns token ids into text with the `OutputProcessor`
-and ends a choice at a stop string by telling the engine. If the engine process dies, every
+The front keeps its own state of each choice (RequestState) from the engine's deltas, turns
+token ids into text with the `OutputProcessor` and ends a choice at a stop string by telling the
+engine. If the engine process dies, every
 request in flight gets a 503 and the server stops with a non-zero exit. Where the front and the
 engine run is planned once, here, before anyone is pinned (graphrt.kernels.cpu.placement): the
 engine process is started on every core and told its own; the front pins itself after the start.

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from graphrt.engine.sequence import SequenceOutput
+from graphrt.engine.sequence import FinishReason, SequenceOutput
 
 if TYPE_CHECKING:
     from graphrt.frontend.tokenizer import Tokenizer
@@ -54,11 +54,11 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    finish_reason: str | None = None
-    text: RequestText = field(default_factory=lambda: RequestText([]))
+    finish_reason: str | None = None  # a FinishReason's value
+    text: RequestText = field(init=False)
 
     def __post_init__(self) -> None:
-        self.text.stops = list(self.params.stop)
+        self.text = RequestText(list(self.params.stop))
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
 
@@ -68,6 +68,9 @@ class RequestState:
 
 
 class OutputProcessor:
+    """The front's state of every request it follows (`add`), advanced by the engine's deltas
+    (`process`); without a tokenizer (a model that takes token ids) the text stays empty."""
+
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
         self._requests: dict[int, RequestState] = {}  # request id -> its state, while it runs
@@ -84,8 +87,8 @@ class OutputProcessor:
         changed, stopped = [], []
         for output in outputs:
             state = self._requests.get(output.request_id)
-            if state is None or state.finished:
-                continue  # forgotten (aborted), or ended at a stop string a step earlier
+            if state is None:
+                continue  # forgotten (aborted), or ended here (a stop string) with tokens still on the way
             state.output_ids += output.new_token_ids
             if state.logprobs is not None and output.new_logprobs is not None:
                 state.logprobs += output.new_logprobs
@@ -94,7 +97,7 @@ class OutputProcessor:
             if output.finish_reason is not None:
                 state.finish_reason = output.finish_reason.value
             if self.tokenizer is not None and self._extend(state):
-                state.finish_reason = "stop"
+                state.finish_reason = FinishReason.STOP.value
                 stopped.append(state.request_id)
             state.text.finished = state.finished
             if state.finished:

@@ -130,7 +130,6 @@ class TokenizerLoading:
     """
 
     def __init__(self, model_dir: Path, load: bool = True):
-        self.model_dir = model_dir
         self.eos_from_files = None if load else eos_token_id_from_files(model_dir)
         self.skipped = self.eos_from_files is not None
         self._future: Future | None = None

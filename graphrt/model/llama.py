@@ -163,8 +163,8 @@ class Stage(nn.Module):
 
     def matmul_owners(self) -> dict[str, list[tuple[nn.Module, str]]]:
         """Weight shape name -> where each weight of that shape lives (one per layer; the LM head
-        on the last stage), for a kernel set that keeps its weights in a form of its own
-        (`KernelSet.prepare_weights`). The embedding is not a matmul, it is a gather."""
+        on the last stage), for choosing kernels that keep a weight in a form of their own (which
+        the set's `linear` then reads). The embedding is not a matmul, it is a gather."""
         owners = {name: [(layer, name) for layer in self.layers] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
         owners = {name: places for name, places in owners.items() if places}
         if self.is_last:

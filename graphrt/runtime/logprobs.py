@@ -40,8 +40,8 @@ class LogprobPlan:
     prompt_targets: list[int]  # the prompt token each of those rows scores
     prompt_owners: list[tuple[int, int]]  # (row of the step, position of the scored prompt token)
     num_top: int  # alternatives computed per row: the most any of them asks for
-    sampled_top: list[int] = field(default_factory=list)  # alternatives each scored sampled token reports
-    prompt_top: list[int] = field(default_factory=list)  # and each scored prompt token
+    sampled_top: list[int]  # alternatives each scored sampled token reports
+    prompt_top: list[int]  # and each scored prompt token
     values: torch.Tensor | None = field(default=None, repr=False)  # (rows, 1 + num_top) float32, on the host
     top_ids: torch.Tensor | None = field(default=None, repr=False)  # (rows, num_top) int64, on the host
 

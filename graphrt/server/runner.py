@@ -41,7 +41,7 @@ class ServeOptions:
     api_key: str | None = None  # None: no authentication
     max_body_bytes: int = 1 << 20
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
-    llm_kwargs: dict = field(default_factory=dict)  # graphrt.LLM's: model, pp, depth, cache, max_num_seqs, ...
+    llm_kwargs: dict = field(default_factory=dict)  # graphrt.engine.startup.build_engine's: model, cache, pp, depth, max_num_seqs, ...
     engine_process: bool = True  # the engine in a process of its own (graphrt.engine.process)
     cpu_placement: str = "auto"  # auto, pin or float: where the front and the engine run (graphrt.kernels.cpu.placement)
 

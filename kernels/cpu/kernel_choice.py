@@ -2,7 +2,7 @@
 
 Each op of a decoder layer's hot path has two implementations with one contract: the torch
 reference (paged_attention, rmsnorm, rotary, activation) and the compiled kernel (csrc/, built on
-this machine by whatever compiler is here: paged_attention_cpu, elementwise_cpu). A stage times both
+this machine by whatever compiler is here: kernels/cpu/paged_attention.py, kernels/cpu/elementwise.py). A stage times both
 on its own shapes at its largest decode bucket (decode attention over contexts of up to a few
 hundred tokens) and keeps, per op, the compiled kernel only where it is faster by a margin. The calls
 alternate and each keeps its median, as the matmul choice does (kernels/cpu/matmul_choice.py), so load

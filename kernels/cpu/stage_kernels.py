@@ -91,11 +91,11 @@ def cpu_kernel_set(ops: KernelSet, choice: CpuKernelChoice) -> KernelSet:
     one_call = choice.one_call and all(choice.paths[op] == "compiled" for op in DECODE_LAYER_OPS)
     return dataclasses.replace(
         ops, **{**chosen, "paged_prefill_attention": prefill}, linear=linear, gate_up_silu=gate_up_silu,
-        decode_layers=decode_layers_in_one_call if one_call else None,
+        decode_layers=bind_decode_layers if one_call else None,
     )
 
 
-def decode_layers_in_one_call(stage: Stage) -> Callable | None:
+def bind_decode_layers(stage: Stage) -> Callable | None:
     """graphrt::decode_layers bound to the stage's weights: a decode step's layers in one call,
     bitwise the Python loop of DecoderLayer.forward. None where a layer's matmul weights are not all
     in panels (or gate/up's not in whole panels of up columns): the loop runs those."""

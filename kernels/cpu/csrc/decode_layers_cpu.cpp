@@ -19,7 +19,7 @@
 
 namespace {
 
-// Per layer in `weights`, in this order (graphrt/model/llama.py's DECODE_LAYER_WEIGHTS).
+// Per layer in `weights`, in this order (kernels/cpu/stage_kernels.py's DECODE_LAYER_WEIGHTS).
 enum LayerWeight : int64_t { kInputNorm, kQkvProj, kOProj, kPostAttentionNorm, kGateUpProj, kDownProj, kPerLayer };
 
 using RmsNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&,

@@ -509,7 +509,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // Prefill: causal attention of prompt chunks over their paged context, the compiled twin of the
 // per-sequence part of the reference `paged_prefill_attention` (there one
 // F.scaled_dot_product_attention call per sequence, after gathering its context out of the cache);
-// called as torch.ops.graphrt.paged_prefill_attention by paged_attention_cpu.py.
+// called as torch.ops.graphrt.paged_prefill_attention by kernels/cpu/paged_attention.py.
 //
 // One task is a block of up to kQueryBlock query tokens of one sequence and one KV head, with
 // every query head of that GQA group: kQueryBlock x group rows share each K/V row read. A task
