@@ -89,13 +89,14 @@ def graphrt_step(llm: LLM, token_ids: torch.Tensor, meta: StepMetadata):
 
 def swap_weights(stage, weights: dict[tuple[int, str], torch.Tensor]) -> dict[tuple[int, str], torch.Tensor]:
     """Put these matmul weights into the stage ((layer or -1 for the stage itself, name) -> weight);
-    return the ones they replace."""
+    return the ones they replace. The stage's kernel set then decides again whether its decode
+    steps run in one call (only where every matmul weight is in panels)."""
     replaced = {}
     for (index, name), weight in weights.items():
         owner = stage if index < 0 else stage.layers[index]
         replaced[(index, name)] = getattr(owner, name)
         setattr(owner, name, torch.nn.Parameter(weight, requires_grad=False))
-    stage.weights_changed()
+    stage.use_kernels(stage.ops)
     return replaced
 
 

@@ -72,11 +72,12 @@ def main() -> None:
     for (dtype, mode), llm in engines.items():
         print(f"{dtype} {mode}: {llm.engine.pipeline.matmul_summary()}")  # what a forced path could not run, too
         if mode == "auto":
-            for choice in llm.engine.pipeline.stages[0].matmul_plan.choices:
+            plan = llm.engine.pipeline.matmul_plans()[0]
+            for choice in plan.choices:
                 timed = ", ".join(
                     f"{path} {' / '.join(f'{s * 1e6:.0f}' for s in by_rows.values())} us" for path, by_rows in choice.seconds.items()
                 )
-                print(f"  {choice.name} {choice.shape}: {choice.path} ({timed} at {' / '.join(map(str, llm.engine.pipeline.stages[0].matmul_plan.rows))} rows)")
+                print(f"  {choice.name} {choice.shape}: {choice.path} ({timed} at {' / '.join(map(str, plan.rows))} rows)")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,15 @@ TESTS = {
     "scheduler": ["tests/test_scheduler.py", "tests/test_block_accounting.py", "tests/test_ring.py"],
     "ring": ["tests/test_ring.py", "tests/test_block_accounting.py"],
 }
+# The files each module's mutants are made in. The layout of issue 30 split two of the four files the
+# first run mutated (graphrt/kv_cache.py: the block allocator and the cache tensors; graphrt/sampling.py:
+# the sampler and SamplingParams); each module still covers what its file held.
+MODULE_PATHS = {
+    "kv_cache": ["graphrt/engine/block_allocator.py", "graphrt/model/kv_cache.py"],
+    "sampling": ["graphrt/runtime/sampler.py", "graphrt/sampling_params.py"],
+    "scheduler": ["graphrt/engine/scheduler.py"],
+    "ring": ["graphrt/runtime/ring.py"],
+}
 NEW_TESTS = "tests/test_mutants.py"
 SKIP_COPY = {".venv", ".git", "__pycache__", "graphrt.egg-info", ".pytest_cache"}
 
@@ -51,7 +60,7 @@ def copy_repo(src_dir: Path) -> None:
         [PYTHON, "-c", "import graphrt.engine.scheduler as m; print(m.__file__)"], cwd=src_dir, capture_output=True, text=True,
         check=True,
     ).stdout.strip()
-    if Path(found).resolve() != (src_dir / "graphrt" / "scheduler.py").resolve():
+    if Path(found).resolve() != (src_dir / MODULE_PATHS["scheduler"][0]).resolve():
         sys.exit(f"graphrt is imported from {found}, not from the copy in {src_dir}; the mutants would not be tested")
 
 
@@ -64,7 +73,7 @@ def test_command(module: str, after: bool) -> list[str]:
 def write_config(path: Path, module: str, command: list[str], timeout: float) -> None:
     path.write_text(
         "[cosmic-ray]\n"
-        f'module-path = "graphrt/{module}.py"\n'
+        f"module-path = {json.dumps(MODULE_PATHS[module])}\n"  # a JSON list of strings is TOML's too
         f"timeout = {timeout:.0f}.0\n"
         "excluded-modules = []\n"
         f'test-command = "{" ".join(command)}"\n\n'
@@ -74,7 +83,7 @@ def write_config(path: Path, module: str, command: list[str], timeout: float) ->
 
 def spec_key(item) -> tuple:
     spec = item.mutations[0]
-    return (spec.operator_name, tuple(spec.start_pos), tuple(spec.end_pos), spec.occurrence)
+    return (str(spec.module_path), spec.operator_name, tuple(spec.start_pos), tuple(spec.end_pos), spec.occurrence)
 
 
 def sample_mutants(db_path: Path, sample: int, seed: int) -> tuple[int, int]:
@@ -107,7 +116,7 @@ def summarize(db_path: Path) -> dict:
                 spec = item.mutations[0]
                 survivors.append(
                     {"job_id": item.job_id, "operator": spec.operator_name.removeprefix("core/"),
-                     "line": spec.start_pos[0], "function": spec.definition_name, "diff": result.diff}
+                     "path": str(spec.module_path), "line": spec.start_pos[0], "function": spec.definition_name, "diff": result.diff}
                 )
             elif result.test_outcome == TestOutcome.KILLED:
                 counts["timeout" if result.output == "timeout" else "killed"] += 1
@@ -191,7 +200,7 @@ def main() -> None:
             line += f" (before: {report['counts_before']['kill_rate']})"
         print(line, flush=True)
         for s in report["survivors"]:
-            print(f"  survived {s['operator']} at line {s['line']} ({s['function']})", flush=True)
+            print(f"  survived {s['operator']} at {s['path']}:{s['line']} ({s['function']})", flush=True)
 
 
 if __name__ == "__main__":

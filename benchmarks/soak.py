@@ -6,8 +6,9 @@
 Starts `graphrt serve` in a subprocess (as serve_bench.py does), then keeps `--clients` greedy
 streams going for `--minutes`; each stream, with probability `--hang-up`, closes its connection
 after a few tokens, as a client that gives up would. Every `--sample-s` seconds it reads the
-server's resident memory (from /proc, so the figure is the process's own) and its KV blocks in use
-(`/metrics`). Prints RSS at start (after the first minute's warm-up), at one minute and at the end,
+server's resident memory, summed over its processes (the front, its engine process and any stage
+processes: the process tree from the server's pid, benchmarks/process_tree.py), and its KV blocks
+in use (`/metrics`). Prints RSS at start (after the first minute's warm-up), at one minute and at the end,
 the slope over the run after warm-up, the share of that warm-up value the end differs by, the
 KV blocks in use once the load stops (0 means every stream, finished or abandoned, gave its
 blocks back), and RSS after five idle seconds.
@@ -25,17 +26,13 @@ import threading
 import time
 
 import httpx
+from process_tree import tree_memory
 from serve_bench import PROMPTS, start_server
-
-KIB = 1024
 
 
 def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * KIB / (1 << 20)
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    """Resident memory of the server's processes: `pid` and its descendants, summed."""
+    return tree_memory(pid)[0]
 
 
 async def kv_blocks_used(http: httpx.AsyncClient) -> int:
@@ -108,7 +105,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sample-s", type=float, default=5.0)
     args = parser.parse_args()
-    proc, url = start_server(args.model, args.pp)
+    proc, url = start_server(args.model, args.pp, [])
     # Keep reading the server's output: a full pipe would stop it mid-run.
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
     try:
