@@ -56,7 +56,8 @@ def main() -> None:
     for name in METRICS:
         before = statistics.median(r[name] for r in runs["before"])
         after = statistics.median(r[name] for r in runs["after"])
-        print(f"| {name} | {before:g} | {after:g} | {after / before:.3f} |")
+        ratio = f"{after / before:.3f}" if before else "n/a"  # a time under the printed resolution reads 0
+        print(f"| {name} | {before:g} | {after:g} | {ratio} |")
 
 
 if __name__ == "__main__":
