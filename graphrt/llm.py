@@ -13,8 +13,7 @@ from graphrt.errors import RequestError
 from graphrt.frontend.output_processor import OutputProcessor
 from graphrt.frontend.tokenizer import TokenizerLoading
 from graphrt.model.default_model import default_model_dir
-from graphrt.runtime.logprobs import TokenLogprob
-from graphrt.sampling_params import SamplingParams
+from graphrt.sampling_params import SamplingParams, TokenLogprob
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""What a request asks of sampling: how to pick each next token, and when to stop.
+"""What a request asks of sampling: how to pick each next token, and when to stop; and what it
+reports of a token (`TokenLogprob`).
 
 Plain data with no torch, so the scheduler (and the CLI) can hold it without loading torch.
 """
@@ -54,3 +55,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most likely tokens and their logprobs, most likely first

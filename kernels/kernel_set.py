@@ -21,3 +21,6 @@ class KernelSet:
     # (stage) -> a function running a decode step through all of the stage's layers in one call,
     # (hidden, meta, cos, sin, kv) -> (hidden, residual), or None where it can't run that stage.
     decode_layers: Callable | None = None
+    # () -> a function the stage's stream calls on its own thread before each piece of work, or None
+    # (a CPU stage sizes that thread's OpenMP team to the cores other processes leave it).
+    stream_hook: Callable | None = None

@@ -24,7 +24,6 @@ from graphrt.engine.core import EngineSnapshot  # noqa: E402
 from graphrt.engine.messages import (  # noqa: E402
     AbortJob,
     AddJob,
-    ChoiceOutput,
     Fatal,
     JobAdmitted,
     JobFailed,
@@ -35,8 +34,11 @@ from graphrt.engine.messages import (  # noqa: E402
     ToEngine,
     ToFront,
 )
-from graphrt.runtime.logprobs import TokenLogprob  # noqa: E402
-from graphrt.sampling_params import SamplingParams  # noqa: E402
+from graphrt.engine.sequence import FinishReason, SequenceOutput  # noqa: E402
+from graphrt.sampling_params import (
+    SamplingParams,  # noqa: E402
+    TokenLogprob,  # noqa: E402
+)
 
 
 def children_of(pid: int) -> list[int]:
@@ -92,7 +94,7 @@ def test_every_message_crosses_the_wire_as_itself():
     ]
     to_front = [
         JobAdmitted(3, 4), JobRejected(3, "too long"), JobFailed(3, 503, "bye"), Fatal("stage 1 died"),
-        Outputs([ChoiceOutput(3, 0, [5, 6], "stop", [entry], [None, entry])], EngineSnapshot(1, 2, 3, 4, 5, stage_busy_s=(0.5,))),
+        Outputs([(3, 0, SequenceOutput(8, [5, 6], FinishReason.STOP, [entry], [None, entry]))], EngineSnapshot(1, 2, 3, 4, 5, stage_busy_s=(0.5,))),
     ]
     for messages, kind in ((to_engine, ToEngine), (to_front, ToFront)):
         decoder = msgspec.msgpack.Decoder(kind)

@@ -10,8 +10,8 @@ from graphrt.engine.scheduler import Scheduler
 from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
 from graphrt.frontend.output_processor import OutputProcessor
 from graphrt.frontend.tokenizer import Tokenizer
-from graphrt.runtime.logprobs import StepLogprobs, TokenLogprob
-from graphrt.sampling_params import SamplingParams
+from graphrt.runtime.logprobs import StepLogprobs
+from graphrt.sampling_params import SamplingParams, TokenLogprob
 
 EOS = 2
 

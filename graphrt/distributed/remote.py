@@ -361,7 +361,9 @@ class RemoteRing(Ring):
 
     def _make_streams(self) -> list:
         # A thread even on CUDA: sends, heartbeats and shutdown must leave rank 0 in one order.
-        return [CpuStream("graphrt-stage0", self.pipeline.stages[0].device)]
+        stage = self.pipeline.stages[0]
+        hook = stage.ops.stream_hook
+        return [CpuStream("graphrt-stage0", stage.device, before_work=hook() if hook is not None else None)]
 
     def _enqueue(self, slot: RingSlot, mb: MicroBatch, token_ids, meta, producers: list[MicroBatch]) -> None:
         super()._enqueue(slot, mb, token_ids, meta, producers)

@@ -148,6 +148,7 @@ class Engine:
             pin=self.devices[0].type == "cuda",
         )
         self._decode_busy_until = 0.0
+        self.synthetic_host_s = 0.0  # host time a synthetic engine adds per micro-batch read back (graphrt.tools.synthetic)
         self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -405,6 +406,8 @@ class Engine:
         ) from exc
 
     def _account(self, mb: MicroBatch, now: float, new_tokens: int) -> None:
+        if self.synthetic_host_s:
+            time.sleep(self.synthetic_host_s)
         if mb.step.is_prefill:
             self.stats.prefill_tokens += sum(mb.step.query_lens)
             return

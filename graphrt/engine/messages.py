@@ -12,7 +12,7 @@ from typing import Union
 import msgspec
 
 from graphrt.engine.core import EngineSnapshot
-from graphrt.runtime.logprobs import TokenLogprob
+from graphrt.engine.sequence import SequenceOutput
 from graphrt.sampling_params import SamplingParams
 
 
@@ -66,19 +66,10 @@ class JobFailed(msgspec.Struct, tag=True):
     message: str
 
 
-class ChoiceOutput(msgspec.Struct):
-    """A choice's new tokens from one step (its logprobs too, if it asked)."""
-
-    job: int
-    choice: int
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # with its first token
-
-
 class Outputs(msgspec.Struct, tag=True):
-    outputs: list[ChoiceOutput]
+    """One step's deltas, each addressed as (job, choice); its request id is the engine's."""
+
+    outputs: list[tuple[int, int, SequenceOutput]]
     snapshot: EngineSnapshot
 
 

@@ -31,7 +31,6 @@ from graphrt.engine.core import Admitted, EngineCore, Rejected, heap_trimmer
 from graphrt.engine.messages import (
     AbortJob,
     AddJob,
-    ChoiceOutput,
     EngineFacts,
     Fatal,
     JobAdmitted,
@@ -120,15 +119,8 @@ class EngineLoop:
 
     def _step(self) -> None:
         updated, failed = self.core.step()
-        outputs = [
-            ChoiceOutput(
-                key, choice, output.new_token_ids, output.finish_reason.value if output.finish_reason else None,
-                output.new_logprobs, output.prompt_logprobs,
-            )
-            for key, choice, output in updated
-        ]
         self.core.forget_finished({key for key, _, _ in updated})
-        self.send(Outputs(outputs, self.core.snapshot()))
+        self.send(Outputs(updated, self.core.snapshot()))
         for key, answer in failed:
             self.send(JobFailed(key, answer.status, answer.message))
 

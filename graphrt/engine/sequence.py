@@ -7,11 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+# Imported for real, not for type checking only: msgspec reads SequenceOutput's field types to
+# decode it (graphrt.engine.messages). Both are plain data; this module still loads no torch.
+from graphrt.sampling_params import SamplingParams, TokenLogprob
+
 if TYPE_CHECKING:
     import torch
-
-    from graphrt.runtime.logprobs import TokenLogprob
-    from graphrt.sampling_params import SamplingParams
 
 
 class FinishReason(str, enum.Enum):
@@ -94,7 +95,7 @@ class Sequence:
 @dataclass
 class SequenceOutput:
     """What one step added to one request: the engine's one delta per request per step
-    (Scheduler.update_from_output), in process and, as messages.ChoiceOutput, on the wire. The
+    (Scheduler.update_from_output), in process and, as itself, on the wire (messages.Outputs). The
     front builds its own state of the request from these (graphrt.frontend.output_processor)."""
 
     request_id: int

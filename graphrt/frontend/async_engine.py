@@ -30,8 +30,7 @@ from graphrt.engine.core import Admitted, EngineCore, EngineSnapshot, Failed, Re
 from graphrt.engine.sequence import FinishReason
 from graphrt.errors import GraphrtError, RequestError
 from graphrt.frontend.output_processor import OutputProcessor, RequestState
-from graphrt.runtime.logprobs import TokenLogprob
-from graphrt.sampling_params import SamplingParams
+from graphrt.sampling_params import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from graphrt.engine.engine import Engine

@@ -12,6 +12,7 @@ engine process is started on every core and told its own; the front pins itself 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -20,7 +21,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -31,7 +31,6 @@ from graphrt.engine.core import Admitted, EngineSnapshot, Failed, Rejected
 from graphrt.engine.messages import (
     AbortJob,
     AddJob,
-    ChoiceOutput,
     EngineFacts,
     Fatal,
     JobAdmitted,
@@ -45,11 +44,11 @@ from graphrt.engine.messages import (
 )
 from graphrt.engine.process import ENGINE_PROCESS_MAIN
 from graphrt.engine.scheduler import check_lengths
-from graphrt.engine.sequence import FinishReason, SequenceOutput
+from graphrt.engine.sequence import SequenceOutput
 from graphrt.errors import GraphrtError
 from graphrt.frontend.async_engine import GenerationJob, PromptPreparer, choice_update
 from graphrt.frontend.output_processor import OutputProcessor, RequestState
-from graphrt.frontend.tokenizer import Tokenizer
+from graphrt.frontend.tokenizer import TokenizerLoading
 from graphrt.kernels.cpu.placement import CpuPlacement, pin_process, plan_cpu_placement, usable_cores
 from graphrt.model.default_model import default_model_dir
 
@@ -104,9 +103,7 @@ class EngineClient:
                 self._reap()
                 self._close_sockets()
                 raise
-        loader = ThreadPoolExecutor(1, thread_name_prefix="graphrt-tokenizer")
-        tokenizer = loader.submit(Tokenizer.from_dir, model_dir)
-        loader.shutdown(wait=False)
+        tokenizer = TokenizerLoading(model_dir)
         self.facts = self._wait_ready()  # the engine's errors first: a bad folder fails both, the engine says it better
         for line in self.facts.banner:
             echo(line)
@@ -240,17 +237,14 @@ class EngineClient:
             elif isinstance(message, Fatal):
                 self._fail(message.message)
 
-    def _apply(self, outputs: list[ChoiceOutput]) -> None:
+    def _apply(self, outputs: list[tuple[int, int, SequenceOutput]]) -> None:
         now = time.perf_counter()
         deltas = []
-        for output in outputs:
-            front = self._jobs.get(output.job)
+        for job_id, choice, output in outputs:
+            front = self._jobs.get(job_id)
             if front is None:
                 continue  # aborted here since
-            reason = FinishReason(output.finish_reason) if output.finish_reason is not None else None
-            deltas.append(SequenceOutput(
-                front.states[output.choice].request_id, output.token_ids, reason, output.logprobs, output.prompt_logprobs,
-            ))
+            deltas.append(dataclasses.replace(output, request_id=front.states[choice].request_id))
         # A choice a stop string ended here drops the engine's tokens that were already on the way.
         states, stopped = self._outputs.process(deltas)
         for request_id in stopped:

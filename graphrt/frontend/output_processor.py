@@ -18,8 +18,7 @@ from graphrt.engine.sequence import FinishReason, SequenceOutput
 
 if TYPE_CHECKING:
     from graphrt.frontend.tokenizer import Tokenizer
-    from graphrt.runtime.logprobs import TokenLogprob
-    from graphrt.sampling_params import SamplingParams
+    from graphrt.sampling_params import SamplingParams, TokenLogprob
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode ending inside a multi-byte character ends with
 

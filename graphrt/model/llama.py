@@ -7,6 +7,7 @@ q/k/v, Qwen3 an RMSNorm on each head of q and k. q/k/v and gate/up are fused int
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -125,6 +126,9 @@ class Stage(nn.Module):
         self.device = device
         self.dtype = dtype
         self._decode_step: Callable | None = None  # what ops.decode_layers made for this stage: see use_kernels
+        # A synthetic stage (graphrt.tools.synthetic) also sleeps this long per forward, as a GPU
+        # kernel would free the host; on CUDA only eager forwards sleep, a replayed graph does not.
+        self.synthetic_delay_s = 0.0
         meta = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         self.embed_tokens = meta(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in layers)
@@ -195,6 +199,8 @@ class Stage(nn.Module):
         Returns hidden states for the next stage, or on the last stage the logits of each
         sequence's last token (batch, vocab_size).
         """
+        if self.synthetic_delay_s:
+            time.sleep(self.synthetic_delay_s)
         hidden = F.embedding(x, self.embed_tokens) if self.is_first else x
         cos, sin = self.cos[meta.positions], self.sin[meta.positions]
         residual = None

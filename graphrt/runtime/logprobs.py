@@ -19,16 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphrt.runtime.sampler import host_to_device
+from graphrt.sampling_params import TokenLogprob
 
 if TYPE_CHECKING:
     from graphrt.runtime.step import ScheduledStep
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # the most likely tokens and their logprobs, most likely first
 
 
 @dataclass

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import torch
 
 from graphrt.capture.graphs import StageGraphs
-from graphrt.kernels.cpu.openmp import TeamSizer, openmp_available
 from graphrt.model import SCRATCH_BLOCK
 from graphrt.model.batch import StepMetadata
 from graphrt.profiling.nvtx import Ranges
@@ -146,7 +145,6 @@ class Ring:
         stages = self.pipeline.stages
         self.busy_s = [0.0] * len(stages)  # seconds each local stage has spent on micro-batches
         self.streams = self._make_streams()
-        self.teams = self._make_teams()
         self.slots = [
             RingSlot(
                 index=k,
@@ -166,13 +164,10 @@ class Ring:
         return self.host_tokens if first.type == "cpu" else torch.zeros_like(self.host_tokens, device=first)
 
     def _make_streams(self) -> list:
-        return [make_stream(stage.device, f"graphrt-stage{stage.index}") for stage in self.pipeline.stages]
-
-    def _make_teams(self) -> list[TeamSizer | None]:
-        """Each CPU stage thread's OpenMP team, sized to the cores other processes leave it (made
-        with the threads: a fresh thread starts with torch's team)."""
-        sized = openmp_available()
-        return [TeamSizer() if sized and stage.device.type == "cpu" else None for stage in self.pipeline.stages]
+        """One per stage, each with its kernel set's hook (a fresh thread needs its own, e.g. its team)."""
+        return [
+            make_stream(stage.device, f"graphrt-stage{stage.index}", stage.ops.stream_hook) for stage in self.pipeline.stages
+        ]
 
     def reset(self, cause: str) -> None:
         """After a stage failure (`cause`): every micro-batch in flight is dropped and every slot is
@@ -181,7 +176,6 @@ class Ring:
         for stream in self.streams:
             stream.close()
         self.streams = self._make_streams()
-        self.teams = self._make_teams()
         self._forget_in_flight()
 
     def _forget_in_flight(self) -> None:
@@ -284,9 +278,6 @@ class Ring:
         stage, cache = self.pipeline.stages[index], self.pipeline.caches[index]
         num_tokens = token_ids.shape[0]
         kind = "prefill" if mb.step.is_prefill else "decode"
-        team = self.teams[index]
-        if team is not None:
-            team.fit()
         started = self.timeline.begin(stage.device) if self.timeline else None
         busy_from = mark(stage.device)
         if mb.step.is_prefill:

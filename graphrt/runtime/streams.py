@@ -38,9 +38,12 @@ class CpuStream:
 
     Given a CUDA device (a stage in front of a remote link, which must send in order from one
     thread), the thread runs its work on that device and on a CUDA stream of its own, so nothing it
-    computes queues behind another thread's work on the device's default stream."""
+    computes queues behind another thread's work on the device's default stream.
 
-    def __init__(self, name: str, device: torch.device | None = None):
+    `before_work`, if given, runs on the thread before each piece of work (see KernelSet.stream_hook)."""
+
+    def __init__(self, name: str, device: torch.device | None = None, before_work: Callable[[], None] | None = None):
+        self.before_work = before_work
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._device = device
@@ -60,6 +63,8 @@ class CpuStream:
             if kind == "work":
                 if self._error is None:
                     try:
+                        if self.before_work is not None:
+                            self.before_work()
                         payload()
                     except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                         self._error = exc
@@ -143,5 +148,8 @@ def new_cuda_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def make_stream(device: torch.device, name: str) -> CpuStream | CudaStream:
-    return CudaStream(device) if device.type == "cuda" else CpuStream(name)
+def make_stream(device: torch.device, name: str, hook: Callable | None = None) -> CpuStream | CudaStream:
+    """The stream of a stage on `device`; `hook`: its kernel set's stream_hook (only a CPU stage has one)."""
+    if device.type == "cuda":
+        return CudaStream(device)
+    return CpuStream(name, before_work=hook() if hook is not None else None)

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from graphrt.frontend.async_engine import ChoiceUpdate, GenerationJob
-from graphrt.runtime.logprobs import TokenLogprob
+from graphrt.sampling_params import TokenLogprob
 
 # A token and its logprob entry (None for a prompt's first token), as a choice reports them.
 Scored = tuple[int, TokenLogprob | None]

@@ -11,7 +11,6 @@ benchmarks and `graphrt profile --synthetic` run these stages on.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -20,22 +19,11 @@ from graphrt.engine.engine import Engine
 
 
 def make_synthetic(engine: Engine, stage_ms: float, host_ms: float = 0.0) -> Engine:
+    """`engine` with every local stage sleeping `stage_ms` per forward and the host `host_ms` per
+    micro-batch read back (a stage process's stages are not slowed)."""
     for stage in engine.pipeline.stages:
-        forward = stage.forward
-
-        def slow_forward(x, meta, cache, forward=forward):
-            time.sleep(stage_ms / 1000)
-            return forward(x, meta, cache)
-
-        stage.forward = slow_forward
-    if host_ms:
-        account = engine._account
-
-        def slow_account(mb, now, new_tokens, account=account):
-            time.sleep(host_ms / 1000)
-            account(mb, now, new_tokens)
-
-        engine._account = slow_account
+        stage.synthetic_delay_s = stage_ms / 1000
+    engine.synthetic_host_s = host_ms / 1000
     return engine
 
 

@@ -184,6 +184,9 @@ class TeamSizer:
         self.others = 0.0  # cores other processes used in the last measurement
         self._last: tuple[float, float, float] | None = None  # (time, busy s, own s)
 
+    def __call__(self) -> None:  # a CPU stage stream's before_work (KernelSet.stream_hook)
+        self.fit()
+
     def fit(self) -> None:
         now = self.clock()
         if self._last is not None and now - self._last[0] < self.INTERVAL_S:

@@ -24,6 +24,7 @@ from graphrt.kernels.cpu.forcing import ForcedModes, as_forced
 from graphrt.kernels.cpu.kernel_choice import DECODE_LAYER_OPS, CpuKernelChoice
 from graphrt.kernels.cpu.linear import convert, linear, panel_linear_silu_and_mul
 from graphrt.kernels.cpu.matmul_choice import MatmulChoice, MatmulPlan, available_paths, choose_path
+from graphrt.kernels.cpu.openmp import TeamSizer, openmp_available
 
 # A stage here is a graphrt.model.llama.Stage, read by its attributes (the kernels sit below the
 # model and do not import it): its layers, their weights by name, matmul_owners() and use_kernels().
@@ -92,6 +93,7 @@ def cpu_kernel_set(ops: KernelSet, choice: CpuKernelChoice) -> KernelSet:
     return dataclasses.replace(
         ops, **{**chosen, "paged_prefill_attention": prefill}, linear=linear, gate_up_silu=gate_up_silu,
         decode_layers=bind_decode_layers if one_call else None,
+        stream_hook=TeamSizer if openmp_available() else None,
     )
 
 
