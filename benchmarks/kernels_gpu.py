@@ -45,7 +45,7 @@ INTERMEDIATE_SIZE = 14336
 BLOCK_SIZE = 16
 CALLS_PER_GRAPH = 20
 NO_CUDA_EXIT = 3  # scripts/gpu_check.sh reads this as "no CUDA device", not as a failure
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # relative, as tests/test_kernels.py
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # relative, as tests/kernels/test_kernels.py
 
 
 @dataclass

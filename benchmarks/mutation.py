@@ -34,10 +34,10 @@ PYTEST = [PYTHON, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
 
 # The fast CPU tests that exercise each module, fastest-failing first.
 TESTS = {
-    "kv_cache": ["tests/test_scheduler.py", "tests/test_block_accounting.py"],
-    "sampling": ["tests/test_sampling.py", "tests/test_errors.py"],
-    "scheduler": ["tests/test_scheduler.py", "tests/test_block_accounting.py", "tests/test_ring.py"],
-    "ring": ["tests/test_ring.py", "tests/test_block_accounting.py"],
+    "kv_cache": ["tests/engine/test_scheduler.py", "tests/engine/test_block_accounting.py"],
+    "sampling": ["tests/runtime/test_sampling.py", "tests/test_errors.py"],
+    "scheduler": ["tests/engine/test_scheduler.py", "tests/engine/test_block_accounting.py", "tests/runtime/test_ring.py"],
+    "ring": ["tests/runtime/test_ring.py", "tests/engine/test_block_accounting.py"],
 }
 # The files each module's mutants are made in. The layout of issue 30 split two of the four files the
 # first run mutated (graphrt/kv_cache.py: the block allocator and the cache tensors; graphrt/sampling.py:

@@ -6,7 +6,7 @@ pp=4 on a tiny random Llama (no download); every stage sleeps `--stage-ms` per m
 the host `--host-ms` per read-back. The busy share is measured by the timeline over the middle
 half of the decode span. Wall-clock shares depend on what else the machine runs, so they live
 here, not in tests (which check the ring's scheduling with a clock they control:
-tests/test_ring.py). The bars are what a quiet machine reaches; a loaded one can miss them.
+tests/runtime/test_ring.py). The bars are what a quiet machine reaches; a loaded one can miss them.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ unpacks the archive into its TRITON_CACHE_DIR and reports how many kernels it st
 1. `record` finds the variants from the code, not from a list: every `@triton.jit` kernel launch in
    graphrt.kernels is intercepted (KernelInterface.__getitem__) and described as the JIT specializes
    it (tensor dtypes and 16-byte alignment, ints as 1 / multiple of 16 / other, constexprs, options)
-   while the check's workloads run on the CPU: tests/test_kernels.py through Triton's interpreter
+   while the check's workloads run on the CPU: tests/kernels/test_kernels.py through Triton's interpreter
    (with a bfloat16 twin of each float16 launch: the tests add bfloat16 on CUDA), benchmarks/
    kernels_gpu.py's cases, and the engines that `graphrt capture` / `generate` / `serve`,
    graph_replay_gpu.py and pp_throughput_gpu.py build (their own build functions, on the CPU with
@@ -205,20 +205,20 @@ def record_only_kernel_set() -> None:
 
 
 def record_kernel_tests(path: Path) -> None:
-    """tests/test_kernels.py through the interpreter, this file as a pytest plugin that records."""
+    """tests/kernels/test_kernels.py through the interpreter, this file as a pytest plugin that records."""
     env = dict(os.environ, TRITON_INTERPRET="1", TRITON_AOT_RECORD=str(path), PYTHONPATH=f"{ROOT / 'scripts'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "triton_aot", str(ROOT / "tests" / "test_kernels.py")]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "triton_aot", str(ROOT / "tests" / "kernels" / "test_kernels.py")]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     tail = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
     # The tests run with the GPU's split counts, so a CPU-only assertion may fail; the launches are what count.
-    print(f"  tests/test_kernels.py (interpreter, exit {result.returncode}): {tail}")
+    print(f"  tests/kernels/test_kernels.py (interpreter, exit {result.returncode}): {tail}")
     if not path.exists():
-        raise SystemExit(f"tests/test_kernels.py recorded nothing:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+        raise SystemExit(f"tests/kernels/test_kernels.py recorded nothing:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
 
 
 def pytest_configure(config):  # noqa: ARG001 - this file as the plugin of record_kernel_tests
     recorder = LaunchRecorder(launch=True)
-    recorder.source = "tests/test_kernels.py"
+    recorder.source = "tests/kernels/test_kernels.py"
     recorder.install()
     split_counts_as_on_the_gpu()
     config._triton_aot_recorder = recorder

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,10 +11,18 @@ import torch
 
 from graphrt.tools.synthetic import TINY_VARIANTS, make_tiny_model  # noqa: F401  (TINY_VARIANTS: for tests)
 
+# The test files sit in folders mirroring the package (tests/server, tests/kernels/cpu, ...) and import
+# what they share by bare name (`from helpers import ...`): this folder on sys.path makes that work
+# from any of them, whatever pytest is pointed at (its "prepend" import mode puts each test file's own
+# folder there, and this one for this file; saying so here does not rest on that).
+TESTS_DIR = str(Path(__file__).resolve().parent)
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+
 # The CPU matmul path is chosen by timing at start-up, which on a busy machine is a coin toss, and
 # F.linear's results depend on the row count: tests that compare a batch with single requests would
 # then depend on the load. The suite runs the packed path (engine subprocesses inherit this);
-# tests/test_matmul_choice.py sets its own mode where the choice itself is tested.
+# tests/kernels/cpu/test_matmul_choice.py sets its own mode where the choice itself is tested.
 os.environ.setdefault("GRAPHRT_MATMUL", "packed")
 
 

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
 
 import torch
 
@@ -58,3 +63,27 @@ def running_server(mode: str, settings: dict | None = None, **llm_kwargs):
     engine = engine_for_server(mode, **llm_kwargs)
     with ServerThread(engine, ServerSettings(model_id=engine.model_dir.name, **(settings or {}))) as running:
         yield running
+
+
+# `graphrt serve` as a user runs it, in a subprocess (tests/server/test_server_shutdown.py,
+# tests/engine/test_engine_process.py).
+API_KEY = "shutdown-test-key"
+
+
+def start_server(max_batch: int = 4, extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, list[str]]:
+    env = {**os.environ, "GRAPHRT_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "graphrt", "serve", "--port", "0", "--max-model-len", "512", "--max-batch", str(max_batch), *extra_args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        found = re.search(r"serving \S+ on (http://\S+)", line)
+        if found:
+            lines.append(proc.stdout.readline().rstrip("\n"))  # the curl line
+            return proc, found.group(1), lines
+    proc.kill()
+    raise AssertionError("the server did not start:\n" + "\n".join(lines))

@@ -1,7 +1,7 @@
 """Code whose behaviour depends on the machine (how many cores this process may use, how many GPUs
 torch sees, how big the last-level cache is), each run on the branches this machine would not take
 by itself: the machine is a parameter here, not luck. The server's core placement has its own file
-(tests/test_cpu_placement.py); the ring depth and row split theirs (tests/test_decode_split.py)."""
+(tests/kernels/cpu/test_cpu_placement.py); the ring depth and row split theirs (tests/runtime/test_decode_split.py)."""
 
 from __future__ import annotations
 

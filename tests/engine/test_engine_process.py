@@ -1,7 +1,7 @@
 """The engine in a process of its own (`graphrt serve`'s default): the engine process dying
 mid-stream is a 503 to every request in flight and a prompt non-zero exit, never a hang; the wire
 carries every message type as itself. The server tests run against this mode too
-(tests/test_server_api.py, test_server_logprobs.py, test_server_clients.py)."""
+(tests/server/test_server_api.py, test_server_logprobs.py, test_server_clients.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ for package in ("fastapi", "uvicorn", "httpx", "zmq", "msgspec"):  # the server 
 
 import httpx  # noqa: E402
 import msgspec  # noqa: E402
-from test_server_shutdown import API_KEY, start_server  # noqa: E402
 
 from graphrt.engine.core import EngineSnapshot  # noqa: E402
 from graphrt.engine.messages import (  # noqa: E402
@@ -39,6 +38,7 @@ from graphrt.sampling_params import (
     SamplingParams,  # noqa: E402
     TokenLogprob,  # noqa: E402
 )
+from helpers import API_KEY, start_server  # noqa: E402
 
 
 def children_of(pid: int) -> list[int]:

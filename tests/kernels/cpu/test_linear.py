@@ -39,7 +39,7 @@ def test_packed_matches_dense(rows, with_bias):
 
 @needs_onednn
 def test_a_float32_cpu_stage_packs_its_matmuls_and_float64_does_not(tiny_model_factory, monkeypatch):
-    monkeypatch.setenv("GRAPHRT_MATMUL", "packed")  # not what this machine measures fastest (tests/test_matmul_choice.py)
+    monkeypatch.setenv("GRAPHRT_MATMUL", "packed")  # not what this machine measures fastest (tests/kernels/cpu/test_matmul_choice.py)
     model = tiny_model_factory("qwen2-qkv-bias")  # biases on q/k/v go through the packed path too
     packed_stage = LLM(model=model, pp=2, dtype="float32").engine.pipeline.stages[1]
     dense_stage = LLM(model=model, pp=2, dtype="float64").engine.pipeline.stages[1]

@@ -155,7 +155,7 @@ def test_error_points_at_the_line_and_says_what_to_do(tiny_model_factory):
     with pytest.raises(RehearsalError) as error:
         rehearse_stage(stage, cache, static_inputs(stage, 4))
     message = str(error.value)
-    assert message.startswith("stage 0, bucket 4: aten.nonzero.default at tests/test_rehearsal.py:")
+    assert message.startswith("stage 0, bucket 4: aten.nonzero.default at capture/test_rehearsal.py:")
     assert "give the size explicitly" in message
 
 

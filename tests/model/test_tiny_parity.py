@@ -42,7 +42,7 @@ def test_prefill_chunk_size_does_not_change_logits(tiny_model_factory, chunk):
 def test_greedy_decode_matches_transformers_generate(tiny_model_factory, variant):
     """Decode reads K/V back through the block tables; 40 tokens cross several 16-token blocks.
     The tiny models attend sharply, so a decode position or K/V head off by one changes these
-    tokens (tests/test_informative_models.py)."""
+    tokens (tests/model/test_informative_models.py)."""
     model_dir = tiny_model_factory(variant)
     prompts = [[5, 9, 13], list(range(20, 45)), [1]]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)

@@ -1,5 +1,5 @@
 """More requests than the KV cache holds at full length: the server admits them, preempts and
-recomputes the youngest as blocks run out, and answers every one in full (tests/test_ring.py
+recomputes the youngest as blocks run out, and answers every one in full (tests/runtime/test_ring.py
 checks that preempted requests get exactly the tokens they get alone)."""
 
 from __future__ import annotations

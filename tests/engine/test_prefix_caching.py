@@ -1,7 +1,7 @@
 """Prefix caching: requests reuse the KV blocks of prefixes computed before and get exactly the
 tokens they get without it (float64 tiny models, pp 1-3, async scheduling on and off, stage
 processes), the allocator's references and its least-recently-used eviction, and what asks to
-compute its prompt (prompt logprobs) does. Fuzzed accounting: tests/test_block_accounting.py."""
+compute its prompt (prompt logprobs) does. Fuzzed accounting: tests/engine/test_block_accounting.py."""
 
 from __future__ import annotations
 

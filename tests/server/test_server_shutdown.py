@@ -3,11 +3,8 @@ with streams in flight: each stream ends with an error event and [DONE], the pro
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,29 +15,9 @@ for package in ("fastapi", "uvicorn", "httpx"):  # the server stack: not on ever
 
 import httpx  # noqa: E402
 
+from helpers import API_KEY, start_server  # noqa: E402
+
 pytestmark = pytest.mark.slow
-
-API_KEY = "shutdown-test-key"
-
-
-def start_server(max_batch: int = 4, extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, list[str]]:
-    env = {**os.environ, "GRAPHRT_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "graphrt", "serve", "--port", "0", "--max-model-len", "512", "--max-batch", str(max_batch), *extra_args]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.rstrip("\n"))
-        found = re.search(r"serving \S+ on (http://\S+)", line)
-        if found:
-            lines.append(proc.stdout.readline().rstrip("\n"))  # the curl line
-            return proc, found.group(1), lines
-    proc.kill()
-    raise AssertionError("the server did not start:\n" + "\n".join(lines))
-
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_cancels_streams_and_exits_0(sig):
@@ -51,7 +28,7 @@ def test_signal_cancels_streams_and_exits_0(sig):
         # The kernels it runs, op by op compiled or torch reference, and why (kernels/cpu/kernel_choice.py).
         assert re.match(r"\[graphrt\] CPU kernels: (compiled|torch references).* \(", banner[2])
         assert re.match(r"\[graphrt\] warm-up \d+\.\d s", banner[3])
-        assert re.match(r"\[graphrt\] cpu placement: (pin|float) \(", banner[4])  # and why (tests/test_cpu_placement.py)
+        assert re.match(r"\[graphrt\] cpu placement: (pin|float) \(", banner[4])  # and why (tests/kernels/cpu/test_cpu_placement.py)
         assert banner[6].startswith(f"try: curl {url}/v1/chat/completions") and "Authorization: Bearer $GRAPHRT_API_KEY" in banner[6]
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 401  # the key came from the env
         events, first_event = [], threading.Event()
