@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import subprocess
@@ -87,3 +88,38 @@ def start_server(max_batch: int = 4, extra_args: tuple[str, ...] = ()) -> tuple[
             return proc, found.group(1), lines
     proc.kill()
     raise AssertionError("the server did not start:\n" + "\n".join(lines))
+
+
+# What a sampler's draws should follow (tests/runtime/test_sampling.py, and speculative decoding's
+# sampled acceptance).
+def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """What the sampler documents (vLLM's order), written out independently: soften or sharpen
+    with the temperature first, keep the top_k most likely tokens and renormalise, then keep the
+    smallest prefix of those whose mass reaches top_p (always the first token), and renormalise."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)  # (vocab,)
+    order = probs.argsort(descending=True).tolist()
+    if top_k:
+        order = order[:top_k]
+    top_k_mass = sum(probs[token].item() for token in order)
+    kept = torch.zeros_like(probs)
+    mass_before = 0.0
+    for rank, token in enumerate(order):
+        if rank > 0 and mass_before >= top_p:
+            break
+        kept[token] = probs[token]
+        mass_before += probs[token].item() / top_k_mass
+    return kept / kept.sum()
+
+
+def assert_draws_follow(tokens: torch.Tensor, expected: torch.Tensor) -> None:
+    """Empirical frequencies within a total-variation bound that random draws exceed with
+    probability under 1e-9, and no token outside the expected support."""
+    num_draws = tokens.numel()
+    frequencies = torch.bincount(tokens, minlength=expected.numel()).double() / num_draws
+    assert set(tokens.unique().tolist()) <= set(expected.nonzero().flatten().tolist())
+    # E[TV] <= sum sqrt(p (1 - p) / N) / 2, and TV moves by at most 1/N per draw, so by McDiarmid
+    # it exceeds its mean by t with probability at most exp(-2 N t^2).
+    mean_bound = (expected * (1 - expected) / num_draws).sqrt().sum().item() / 2
+    bound = mean_bound + math.sqrt(math.log(1e9) / (2 * num_draws))
+    distance = (frequencies - expected).abs().sum().item() / 2
+    assert distance < bound, f"total variation {distance:.4f} >= {bound:.4f}: {frequencies} vs {expected}"
