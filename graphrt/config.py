@@ -13,6 +13,7 @@ import torch
 
 from graphrt.kernels.cpu.info import cpu_bf16_support
 from graphrt.model.config import ModelConfig
+from graphrt.speculative import SpeculativeConfig
 
 DTYPES = {
     "float32": torch.float32,
@@ -85,6 +86,8 @@ class EngineConfig:
     timeline: bool = False  # record when each stage works on which micro-batch (graphrt.profiling)
     procs: bool = False  # stages 1..pp-1 in worker processes over torch.distributed (graphrt.distributed.remote)
     watchdog_s: float = 30.0  # with procs: a stage silent this long is declared dead
+    # Speculative decoding (--speculative-config): a SpeculativeConfig, its dict or JSON; None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pp, int) or self.pp < 1:
@@ -120,6 +123,11 @@ class EngineConfig:
             raise ValueError(f"watchdog_s must be a positive number of seconds, got {self.watchdog_s!r}")
         if self.dtype != "auto":
             self.dtype = parse_dtype(self.dtype)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.procs:
+            raise ValueError(
+                "speculative decoding does not run with stage processes (--procs) yet; drop one of the two"
+            )
 
     def default_depth(self) -> int:
         """1 for CUDA stages on several GPUs, else 0 (measured: benchmarks/results.md, "ring depth").

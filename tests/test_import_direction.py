@@ -80,6 +80,7 @@ def test_the_scheduler_emits_plain_data():
     loaded = loaded_alone("graphrt.engine.scheduler")
     assert loaded == {
         "graphrt.engine.scheduler", "graphrt.engine.sequence", "graphrt.runtime.step", "graphrt.engine.block_allocator",
+        "graphrt.engine.stats",
         "graphrt.errors", "graphrt.sampling_params",  # plain data: the wire decodes a SequenceOutput's logprobs
         "graphrt.engine", "graphrt.runtime", "graphrt.model",  # the packages: docstrings only
     }
@@ -106,7 +107,7 @@ def test_one_place_frees_kv_blocks_and_one_place_grows_an_output():
 # `graphrt` itself (its __init__) and the CLI sit on top.
 LAYERS = [
     ("graphrt.errors",),
-    ("graphrt.kernels", "graphrt.profiling", "graphrt.sampling_params"),
+    ("graphrt.kernels", "graphrt.profiling", "graphrt.sampling_params", "graphrt.speculative"),
     ("graphrt.model",),
     ("graphrt.config",),
     ("graphrt.capture",),

@@ -31,6 +31,7 @@ from graphrt.distributed.handshake import StagePlan
 from graphrt.distributed.remote import Cluster, load_first_stage
 from graphrt.distributed.transport import StageFailure
 from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.engine.drafter import make_drafter
 from graphrt.engine.kv_budget import kv_blocks_that_fit, measure_headroom
 from graphrt.engine.scheduler import Scheduler
 from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
@@ -130,6 +131,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch,
             eos_ids=frozenset(self.eos_ids), prefix_root=self._prefix_root() if config.prefix_caching else None,
+            drafter=make_drafter(config.speculative_config),
         )
         # With stage processes the last rank samples (and makes each seeded request's generator from
         # the seed it is sent): a sampler here would open a CUDA context on a GPU this rank never uses.
@@ -150,7 +152,7 @@ class Engine:
         self._decode_busy_until = 0.0
         self.synthetic_host_s = 0.0  # host time a synthetic engine adds per micro-batch read back (graphrt.tools.synthetic)
         self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
-        self.stats = EngineStats()
+        self.stats = EngineStats(spec=self.scheduler.spec)
         self._ids = itertools.count()
         self._undelivered: list[SequenceOutput] = []  # deltas of a step that raised before returning them
         if on_cpu:
@@ -387,7 +389,7 @@ class Engine:
         now = time.perf_counter()
         logprobs = mb.logprobs.read_back(mb.token_ids) if mb.logprobs is not None else None
         updated = self.scheduler.update_from_output(mb.step, mb.token_ids, now, logprobs)
-        self._account(mb, now, len(updated))
+        self._account(mb, now, sum(len(output.new_token_ids) for output in updated))
         return updated
 
     def _recover(self, exc: Exception, extra: list[Sequence] = ()) -> None:

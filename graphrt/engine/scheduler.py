@@ -10,6 +10,14 @@ A micro-batch is either a prefill chunk (up to `prefill_chunk_size` tokens: prom
 one or more sequences plus one token for each decode row riding along; eager) or a decode batch
 (one token per row, at most the largest bucket; replayed as a graph).
 
+With a drafter (speculative decoding), a decode batch in which some rows have drafts is a verify
+step: such a row feeds its newest token and its d drafts, gets a token sampled at each of the
+1 + d positions, and keeps the drafts up to the first that differs from the token sampled before
+it, plus that sampled token (`accept_drafts`). The row's K/V past what it kept is never read (its
+computed count goes back), and the blocks it took for drafts it did not keep go back. A row with
+drafts waits for its read-back before its next step (the drafter reads its tokens on the host);
+rows without drafts keep async scheduling.
+
 KV blocks are allocated as a sequence grows: on admission for its prompt and first new token,
 then one block whenever its next position starts a new one. When none is free, the youngest
 sequence with nothing in flight gives its blocks back and waits to be recomputed (its prompt and
@@ -37,11 +45,29 @@ from typing import TYPE_CHECKING
 
 from graphrt.engine.block_allocator import BlockAllocator, block_keys
 from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
+from graphrt.engine.stats import SpecStats
 from graphrt.errors import RequestError
 from graphrt.runtime.step import ScheduledStep
 
 if TYPE_CHECKING:
+    from graphrt.engine.drafter import NgramDrafter
     from graphrt.runtime.logprobs import StepLogprobs  # torch, which the scheduler never loads
+
+
+MAX_DRAFT_PAUSE = 64  # decode steps a row goes at most without drafting after verify steps that kept nothing
+
+
+def accept_drafts(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a verify row keeps: `sampled[j]` is the token sampled where draft j + 1 (or for
+    the last, the next token) goes, given the drafts before it. Each draft is kept while it equals
+    the token sampled in its place, and the first sampled token that differs (or the one after the
+    last draft) ends the run. Greedy, this is the target's argmax run; sampling, each draft is kept
+    with the probability p(draft) the target gives it and on a miss the token comes from p without
+    the draft: speculative rejection sampling against a draft that is sure of its token."""
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == sampled[kept]:
+        kept += 1
+    return sampled[: kept + 1]
 
 
 def check_lengths(prompt_len: int, max_tokens: int | None, max_model_len: int, capacity_tokens: int) -> int:
@@ -79,8 +105,11 @@ class Scheduler:
         max_decode_batch: int,
         eos_ids: frozenset[int] = frozenset(),
         prefix_root: bytes | None = None,
+        drafter: NgramDrafter | None = None,
     ):
         self.allocator = allocator
+        self.drafter = drafter  # None: no speculative decoding
+        self.spec = SpecStats()
         self.prefix_root = prefix_root  # None: no prefix caching
         self.eos_ids = eos_ids
         self.max_num_seqs = max_num_seqs
@@ -196,7 +225,60 @@ class Scheduler:
         if not batch:
             return None
         self._rotate(batch)
+        if self.drafter is not None and not prefilling:
+            return self._launched(self._decode_step(batch))
         return self._launched(ScheduledStep(batch, [1] * len(batch), is_prefill=False, id=next(self._step_ids)))
+
+    def _decode_step(self, batch: list[Sequence]) -> ScheduledStep:
+        """A decode batch whose rows the drafter can guess for become a verify step (those rows
+        last), within the micro-batch's token budget."""
+        budget = max(self.prefill_chunk_size, self.max_decode_batch) - len(batch)
+        drafts = {}
+        for seq in batch:
+            if not self._drafts_next(seq):
+                seq.draft_pause = max(0, seq.draft_pause - 1)
+                continue
+            proposed = self._draft(seq, budget)
+            if proposed:
+                drafts[id(seq)] = proposed
+                budget -= len(proposed)
+            else:  # nothing to guess from: as a miss, so that the row gets async scheduling back
+                self._missed(seq)
+        if not drafts:
+            return ScheduledStep(batch, [1] * len(batch), is_prefill=False, id=next(self._step_ids))
+        rows = [seq for seq in batch if id(seq) not in drafts] + [seq for seq in batch if id(seq) in drafts]
+        draft_ids = [drafts.get(id(seq), []) for seq in rows]
+        for seq, row_drafts in zip(rows, draft_ids):
+            seq.draft_ids = row_drafts
+        return ScheduledStep(
+            rows, [1 + len(d) for d in draft_ids], is_prefill=False, draft_ids=draft_ids, id=next(self._step_ids)
+        )
+
+    def _drafts_next(self, seq: Sequence) -> bool:
+        """Whether `seq`'s next decode step tries drafts: not while it pauses after drafts that
+        missed, nor for a request that reports logprobs."""
+        return self.drafter is not None and not seq.draft_pause and seq.params.logprobs is None
+
+    def _missed(self, seq: Sequence) -> None:
+        """No draft kept: try again after 1, 3, 7, ... decode steps, so what can't be guessed costs little."""
+        seq.draft_backoff = min(2 * seq.draft_backoff + 1, MAX_DRAFT_PAUSE)
+        seq.draft_pause = seq.draft_backoff
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Drafts for `seq`'s next step, with KV blocks for them; [] where nothing is guessed or a
+        token of it is still on the device (the drafter reads tokens on the host)."""
+        if seq.num_in_flight:
+            return []
+        limit = min(budget, seq.max_tokens - len(seq.output_ids) - 1)  # its 1 + d tokens stay within max_tokens
+        drafts = self.drafter.propose(seq.prompt_ids + seq.output_ids, limit)
+        # Blocks for the draft positions (after the newest token's, at num_computed), from the free
+        # ones only: a guess never preempts anyone.
+        room = (len(seq.block_ids) + self.allocator.num_free) * self.allocator.block_size - seq.num_computed - 1
+        drafts = drafts[: max(0, room)]
+        missing = self.allocator.blocks_for(seq.num_computed + 1 + len(drafts)) - len(seq.block_ids)
+        if missing > 0:
+            seq.block_ids += self.allocator.allocate(missing)
+        return drafts
 
     def _launched(self, step: ScheduledStep) -> ScheduledStep:
         """Advance the counts of every row of a step about to launch."""
@@ -210,12 +292,13 @@ class Scheduler:
             seq.sampling_step = step.id
         return step
 
-    @staticmethod
-    def _can_decode(seq: Sequence, follows: int | None) -> bool:
-        if seq.outputs_scheduled >= seq.max_tokens:
+    def _can_decode(self, seq: Sequence, follows: int | None) -> bool:
+        if seq.outputs_scheduled >= seq.max_tokens or seq.draft_ids:  # a verify step of it in flight
             return False
         if seq.num_in_flight == 0:
             return True
+        if self._drafts_next(seq):
+            return False  # the drafter reads its newest token on the host: wait for it
         token_on_device = seq.num_in_flight == 1 and seq.num_output_placeholders > 0
         return token_on_device and follows is not None and seq.sampling_step <= follows
 
@@ -300,19 +383,30 @@ class Scheduler:
                 if len(seq.prompt_logprobs) == position:
                     seq.prompt_logprobs.append(entry)
         outputs: list[SequenceOutput] = []
-        for row, seq in enumerate(step.sampled_seqs):
+        offset = 0
+        for row, (seq, count) in enumerate(zip(step.sampled_seqs, step.sample_counts)):
             seq.num_output_placeholders -= 1
+            sampled = token_ids[offset : offset + count] if token_ids is not None else None
+            offset += count
+            if count > 1:
+                sampled = self._verified(seq, sampled)
             # Aborted while in flight, or finished a step earlier (async scheduling had already
             # launched the next one): the token is dropped.
-            if token_ids is not None and not seq.finished:
+            if sampled is not None and not seq.finished:
                 new_logprobs = None
                 if seq.params.logprobs is not None and logprobs is not None and row in logprobs.sampled:
                     new_logprobs = [logprobs.sampled[row]]
                     seq.logprobs += new_logprobs
-                self._append(seq, token_ids[row], now)
+                new_token_ids = []
+                for token_id in sampled:  # an accepted run may reach EOS or max_tokens: the rest is dropped
+                    if seq.finished:
+                        break
+                    self._append(seq, token_id, now)
+                    new_token_ids.append(token_id)
                 outputs.append(SequenceOutput(
-                    seq.request_id, [token_ids[row]], seq.finish_reason, new_logprobs,
-                    list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None and len(seq.output_ids) == 1 else None,
+                    seq.request_id, new_token_ids, seq.finish_reason, new_logprobs,
+                    list(seq.prompt_logprobs)
+                    if seq.params.prompt_logprobs is not None and len(seq.output_ids) == len(new_token_ids) else None,
                 ))
                 if self.prefix_root is not None:
                     self._register_full_blocks(seq)
@@ -320,6 +414,24 @@ class Scheduler:
             if seq.finished:
                 self._free_when_idle(seq)
         return outputs
+
+    def _verified(self, seq: Sequence, sampled: list[int] | None) -> list[int] | None:
+        """A verify row is back: keep what `accept_drafts` keeps (None: the step ran for its logits
+        only, nothing is kept), count it, and let go of what the row computed and allocated past that."""
+        drafts, seq.draft_ids = seq.draft_ids, []
+        kept = accept_drafts(drafts, sampled) if sampled is not None and not seq.finished else []
+        num_accepted = max(0, len(kept) - 1)
+        self.spec.record(len(drafts), num_accepted)
+        seq.num_computed -= len(drafts) - num_accepted  # the rejected drafts' K/V is never read
+        if num_accepted:
+            seq.draft_backoff = 0
+        else:
+            self._missed(seq)
+        if seq.block_ids:  # blocks past the next position go back (a finished row frees them all below)
+            keep = self.allocator.blocks_for(seq.num_computed + 1)
+            surplus, seq.block_ids = seq.block_ids[keep:], seq.block_ids[:keep]
+            self._give_back(surplus)
+        return kept if sampled is not None else None
 
     def _append(self, seq: Sequence, token_id: int, now: float) -> None:
         seq.output_ids.append(token_id)

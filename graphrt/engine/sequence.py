@@ -42,6 +42,11 @@ class Sequence:
     # then), and the id of the newest step sampling one; both are the scheduler's to change.
     num_output_placeholders: int = 0
     sampling_step: int = -1
+    # Speculative decoding: the drafts of its verify step in flight ([] when none), and how long
+    # it goes without drafting after verify steps that accepted nothing (graphrt.engine.drafter).
+    draft_ids: list[int] = field(default_factory=list)
+    draft_pause: int = 0
+    draft_backoff: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -13,6 +13,7 @@ class EngineStats:
     decode_steps: int = 0  # decode micro-batches read back
     decode_tokens: int = 0  # tokens they gave to requests (not counting a dropped one after EOS)
     decode_seconds: float = 0.0  # the union of the intervals in which a decode micro-batch was in flight
+    spec: SpecStats = field(default_factory=lambda: SpecStats())
 
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
@@ -20,3 +21,32 @@ class EngineStats:
     def weight_gb_per_s(self, weight_bytes: int) -> float:
         """Achieved weight bandwidth: every decode step reads all weights once."""
         return weight_bytes * self.decode_steps / self.decode_seconds / 1e9 if self.decode_seconds else 0.0
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding, as vLLM counts it: rows verified with drafts, drafts, accepted drafts,
+    and accepted drafts by position (the first draft of a row, the second, ...)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position += [0] * (num_drafted - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens a verify row gave on average: its accepted drafts plus the one it always samples."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

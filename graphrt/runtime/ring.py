@@ -22,6 +22,7 @@ on the device lands in the feed, and hands back the oldest finished micro-batch 
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class MicroBatch:
     busy_events: list = field(default_factory=list)  # CUDA: (stage, start, end) events of its work
     token_ids: list[int] | None = None  # one per sampled row, once read back
     logprobs: LogprobPlan | None = None  # what its last stage scores, for the requests that ask
+    sample_order: list[int] | None = None  # a verify step's logits rows to sample, in token order (verify_logits)
 
     @property
     def id(self) -> int:
@@ -80,9 +82,10 @@ def build_inputs(
     pageable memory the driver may wait for the stream, and the host would block).
     """
     token_ids, positions, slots, seq_lens, last_rows = [], [], [], [], []
-    for seq, start, query_len in zip(step.seqs, step.starts, step.query_lens):
-        for pos in range(start, start + query_len):
-            token = seq.token_at(pos)
+    for row, (seq, start, query_len) in enumerate(zip(step.seqs, step.starts, step.query_lens)):
+        drafts = step.draft_ids[row] if step.draft_ids else ()
+        for offset, pos in enumerate(range(start, start + query_len)):
+            token = drafts[offset - 1] if offset and drafts else seq.token_at(pos)
             token_ids.append(token if token is not None else feed_ref(feed_indices[seq.request_id]))
             positions.append(pos)
             slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
@@ -111,9 +114,24 @@ def build_inputs(
         seq_lens=flat[rows_from : rows_from + num_rows],
         logits_indices=flat[rows_from + num_rows : tables_from],
         seq_lens_host=seq_lens,
-        query_lens=list(step.query_lens) if step.is_prefill else None,
+        query_lens=list(step.query_lens) if step.is_eager else None,
     )
     return flat[:num_tokens], meta
+
+
+def verify_logits(step: ScheduledStep, first_extra: int) -> tuple[list[int], list[int]]:
+    """Where a verify step samples: each row with d drafts is sampled at all of its 1 + d tokens.
+    Returns (the token rows whose logits the last stage computes besides each row's last, which
+    build_inputs appends from index `first_extra` on; the logits rows to sample, in token order)."""
+    ends = list(itertools.accumulate(step.query_lens))
+    token_rows, order = [], []
+    for row in step.sample_rows:
+        num_drafts = step.num_drafts(row)
+        for j in range(num_drafts):
+            order.append(first_extra + len(token_rows))
+            token_rows.append(ends[row] - 1 - num_drafts + j)
+        order.append(row)
+    return token_rows, order
 
 
 @dataclass
@@ -206,6 +224,10 @@ class Ring:
         queuing (CPU)."""
         logprobs = plan_logprobs(step)
         extra_rows = logprobs.prompt_rows if logprobs is not None else []
+        sample_order = None
+        if step.is_verify:
+            verify_rows, sample_order = verify_logits(step, len(step.seqs) + len(extra_rows))
+            extra_rows = extra_rows + verify_rows
         token_ids, meta = build_inputs(step, self.block_size, self._feed_indices, self.pin, extra_rows)
         # The micro-batches in flight whose tokens this one reads from the feed.
         producers = {}
@@ -213,24 +235,27 @@ class Ring:
             if start >= seq.num_tokens:
                 producer = self._producers[seq.request_id]
                 producers[id(producer)] = producer
-        bucket = None if step.is_prefill else self.graphs[0].plan.bucket_for(len(step.seqs))
+        bucket = None if step.is_eager else self.graphs[0].plan.bucket_for(len(step.seqs))
         token_base = (2 * slot.index + slot.launches % 2) * self.max_tokens
         mb = MicroBatch(
             step, slot.index, time.perf_counter(), token_base=token_base, reads_feed=bool(producers), bucket=bucket,
-            logprobs=logprobs,
+            logprobs=logprobs, sample_order=sample_order,
         )
         if logprobs is not None:
             logprobs.allocate(pin=self.pipeline.stages[-1].device.type == "cuda")
         self._enqueue(slot, mb, token_ids, meta, list(producers.values()))
-        for row, seq in enumerate(mb.sampled_seqs):
-            self._producers[seq.request_id], self._feed_indices[seq.request_id] = mb, token_base + row
+        for row, seq in zip(step.sample_rows, mb.sampled_seqs):
+            if not step.num_drafts(row):  # a verify row's next input is known only once read back
+                self._producers[seq.request_id], self._feed_indices[seq.request_id] = mb, token_base + row
         return mb
 
     def _enqueue(
         self, slot: RingSlot, mb: MicroBatch, token_ids: torch.Tensor, meta: StepMetadata, producers: list[MicroBatch]
     ) -> None:
-        params = [seq.params for seq in mb.sampled_seqs]
-        generators = [seq.generator for seq in mb.sampled_seqs]
+        # One entry per token to sample (a verify row's 1 + drafts share its params and generator).
+        counts = mb.step.sample_counts
+        params = [seq.params for seq, count in zip(mb.sampled_seqs, counts) for _ in range(count)]
+        generators = [seq.generator for seq, count in zip(mb.sampled_seqs, counts) for _ in range(count)]
         # Stage 0 starts once the slot's earlier micro-batch has left the last stage (its buffers
         # are free) and the tokens it reads are in the feed.
         waits = {id(earlier): earlier for earlier in [*slot.in_flight, *producers]}
@@ -263,7 +288,8 @@ class Ring:
             self.collect_busy(oldest)
             if self.timeline:
                 self.timeline.record_wait(waited_from, self.timeline.now())
-            oldest.token_ids = self.host_tokens[oldest.token_base : oldest.token_base + len(oldest.sample_rows)].tolist()
+            num_sampled = len(oldest.sample_order or oldest.sample_rows)
+            oldest.token_ids = self.host_tokens[oldest.token_base : oldest.token_base + num_sampled].tolist()
             self.slots[oldest.slot].in_flight.remove(oldest)  # the slot may take another micro-batch
             for seq in oldest.sampled_seqs:
                 if self._producers.get(seq.request_id) is oldest:
@@ -277,7 +303,7 @@ class Ring:
     def _run_stage(self, index, slot, mb, token_ids, meta, params, generators) -> None:
         stage, cache = self.pipeline.stages[index], self.pipeline.caches[index]
         num_tokens = token_ids.shape[0]
-        kind = "prefill" if mb.step.is_prefill else "decode"
+        kind = "prefill" if mb.step.is_prefill else "verify" if mb.step.is_verify else "decode"
         started = self.timeline.begin(stage.device) if self.timeline else None
         busy_from = mark(stage.device)
         if mb.step.is_prefill:
@@ -287,7 +313,7 @@ class Ring:
         with work:
             x = self._input_ids(token_ids, mb).to(stage.device, non_blocking=True) if index == 0 else slot.recv[index][:num_tokens]
             stage_meta = meta.to(stage.device)
-            if mb.step.is_prefill:
+            if mb.step.is_eager:
                 out = stage(x, stage_meta, cache)
             else:
                 out = self.graphs[index].run(x, stage_meta)
@@ -306,11 +332,12 @@ class Ring:
     def _sample(self, mb: MicroBatch, out: torch.Tensor, params, generators) -> None:
         """On the last stage: sample the rows that get a token, score what `mb.logprobs` asks for."""
         logits = token_ids_out = None
-        if mb.sample_rows:
-            logits = out if len(mb.sample_rows) == out.shape[0] else out[host_to_device(mb.sample_rows, torch.int64, out.device)]
+        order = mb.sample_order or mb.sample_rows
+        if order:
+            logits = out if order == list(range(out.shape[0])) else out[host_to_device(order, torch.int64, out.device)]
             with self.ranges.sample():
                 token_ids_out = self.sampler(logits, params, generators)
-            rows = slice(mb.token_base, mb.token_base + len(mb.sample_rows))
+            rows = slice(mb.token_base, mb.token_base + len(order))
             if self.feed is not self.host_tokens:
                 self.feed[rows].copy_(token_ids_out, non_blocking=True)
             self.host_tokens[rows].copy_(token_ids_out, non_blocking=True)

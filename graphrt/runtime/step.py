@@ -61,6 +61,10 @@ class ScheduledStep:
     starts: list[int] = field(default_factory=list)
     id: int = -1  # increases in the order steps are scheduled, which is the order they launch and finish in
     sample_rows: list[int] = field(default_factory=list)  # rows that get a token from this step
+    # A verify step (speculative decoding): each decode row's guessed next tokens, [] for a row
+    # without. A row with d drafts feeds 1 + d tokens and gets a token sampled at each of them;
+    # the rows without come first. Empty: no row has drafts.
+    draft_ids: list[list[int]] = field(default_factory=list)
 
     sampled_seqs: list[Row] = field(init=False)  # the sequences of sample_rows
 
@@ -74,3 +78,20 @@ class ScheduledStep:
                 if start + query_len >= seq.prefill_len
             ]
         self.sampled_seqs = [self.seqs[i] for i in self.sample_rows]
+
+    @property
+    def is_verify(self) -> bool:
+        return bool(self.draft_ids)
+
+    @property
+    def is_eager(self) -> bool:
+        """Ragged rows, run eagerly: a prompt chunk, or a verify step (rows of 1 + drafts tokens)."""
+        return self.is_prefill or self.is_verify
+
+    def num_drafts(self, row: int) -> int:
+        return len(self.draft_ids[row]) if self.draft_ids else 0
+
+    @property
+    def sample_counts(self) -> list[int]:
+        """Tokens each sampled row gets sampled: 1, or 1 + its drafts in a verify step."""
+        return [1 + self.num_drafts(row) for row in self.sample_rows]

@@ -85,10 +85,12 @@ TINY_QK_NORM_GAIN = 3.0
 
 
 def make_tiny_model(
-    path: Path, variant: str, seed: int = 0, num_layers: int | None = None, overrides: dict | None = None
+    path: Path, variant: str, seed: int = 0, num_layers: int | None = None, overrides: dict | None = None,
+    weight_scale: float = 1.0,
 ) -> Path:
     """Write a randomly initialised transformers model of `variant` to `path` (safetensors, no tokenizer);
-    `overrides`: config values to change (e.g. intermediate_size)."""
+    `overrides`: config values to change (e.g. intermediate_size); `weight_scale` multiplies the
+    spreads of TINY_INIT_STD (below 1, greedy output falls into loops sooner)."""
     import transformers
 
     family, extra = TINY_VARIANTS[variant]
@@ -113,6 +115,6 @@ def make_tiny_model(
                 param.mul_(TINY_QK_NORM_GAIN)
             for part, std in TINY_INIT_STD.items():
                 if part in name and name.endswith("weight"):
-                    param.mul_(std / config.initializer_range)
+                    param.mul_(weight_scale * std / config.initializer_range)
     model.save_pretrained(path, safe_serialization=True)
     return path

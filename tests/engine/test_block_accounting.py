@@ -45,8 +45,12 @@ DEFAULT_ABORT_CHANCE = 0.04
 SEEDS = (0, 1, 2, 3)
 # (pp, depth, async scheduling): one to three stages, rings of 1 to 4 slots. The scheduler sees the
 # number of slots, not of stages, so no two of these schedule alike.
-# The last number: prefix caching on (1) or off (0).
-CONFIGS = [(1, 0, False, 1), (1, 0, True, 1), (1, 1, True, 1), (2, 0, False, 1), (2, 1, True, 1), (2, 1, True, 0), (3, 0, False, 1), (3, 1, True, 1)]
+# Then prefix caching on (1) or off (0), and the drafts per verify step of speculative decoding
+# (ngram; 0: off), whose verify rows take blocks for drafts and give back those of rejected ones.
+CONFIGS = [
+    (1, 0, False, 1, 0), (1, 0, True, 1, 0), (1, 1, True, 1, 0), (2, 0, False, 1, 0), (2, 1, True, 1, 0), (2, 1, True, 0, 0),
+    (3, 0, False, 1, 0), (3, 1, True, 1, 0), (1, 0, True, 1, 3), (2, 1, True, 1, 4), (3, 0, False, 0, 2),
+]
 
 # Counted apart too: the abort whose blocks only the micro-batch's read-back can free (issue 14).
 MID_PREFILL_IN_FLIGHT = "mid-prefill, a chunk in flight"
@@ -251,11 +255,15 @@ def run_fuzz(engine, workload: list[Request], seed: int) -> FuzzRun:
     return FuzzRun(seqs, aborted, aborts_by_stage, feed_reads, max_in_flight)
 
 
-@pytest.mark.parametrize("pp, depth, async_scheduling, caching", CONFIGS)
-def test_every_block_is_free_or_owned_once_through_aborts_at_every_stage(eos_model, alone, pp, depth, async_scheduling, caching):
+@pytest.mark.parametrize("pp, depth, async_scheduling, caching, num_drafts", CONFIGS)
+def test_every_block_is_free_or_owned_once_through_aborts_at_every_stage(
+    eos_model, alone, pp, depth, async_scheduling, caching, num_drafts
+):
+    speculative = {"method": "ngram", "num_speculative_tokens": num_drafts, "prompt_lookup_min": 1} if num_drafts else None
     llm = LLM(
         model=eos_model, pp=pp, depth=depth, async_scheduling=async_scheduling, dtype="float64", prefix_caching=bool(caching),
         block_size=BLOCK_SIZE, kv_cache_tokens=KV_CACHE_TOKENS, prefill_chunk_size=PREFILL_CHUNK_SIZE, buckets=[1, 2, 4, 8],
+        speculative_config=speculative,
     )
     engine = llm.engine
     assert engine.allocator.num_blocks == KV_CACHE_TOKENS // BLOCK_SIZE + 1
@@ -281,8 +289,10 @@ def test_every_block_is_free_or_owned_once_through_aborts_at_every_stage(eos_mod
                     finish_reasons[seq.finish_reason] += 1
     finally:
         engine.close()
+    spec = engine.stats.spec
     print(
-        f"pp={pp} depth={depth} async={async_scheduling} caching={caching}: prefix-cache hits "
+        f"pp={pp} depth={depth} async={async_scheduling} caching={caching} drafts={num_drafts}: "
+        f"verify rows {spec.num_drafts}, drafts {spec.num_draft_tokens}, accepted {spec.num_accepted_tokens}; prefix-cache hits "
         f"{engine.allocator.num_hit_tokens} of {engine.allocator.num_queried_tokens} tokens, aborts by stage {dict(sorted(aborts_by_stage.items()))}, "
         f"survivors {dict((r.value, n) for r, n in finish_reasons.items())}, preemptions {num_preemptions}, "
         f"feed reads {feed_reads}, max in flight {max_in_flight}"
@@ -297,3 +307,5 @@ def test_every_block_is_free_or_owned_once_through_aborts_at_every_stage(eos_mod
     # Every slot was busy at once, and with async scheduling some slot held two micro-batches.
     assert max_in_flight >= engine.ring.num_slots and (max_in_flight > engine.ring.num_slots) == async_scheduling
     assert (feed_reads > 0) == async_scheduling
+    if num_drafts:  # drafts were verified, some kept (their blocks stay) and some not (theirs go back)
+        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, (spec.num_draft_tokens, spec.num_accepted_tokens)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.engine.drafter import NgramDrafter
 from graphrt.engine.sequence import Sequence
 from graphrt.model import SCRATCH_BLOCK
 from graphrt.runtime.ring import build_inputs
@@ -64,15 +66,23 @@ def test_async_scheduling_takes_rows_whose_token_comes_no_later_than_the_slots_l
             seq.num_output_placeholders, seq.sampling_step = 1, pending
         return seq
 
-    assert Scheduler._can_decode(decoding(None, in_flight=0), follows=None)
-    assert Scheduler._can_decode(decoding(earlier), follows)
-    assert Scheduler._can_decode(decoding(follows), follows)
-    assert not Scheduler._can_decode(decoding(later), follows)  # would wait for a micro-batch that ends later
-    assert not Scheduler._can_decode(decoding(follows), follows=None)  # an empty slot waits for nothing
-    assert not Scheduler._can_decode(decoding(earlier, in_flight=2), follows)
+    can_decode = Scheduler(BlockAllocator(num_blocks=4, block_size=4), 4, 16, 64, 4)._can_decode
+    assert can_decode(decoding(None, in_flight=0), follows=None)
+    assert can_decode(decoding(earlier), follows)
+    assert can_decode(decoding(follows), follows)
+    assert not can_decode(decoding(later), follows)  # would wait for a micro-batch that ends later
+    assert not can_decode(decoding(follows), follows=None)  # an empty slot waits for nothing
+    assert not can_decode(decoding(earlier, in_flight=2), follows)
     # The step in flight samples token 3 of 3: no step may be launched after it.
-    assert not Scheduler._can_decode(decoding(follows, outputs=2, max_tokens=3), follows)
-    assert Scheduler._can_decode(decoding(follows, outputs=2, max_tokens=4), follows)
+    assert not can_decode(decoding(follows, outputs=2, max_tokens=3), follows)
+    assert can_decode(decoding(follows, outputs=2, max_tokens=4), follows)
+    # With a drafter, a row about to draft waits for its token on the host; one pausing its drafts does not.
+    drafting = Scheduler(BlockAllocator(num_blocks=4, block_size=4), 4, 16, 64, 4, drafter=NgramDrafter(3, 1, 3))
+    assert not drafting._can_decode(decoding(follows), follows)
+    paused = decoding(follows)
+    paused.draft_pause = 2
+    assert drafting._can_decode(paused, follows)
+    assert drafting._can_decode(decoding(None, in_flight=0), follows=None)
 
 
 def test_a_full_cache_preempts_the_youngest_idle_sequence_even_mid_prompt():

@@ -2,7 +2,7 @@
 // (graphrt/model/llama.py) over every layer, run here rather than in Python. It calls the same compiled
 // ops in the same order through the dispatcher (the gate/up matmul ending in silu_and_mul, as the
 // loop runs it where both are compiled), so its output is bitwise the Python loop's
-// (tests/test_decode_layers_cpu.py), without the interpreter's time per op: about 16 ops a layer,
+// (tests/kernels/cpu/test_decode_layers_cpu.py), without the interpreter's time per op: about 16 ops a layer,
 // 500 a step, each 5-8 us of Python on the host thread while torch's other thread waits (8% of the
 // host thread's samples in a 32-row float32 step; benchmarks/results.md). The CPU's counterpart of a
 // CUDA graph: one launch per micro-batch. The CPU kernel set's decode_layers (kernels/cpu/

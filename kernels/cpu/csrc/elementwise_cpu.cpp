@@ -1,6 +1,6 @@
 // The elementwise ops of a decoder layer on the CPU, one pass each: compiled twins of the torch
 // references rms_norm (kernels/rmsnorm.py), apply_rotary (kernels/rotary.py) and silu_and_mul
-// (kernels/activation.py), which tests/test_elementwise_cpu.py compares them with; and the
+// (kernels/activation.py), which tests/kernels/cpu/test_elementwise_cpu.py compares them with; and the
 // sampler's greedy argmax (graphrt/runtime/sampler.py), compared with torch.argmax there too.
 // kernels/cpu/elementwise.py calls them as torch.ops.graphrt.<name>.
 //

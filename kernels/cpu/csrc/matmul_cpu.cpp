@@ -1,7 +1,7 @@
 // Matmuls against weights packed once into column panels, for a decode step's skinny shapes
 // (1 to 32 rows) and prefill chunks alike. kernels/cpu/linear.py packs the weights (`pack_panels`) and
 // calls this file's op as torch.ops.graphrt.panel_linear; `F.linear` on the dense weight is its
-// reference (tests/test_matmul_cpu.py).
+// reference (tests/kernels/cpu/test_matmul_cpu.py).
 //
 // Layout: the weight (out_features, in_features) is cut into panels of 16 output columns, one
 // AVX-512 register wide. A panel stores its columns interleaved along k, a step at a time:

@@ -1,5 +1,5 @@
 // Paged decode attention on the CPU: a compiled twin of the torch reference
-// `paged_decode_attention` in kernels/paged_attention.py, which tests/test_paged_attention_cpu.py
+// `paged_decode_attention` in kernels/paged_attention.py, which tests/kernels/cpu/test_paged_attention_cpu.py
 // compares it with. kernels/cpu/paged_attention.py builds this file and calls it as
 // torch.ops.graphrt.paged_decode_attention. The prefill attention and the KV cache writes follow
 // in their own sections below.

@@ -1,0 +1,268 @@
+"""Speculative decoding with the ngram drafter: exact under every schedule, blocks given back,
+the target's distribution when sampling.
+
+The tiny models here are made with smaller weights (`weight_scale`), so their greedy output falls
+into loops now and then: drafts are kept for long runs and rejected where a loop breaks, and
+both must leave the output exactly what it is without speculation.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from graphrt import LLM, SamplingParams
+from graphrt.config import EngineConfig
+from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.engine.drafter import NgramDrafter
+from graphrt.engine.scheduler import Scheduler, accept_drafts
+from graphrt.engine.sequence import FinishReason, Sequence
+from graphrt.runtime.sampler import Sampler
+from graphrt.speculative import SpeculativeConfig
+from graphrt.tools.synthetic import make_tiny_model
+from helpers import assert_draws_follow, reference_distribution
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+# -- the drafter and the acceptance rule ------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_longest_match():
+    drafter = NgramDrafter(num_tokens=3, min_n=1, max_n=3)
+    # [7, 8, 9] occurs at 0 and 5 (the latest before the end wins); [8, 9] alone would match too.
+    assert drafter.propose([7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 6, 7, 8, 9], limit=10) == [4, 5, 6]
+    # Only n = 1 matches: 3 was last followed by 4.
+    assert drafter.propose([3, 4, 1, 2, 3], limit=10) == [4, 1, 2]
+    assert drafter.propose([1, 2, 3, 4], limit=10) == []  # nothing repeats
+    assert drafter.propose([5, 6, 5, 6], limit=1) == [5]  # the caller's limit (max_tokens) wins
+    assert drafter.propose([5], limit=3) == []
+
+
+def test_ngram_goes_on_repeating_a_short_loop():
+    drafter = NgramDrafter(num_tokens=5, min_n=2, max_n=2)
+    # The last match of [1, 2] is two tokens back: what follows it is [1, 2] itself, and so on.
+    assert drafter.propose([9, 1, 2, 1, 2], limit=5) == [1, 2, 1, 2, 1]
+    assert drafter.propose([4, 4, 4], limit=5) == [4, 4, 4, 4, 4]
+
+
+def test_accept_drafts_keeps_the_drafts_up_to_the_first_miss_and_the_token_sampled_there():
+    assert accept_drafts([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all kept, and the token after
+    assert accept_drafts([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the miss's sampled token ends it
+    assert accept_drafts([5, 6, 7], [4, 6, 7, 8]) == [4]
+    assert accept_drafts([], [3]) == [3]
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("{not json", "not valid JSON"),
+        ('["ngram"]', "must be a JSON object"),
+        ({"method": "eagle"}, "must be one of ngram, draft_model"),
+        ({"method": "draft_model", "model": "/x"}, "not built yet"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
+        ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "give min <= max"),
+        ({"num_spec_tokens": 4}, "unknown speculative config field 'num_spec_tokens'"),
+    ],
+)
+def test_a_bad_speculative_config_says_what_is_wrong(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_speculation_with_stage_processes_is_refused_at_the_edge():
+    with pytest.raises(ValueError, match="does not run with stage processes"):
+        EngineConfig(pp=2, procs=True, speculative_config=NGRAM)
+    assert EngineConfig(speculative_config='{"method": "ngram"}').speculative_config == SpeculativeConfig()
+
+
+# -- the scheduler's side: what a verify row keeps and gives back -----------------------------------
+
+
+def verify_once(sampled_after: list[int], max_tokens: int = 20, eos: int = 99, drafts: list[int] = (1, 2, 3)):
+    """A scheduler with one decoding sequence whose tokens so far repeat [1, 2, 3]; schedules its
+    verify step (expecting `drafts`) and hands it back with `sampled_after` as the tokens sampled at
+    its 1 + len(drafts) positions."""
+    allocator = BlockAllocator(num_blocks=9, block_size=4)
+    scheduler = Scheduler(
+        allocator, max_num_seqs=4, prefill_chunk_size=16, max_model_len=64, max_decode_batch=4,
+        eos_ids=frozenset({eos}), drafter=NgramDrafter(3, 1, 3),
+    )
+    seq = Sequence(0, [1, 2, 3, 1, 2], SamplingParams(max_tokens=max_tokens, temperature=0), max_tokens=max_tokens)
+    scheduler.add(seq)
+    prefill = scheduler.schedule()
+    scheduler.update_from_output(prefill, [3], now=0.0)  # the prompt's token: the output is [3]
+    step = scheduler.schedule()
+    assert step.draft_ids == [list(drafts)], "the drafter should have guessed the loop"
+    assert step.query_lens == [1 + len(drafts)]
+    outputs = scheduler.update_from_output(step, sampled_after, now=0.0)
+    return scheduler, seq, outputs
+
+
+def test_a_verify_row_takes_blocks_for_its_drafts():
+    allocator = BlockAllocator(num_blocks=9, block_size=4)
+    scheduler = Scheduler(allocator, 4, 16, 64, 4, drafter=NgramDrafter(3, 1, 3))
+    seq = Sequence(0, [1, 2, 3, 1, 2], SamplingParams(max_tokens=20, temperature=0), max_tokens=20)
+    scheduler.add(seq)
+    scheduler.update_from_output(scheduler.schedule(), [3], now=0.0)
+    scheduler.schedule()
+    assert seq.num_computed == 9 and len(seq.block_ids) == 3  # positions 5..8: a third block, for drafts only
+
+
+def test_a_verify_row_keeps_its_matching_drafts_and_gives_back_the_blocks_of_the_rest():
+    scheduler, seq, outputs = verify_once([1, 7, 3, 1])  # the second draft missed: 7 was sampled there
+    assert outputs[0].new_token_ids == [1, 7] and seq.output_ids == [3, 1, 7]
+    assert seq.num_computed == 7 and seq.num_tokens == 8  # positions 5 and 6 computed; 7 (the 7) next
+    assert len(seq.block_ids) == 2, "the block taken only for the rejected drafts must go back"
+    assert scheduler.allocator.num_free == 9 - 1 - 2
+    assert (scheduler.spec.num_drafts, scheduler.spec.num_draft_tokens, scheduler.spec.num_accepted_tokens) == (1, 3, 1)
+    assert scheduler.spec.accepted_per_position == [1, 0, 0]
+
+
+def test_eos_inside_an_accepted_run_ends_the_row_there():
+    scheduler, seq, outputs = verify_once([1, 2, 3, 1], eos=2)
+    assert outputs[0].new_token_ids == [1, 2] and outputs[0].finish_reason is FinishReason.STOP
+    assert seq.output_ids == [3, 1, 2] and seq.block_ids == []  # finished: every block back
+    assert scheduler.allocator.num_free == 9 - 1
+
+
+def test_drafts_never_reach_past_max_tokens():
+    # One token out, three to go: one draft at most, so the row's 1 + 1 tokens end at max_tokens.
+    scheduler, seq, outputs = verify_once([1, 2], max_tokens=3, drafts=[1])
+    assert seq.output_ids == [3, 1, 2] and seq.finish_reason is FinishReason.LENGTH
+
+
+# -- the whole engine: the same tokens as without speculation ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def looping_models(tmp_path_factory) -> dict[float, object]:
+    """Tiny models whose greedy output loops often (0.6) or now and then (0.8)."""
+    return {
+        scale: make_tiny_model(tmp_path_factory.mktemp(f"looping-{scale}") / "model", "llama-gqa-tied", weight_scale=scale)
+        for scale in (0.6, 0.8)
+    }
+
+
+def workload(seed: int = 0, num_requests: int = 6) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for _ in range(num_requests):
+        phrase = [rng.randrange(97) for _ in range(rng.randrange(3, 8))]
+        prompts.append((phrase * 4)[: rng.randrange(6, 24)])  # some prompts repeat a phrase
+        params.append(SamplingParams(max_tokens=rng.randrange(5, 70), temperature=0, ignore_eos=True))
+    return prompts, params
+
+
+def generate(model, prompts, params, **options) -> tuple[list[list[int]], LLM]:
+    """Each prompt's tokens, all requests added at once (each with its own params)."""
+    llm = LLM(model=model, dtype="float64", **options)
+    engine = llm.engine
+    try:
+        seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        return [seq.output_ids for seq in seqs], llm
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(looping_models) -> dict[float, list[list[int]]]:
+    prompts, params = workload()
+    return {scale: generate(model, prompts, params, pp=1, depth=0)[0] for scale, model in looping_models.items()}
+
+
+SCHEDULES = [(pp, depth, async_scheduling) for pp in (1, 2, 3) for depth in (0, 1, 2) for async_scheduling in (True, False)]
+
+
+@pytest.mark.parametrize("pp, depth, async_scheduling", SCHEDULES)
+def test_greedy_output_with_speculation_is_the_output_without(looping_models, reference, pp, depth, async_scheduling):
+    prompts, params = workload()
+    drafted = accepted = num_drafts = 0
+    for scale, model in looping_models.items():
+        got, llm = generate(
+            model, prompts, params, pp=pp, depth=depth, async_scheduling=async_scheduling, speculative_config=NGRAM,
+        )
+        assert got == reference[scale], f"weight scale {scale}: speculation changed the greedy output"
+        spec = llm.engine.stats.spec
+        num_drafts, drafted, accepted = num_drafts + spec.num_drafts, drafted + spec.num_draft_tokens, accepted + spec.num_accepted_tokens
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks - 1, "KV blocks leaked"
+    # Both kinds of verify outcome happened: drafts kept, and drafts rejected.
+    assert 0 < accepted < drafted, (num_drafts, drafted, accepted)
+
+
+def test_preemption_and_aborts_with_speculation(looping_models, reference):
+    """A cache too small for all the requests at once: rows are preempted and recomputed; one
+    request is aborted while a verify step of it is in flight. The rest get their tokens."""
+    prompts, params = workload()
+    llm = LLM(
+        model=looping_models[0.6], dtype="float64", pp=2, kv_cache_tokens=100, block_size=4, speculative_config=NGRAM,
+    )
+    engine = llm.engine
+    try:
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        aborted = None
+        while engine.has_work():
+            engine.step()
+            if aborted is None:
+                verifying = [s for s in seqs if s.draft_ids and not s.finished and len(s.output_ids) > 2]
+                if verifying:
+                    aborted = verifying[0]
+                    engine.abort(aborted)
+        assert aborted is not None, "no request was ever caught with a verify step in flight"
+        assert engine.scheduler.num_preemptions > 0
+        for seq, want in zip(seqs, reference[0.6]):
+            if seq is aborted:
+                assert seq.finish_reason is FinishReason.ABORT and seq.output_ids == want[: len(seq.output_ids)]
+            else:
+                assert seq.output_ids == want
+        assert engine.allocator.num_free == engine.allocator.num_blocks - 1
+        assert engine.stats.spec.num_accepted_tokens > 0
+    finally:
+        engine.close()
+
+
+def test_seeded_sampling_with_speculation_repeats_itself(looping_models):
+    """A seeded request draws once per position it samples, so its tokens depend on where it
+    drafted; here every prompt fits the first chunk and no row rides along with one, so each
+    row's drafts depend on its own tokens only, and another schedule gives the same tokens."""
+    prompts, _ = workload()
+    params = [SamplingParams(max_tokens=40, temperature=0.7, seed=index, ignore_eos=True) for index in range(len(prompts))]
+    first, llm = generate(looping_models[0.6], prompts, params, pp=2, speculative_config=NGRAM)
+    assert llm.engine.stats.spec.num_accepted_tokens > 0
+    again, _ = generate(looping_models[0.6], prompts, params, pp=1, depth=0, speculative_config=NGRAM)
+    assert first == again, "a seeded request must get the same tokens under another schedule"
+
+
+# -- sampling: the target's distribution --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 4, 0.9)])
+def test_verifying_a_draft_by_sampling_gives_the_target_distribution(temperature, top_k, top_p):
+    """Two tokens from a known two-step model, drawn as a verify step draws them (the token at
+    the first position, and one at the second given the draft in place of the first), with a
+    fresh draw for the second where the draft was rejected. The pairs must follow the target's
+    joint distribution p(t0) p(t1 | t0), whatever the draft."""
+    torch.manual_seed(0)
+    vocab, num_draws = 5, 20_000
+    first_logits = torch.randn(vocab)  # (vocab,)
+    draft = int(first_logits.argmax())  # a draft the target takes often, and not always
+    next_logits = torch.randn(vocab, vocab) * 1.5  # (vocab, vocab): row t0 gives t1's logits
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    sampler = Sampler(torch.device("cpu"), seed=3)
+    # One verify row per draw: sampled at its two positions in one call, as the ring does.
+    logits = torch.stack([first_logits, next_logits[draft]]).repeat(num_draws, 1)  # (2 * draws, vocab)
+    sampled = sampler(logits, [params] * (2 * num_draws), [None] * (2 * num_draws)).view(num_draws, 2).tolist()
+    kept = [accept_drafts([draft], pair) for pair in sampled]
+    rejected = [row for row, tokens in enumerate(kept) if len(tokens) == 1]
+    fresh = sampler(next_logits[[kept[row][0] for row in rejected]], [params] * len(rejected), [None] * len(rejected))
+    for row, token in zip(rejected, fresh.tolist()):
+        kept[row].append(token)
+    pairs = torch.tensor([t0 * vocab + t1 for t0, t1 in kept])
+    p_first = reference_distribution(first_logits, temperature, top_k, top_p)
+    p_next = torch.stack([reference_distribution(next_logits[t], temperature, top_k, top_p) for t in range(vocab)])
+    assert_draws_follow(pairs, (p_first[:, None] * p_next).flatten())
+    assert 0 < len(rejected) < num_draws  # both branches ran
