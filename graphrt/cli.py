@@ -60,6 +60,7 @@ def model_options(command):
         click.option("--allow-eager", is_flag=True, help="Run a (stage, bucket) whose capture fails eagerly instead of stopping."),
         click.option("--procs", is_flag=True, help="Run stages 1..pp-1 in worker processes over torch.distributed (see docs/distributed.md)."),
         click.option("--watchdog-s", type=click.FloatRange(min=0, min_open=True), default=None, help="With --procs: a stage silent this long is declared dead [default: 30]."),
+        click.option("--speculative-config", default=None, help='Speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (see docs/speculative.md) [default: off].'),
     ]
     for option in reversed(options):
         command = option(command)
@@ -68,7 +69,7 @@ def model_options(command):
 
 def engine_kwargs(
     model, pp, devices, dtype, kernels, max_batch, buckets, depth, async_scheduling, no_prefix_caching, no_graphs, allow_eager,
-    procs=False, watchdog_s=None,
+    procs=False, watchdog_s=None, speculative_config=None,
 ) -> dict:
     from graphrt.capture.buckets import parse_buckets
 
@@ -87,6 +88,7 @@ def engine_kwargs(
         allow_eager=allow_eager or None,
         procs=procs or None,
         watchdog_s=watchdog_s,
+        speculative_config=speculative_config,
     )
 
 
@@ -132,6 +134,8 @@ def generate(prompt, prompts_file, chat, cache, max_tokens, temperature, top_p, 
         f"{engine.describe()}",
         err=True,
     )
+    if engine.config.speculative_config is not None:
+        click.echo(f"[graphrt] {stats.spec.describe()}", err=True)
 
 
 def read_prompts(path: Path) -> list[str | list[int]]:

@@ -63,6 +63,10 @@ class EngineSnapshot:
     num_cached_blocks: int = 0  # of the free blocks, those the prefix cache keeps
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    spec_num_drafts: int = 0  # speculative decoding (graphrt.engine.stats.SpecStats)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 def prompt_of(choice: int, num_prompts: int, num_choices: int) -> int:
@@ -176,6 +180,10 @@ class EngineCore:
             num_cached_blocks=engine.allocator.num_cached,
             prefix_queried_tokens=engine.allocator.num_queried_tokens,
             prefix_hit_tokens=engine.allocator.num_hit_tokens,
+            spec_num_drafts=engine.stats.spec.num_drafts,
+            spec_num_draft_tokens=engine.stats.spec.num_draft_tokens,
+            spec_num_accepted_tokens=engine.stats.spec.num_accepted_tokens,
+            spec_accepted_per_position=tuple(engine.stats.spec.accepted_per_position),
         )
 
 

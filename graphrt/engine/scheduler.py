@@ -14,9 +14,10 @@ With a drafter (speculative decoding), a decode batch in which some rows have dr
 step: such a row feeds its newest token and its d drafts, gets a token sampled at each of the
 1 + d positions, and keeps the drafts up to the first that differs from the token sampled before
 it, plus that sampled token (`accept_drafts`). The row's K/V past what it kept is never read (its
-computed count goes back), and the blocks it took for drafts it did not keep go back. A row with
-drafts waits for its read-back before its next step (the drafter reads its tokens on the host);
-rows without drafts keep async scheduling.
+computed count goes back), and the blocks it took for drafts it did not keep go back. How many
+it keeps is known on the host only, so a verify row's next step waits for its read-back; rows
+without drafts keep async scheduling, and a row whose newest token is still on the device drafts
+after a guess of it. A row whose drafts all miss drafts again only after 1, 3, 7, ... decode steps.
 
 KV blocks are allocated as a sequence grows: on admission for its prompt and first new token,
 then one block whenever its next position starts a new one. When none is free, the youngest
@@ -242,8 +243,6 @@ class Scheduler:
             if proposed:
                 drafts[id(seq)] = proposed
                 budget -= len(proposed)
-            else:  # nothing to guess from: as a miss, so that the row gets async scheduling back
-                self._missed(seq)
         if not drafts:
             return ScheduledStep(batch, [1] * len(batch), is_prefill=False, id=next(self._step_ids))
         rows = [seq for seq in batch if id(seq) not in drafts] + [seq for seq in batch if id(seq) in drafts]
@@ -265,12 +264,15 @@ class Scheduler:
         seq.draft_pause = seq.draft_backoff
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
-        """Drafts for `seq`'s next step, with KV blocks for them; [] where nothing is guessed or a
-        token of it is still on the device (the drafter reads tokens on the host)."""
-        if seq.num_in_flight:
-            return []
-        limit = min(budget, seq.max_tokens - len(seq.output_ids) - 1)  # its 1 + d tokens stay within max_tokens
-        drafts = self.drafter.propose(seq.prompt_ids + seq.output_ids, limit)
+        """Drafts for `seq`'s next step, with KV blocks for them; [] where nothing is guessed."""
+        limit = min(budget, seq.max_tokens - seq.outputs_scheduled - 1)  # its 1 + d tokens stay within max_tokens
+        tokens = seq.prompt_ids + seq.output_ids
+        if seq.awaits_token:
+            # Its newest token is still being sampled (async scheduling): the drafter guesses it
+            # too, from the tokens the host has, and drafts what follows the guess.
+            drafts = self.drafter.propose(tokens, limit + 1)[1:]
+        else:
+            drafts = self.drafter.propose(tokens, limit)
         # Blocks for the draft positions (after the newest token's, at num_computed), from the free
         # ones only: a guess never preempts anyone.
         room = (len(seq.block_ids) + self.allocator.num_free) * self.allocator.block_size - seq.num_computed - 1
@@ -297,8 +299,6 @@ class Scheduler:
             return False
         if seq.num_in_flight == 0:
             return True
-        if self._drafts_next(seq):
-            return False  # the drafter reads its newest token on the host: wait for it
         token_on_device = seq.num_in_flight == 1 and seq.num_output_placeholders > 0
         return token_on_device and follows is not None and seq.sampling_step <= follows
 

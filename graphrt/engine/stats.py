@@ -46,6 +46,26 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
+    def copy(self) -> SpecStats:
+        return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_position))
+
+    def since(self, before: SpecStats) -> SpecStats:
+        """What was counted after `before` (an earlier copy)."""
+        earlier = before.accepted_per_position + [0] * (len(self.accepted_per_position) - len(before.accepted_per_position))
+        return SpecStats(
+            self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
+            self.num_accepted_tokens - before.num_accepted_tokens,
+            [now - then for now, then in zip(self.accepted_per_position, earlier)],
+        )
+
+    def describe(self) -> str:
+        """One line for `graphrt generate` and `graphrt bench`."""
+        return (
+            f"speculative decoding: {self.num_drafts} verify rows, {self.num_accepted_tokens} of "
+            f"{self.num_draft_tokens} drafts accepted ({self.acceptance_rate:.0%}), "
+            f"{self.mean_accepted:.2f} tokens per verify row"
+        )
+
     @property
     def mean_accepted(self) -> float:
         """Tokens a verify row gave on average: its accepted drafts plus the one it always samples."""

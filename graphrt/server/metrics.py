@@ -61,6 +61,19 @@ class EngineCollector(Collector):
         for stage, seconds in enumerate(snap.stage_busy_s):
             busy.add_metric([str(stage)], seconds)
         yield busy
+        # Speculative decoding, named as vLLM names it (0 while it is off).
+        yield CounterMetricFamily("graphrt_spec_decode_num_drafts", "Rows verified with drafts", value=snap.spec_num_drafts)
+        yield CounterMetricFamily("graphrt_spec_decode_num_draft_tokens", "Draft tokens verified", value=snap.spec_num_draft_tokens)
+        yield CounterMetricFamily(
+            "graphrt_spec_decode_num_accepted_tokens", "Draft tokens accepted", value=snap.spec_num_accepted_tokens
+        )
+        per_position = CounterMetricFamily(
+            "graphrt_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the row's drafts",
+            labels=["position"],
+        )
+        for position, count in enumerate(snap.spec_accepted_per_position):
+            per_position.add_metric([str(position)], count)
+        yield per_position
 
 
 class ServerMetrics:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphrt.engine.stats import SpecStats
 from graphrt.frontend.output_processor import OutputProcessor
 from graphrt.llm import LLM
 from graphrt.sampling_params import SamplingParams
@@ -59,6 +60,7 @@ class BenchResult:
     tpot_s: dict[str, float] | None = None
     weight_gb_s: float | None = None
     prefix_hit_rate: float | None = None  # prompt tokens taken from the prefix cache, of those looked up
+    spec: SpecStats | None = None  # speculative decoding's counts over the run, where it was on
 
     @property
     def output_tok_s(self) -> float:
@@ -76,6 +78,8 @@ class BenchResult:
             out.append(f"  weight bandwidth during decode: {self.weight_gb_s:.1f} GB/s")
         if self.prefix_hit_rate is not None:
             out.append(f"  prefix cache hit rate: {self.prefix_hit_rate:.1%} of prompt tokens")
+        if self.spec is not None:
+            out.append(f"  {self.spec.describe()}")
         return out
 
 
@@ -86,6 +90,7 @@ def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
     llm.generate([workload[0].prompt[::-1]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     allocator = engine.allocator
     before = (engine.stats.decode_steps, engine.stats.decode_seconds, allocator.num_queried_tokens, allocator.num_hit_tokens)
+    spec_before = engine.stats.spec.copy()
     start = time.perf_counter()
     seqs = [
         engine.add_request(r.prompt, SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True))
@@ -111,6 +116,7 @@ def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
         tpot_s=percentiles(tpot),
         weight_gb_s=engine.weight_bytes * steps / decode_seconds / 1e9 if decode_seconds else None,
         prefix_hit_rate=hits / queried if engine.config.prefix_caching and queried else None,
+        spec=engine.stats.spec.since(spec_before) if engine.config.speculative_config is not None else None,
     )
 
 

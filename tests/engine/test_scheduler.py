@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from graphrt.engine.block_allocator import BlockAllocator
-from graphrt.engine.drafter import NgramDrafter
 from graphrt.engine.sequence import Sequence
 from graphrt.model import SCRATCH_BLOCK
 from graphrt.runtime.ring import build_inputs
@@ -76,13 +75,10 @@ def test_async_scheduling_takes_rows_whose_token_comes_no_later_than_the_slots_l
     # The step in flight samples token 3 of 3: no step may be launched after it.
     assert not can_decode(decoding(follows, outputs=2, max_tokens=3), follows)
     assert can_decode(decoding(follows, outputs=2, max_tokens=4), follows)
-    # With a drafter, a row about to draft waits for its token on the host; one pausing its drafts does not.
-    drafting = Scheduler(BlockAllocator(num_blocks=4, block_size=4), 4, 16, 64, 4, drafter=NgramDrafter(3, 1, 3))
-    assert not drafting._can_decode(decoding(follows), follows)
-    paused = decoding(follows)
-    paused.draft_pause = 2
-    assert drafting._can_decode(paused, follows)
-    assert drafting._can_decode(decoding(None, in_flight=0), follows=None)
+    # A verify step in flight: how many of its drafts it keeps is known on the host only.
+    verifying = decoding(follows)
+    verifying.draft_ids = [7, 8]
+    assert not can_decode(verifying, follows)
 
 
 def test_a_full_cache_preempts_the_youngest_idle_sequence_even_mid_prompt():
