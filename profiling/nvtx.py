@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-COLORS = {"stage": "green", "tick": "blue", "prefill": "orange", "sample": "purple", "transfer": "yellow", "capture": "red"}
+COLORS = {"stage": "green", "tick": "blue", "prefill": "orange", "sample": "purple", "transfer": "yellow", "capture": "red", "verify": "cyan"}
 
 
 class TorchNvtxDomain:
@@ -105,6 +105,10 @@ class Ranges:
 
     def prefill(self, stage: int, tokens: int):
         return self.range(f"prefill stage{stage} tokens{tokens}", "prefill")
+
+    def verify(self, stage: int, slot: int, tokens: int):
+        """A stage's work on a speculative verify micro-batch (eager): `verify stage{s} mb{k} tokens{t}`."""
+        return self.range(f"verify stage{stage} mb{slot} tokens{tokens}", "verify")
 
     def capture(self, stage: int, bucket: int):
         return self.range(f"capture stage{stage} bs{bucket}", "capture")

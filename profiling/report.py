@@ -26,6 +26,8 @@ class StageUse:
     decode_counts: dict[int, int]
     prefill_ms: float | None
     num_prefill: int
+    verify_ms: float | None = None  # speculative decoding's verify micro-batches (eager, rows of 1 + drafts)
+    num_verify: int = 0
 
     @property
     def bubble(self) -> float:
@@ -98,12 +100,15 @@ def host_busy_fraction(timeline: Timeline, window: tuple[float, float]) -> float
 def stage_use(timeline: Timeline, stage: int, window: tuple[float, float]) -> StageUse:
     times: dict[int, list[float]] = defaultdict(list)
     prefill: list[float] = []
+    verify: list[float] = []
     for piece in timeline.slices:
         if piece.stage != stage:
             continue
         ms = (piece.end - piece.start) * 1000
         if piece.kind == "decode":
             times[piece.bucket].append(ms)
+        elif piece.kind == "verify":
+            verify.append(ms)
         else:
             prefill.append(ms)
     return StageUse(
@@ -113,6 +118,8 @@ def stage_use(timeline: Timeline, stage: int, window: tuple[float, float]) -> St
         decode_counts={bucket: len(values) for bucket, values in sorted(times.items())},
         prefill_ms=mean(prefill) if prefill else None,
         num_prefill=len(prefill),
+        verify_ms=mean(verify) if verify else None,
+        num_verify=len(verify),
     )
 
 
@@ -142,12 +149,15 @@ def _pct(share: float) -> str:
 
 def stage_table(summary: RunSummary) -> list[str]:
     buckets = sorted({b for s in summary.stages for b in s.decode_ms})
-    header = ["stage", "busy", "bubble"] + [f"decode bs{b} (ms)" for b in buckets] + ["prefill (ms)"]
+    verifies = any(s.num_verify for s in summary.stages)
+    header = ["stage", "busy", "bubble"] + [f"decode bs{b} (ms)" for b in buckets] + ["prefill (ms)"] + ["verify (ms)"] * verifies
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for use in summary.stages:
         cells = [str(use.stage), _pct(use.busy), _pct(use.bubble)]
         cells += [f"{use.decode_ms[b]:.2f} (x{use.decode_counts[b]})" if b in use.decode_ms else "-" for b in buckets]
         cells.append(f"{use.prefill_ms:.2f} (x{use.num_prefill})" if use.prefill_ms is not None else "-")
+        if verifies:
+            cells.append(f"{use.verify_ms:.2f} (x{use.num_verify})" if use.verify_ms is not None else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

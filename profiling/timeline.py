@@ -29,7 +29,7 @@ class Slice:
     stage: int
     slot: int
     micro_batch: int
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" | "verify" (speculative decoding)
     rows: int
     bucket: int | None  # decode only
     start: float

@@ -25,7 +25,7 @@ def stage_tid(stage: int) -> int:
 def slice_name(piece: Slice) -> str:
     if piece.kind == "decode":
         return f"mb{piece.micro_batch} decode bs{piece.bucket}"
-    return f"mb{piece.micro_batch} prefill"
+    return f"mb{piece.micro_batch} {piece.kind}"  # prefill, or a speculative verify step
 
 
 def _metadata(name: str, tid: int, value, key: str = "name") -> dict:

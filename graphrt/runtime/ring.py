@@ -308,6 +308,8 @@ class Ring:
         busy_from = mark(stage.device)
         if mb.step.is_prefill:
             work = self.ranges.prefill(index, num_tokens)
+        elif mb.step.is_verify:
+            work = self.ranges.verify(index, mb.slot, num_tokens)
         else:
             work = self.ranges.stage(index, mb.slot, mb.bucket)
         with work:

@@ -267,3 +267,22 @@ def test_verifying_a_draft_by_sampling_gives_the_target_distribution(temperature
     p_next = torch.stack([reference_distribution(next_logits[t], temperature, top_k, top_p) for t in range(vocab)])
     assert_draws_follow(pairs, (p_first[:, None] * p_next).flatten())
     assert 0 < len(rejected) < num_draws  # both branches ran
+
+
+def test_the_timeline_shows_verify_steps(looping_models):
+    from graphrt.profiling.report import summarize
+
+    prompts, params = workload()
+    llm = LLM(model=looping_models[0.6], dtype="float64", pp=2, timeline=True, speculative_config=NGRAM)
+    try:
+        seqs = [llm.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while llm.engine.has_work():
+            llm.engine.step()
+        timeline = llm.engine.timeline
+        verify = [piece for piece in timeline.slices if piece.kind == "verify"]
+        # Every verify micro-batch crossed both stages.
+        assert verify and {piece.stage for piece in verify} == {0, 1}
+        assert all(seq.finished for seq in seqs)
+        assert sum(use.num_verify for use in summarize(timeline, 2, llm.engine.depth).stages) == len(verify)
+    finally:
+        llm.engine.close()

@@ -199,3 +199,19 @@ def test_generate_runs_without_nvtx_and_the_server_stack(tiny_model_factory, tmp
     assert done.returncode == 0, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("{"))
     assert json.loads(line) == {"prompt": [5, 6, 7], "text": "", "num_tokens": 5, "finish_reason": "length"}
+
+
+def test_a_speculative_verify_step_has_a_range_of_its_own(tiny_model_factory):
+    # Prompts that repeat a phrase, so the ngram drafter proposes from the first decode step on.
+    llm = LLM(model=tiny_model_factory(), pp=2, kv_cache_tokens=1024, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    engine = llm.engine
+    domain = RecordingDomain()
+    engine.ranges = engine.ring.ranges = Ranges(domain=domain)
+    llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.close()
+    verifies = [(m, thread) for m, parent, thread in nested(domain.events) if m.startswith("verify")]
+    assert verifies
+    for message, thread in verifies:
+        stage, _, tokens = map(int, re.fullmatch(r"verify stage(\d) mb(\d) tokens(\d+)", message).groups())
+        assert thread == f"graphrt-stage{stage}" and tokens >= 2  # the newest token and at least one draft
+    assert {thread for _, thread in verifies} == {"graphrt-stage0", "graphrt-stage1"}

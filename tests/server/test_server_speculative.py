@@ -1,0 +1,59 @@
+"""`graphrt serve --speculative-config` as a user starts it, through the openai client: the same
+greedy text as without speculation (stop strings included), and the drafts counted in /metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+
+import pytest
+
+for package in ("fastapi", "uvicorn", "httpx", "openai"):  # the server stack: not on every GPU image
+    pytest.importorskip(package)
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from graphrt import LLM, SamplingParams  # noqa: E402
+from helpers import API_KEY, start_server  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# A copy-heavy request, the kind prompt lookup is for: the answer repeats the code it was given.
+CODE = "def area(width, height):\n    result = width * height\n    return result\n"
+MESSAGE = f"Here is a Python function:\n\n{CODE}\nRename the function to rectangle_area and keep the rest as it is."
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def metric(text: str, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert found, f"{name} is not in /metrics"
+    return float(found.group(1))
+
+
+def test_serve_with_speculation_gives_the_text_without_it(default_model):
+    llm = LLM(model=default_model, dtype="float32", max_model_len=512)
+    prompt = llm.chat_prompt(MESSAGE)
+    want = llm.generate(prompt, SamplingParams(max_tokens=80, temperature=0))[0].text
+    want_stopped = llm.generate(prompt, SamplingParams(max_tokens=80, temperature=0, stop=["height"]))[0].text
+    llm.engine.close()
+    assert "width * height" in want, "the reference answer should reuse the code"
+
+    proc, url, _ = start_server(extra_args=("--dtype", "float32", "--speculative-config", json.dumps(SPECULATIVE)))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        messages = [{"role": "user", "content": MESSAGE}]
+        stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=80, temperature=0, stream=True)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert streamed == want
+        stopped = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=80, temperature=0, stop=["height"])
+        assert stopped.choices[0].message.content == want_stopped and stopped.choices[0].finish_reason == "stop"
+        metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+        drafts = metric(metrics, "graphrt_spec_decode_num_draft_tokens_total")
+        accepted = metric(metrics, "graphrt_spec_decode_num_accepted_tokens_total")
+        assert metric(metrics, "graphrt_spec_decode_num_drafts_total") > 0 and 0 < accepted <= drafts
+        assert metric(metrics, 'graphrt_spec_decode_num_accepted_tokens_per_pos_total{position="0"}') > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
