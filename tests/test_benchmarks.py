@@ -81,10 +81,11 @@ def long_tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def talking_tiny(default_model, tmp_path_factory) -> Path:
-    """A tiny random Llama with the default model's tokenizer and chat template (so its vocabulary)."""
+    """A tiny random Llama with the default model's tokenizer and chat template (so its vocabulary), and
+    room for spec_decode_bench.py's prompts of source code."""
     folder = make_tiny_model(
         tmp_path_factory.mktemp("talking-tiny"), "llama-gqa-tied",
-        overrides={"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2},
+        overrides={"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 1024},
     )
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (default_model / name).exists():
@@ -377,3 +378,13 @@ def test_every_benchmark_script_is_tested_here():
     scripts = {path.name for path in BENCHMARKS.glob("*.py")} - HELPER_MODULES
     assert scripts - TESTED == set(), "benchmarks with no test in tests/test_benchmarks.py"
     assert TESTED - scripts == set(), "tests here of benchmarks that are gone"
+
+
+covers("spec_decode_bench")
+
+
+@pytest.mark.parametrize("workload", ["copy", "random"])
+def test_spec_decode_bench(talking_tiny, workload):
+    out = run("spec_decode_bench", "--model", talking_tiny, "--workload", workload, "--requests", 2, "--concurrency", 2,
+              "--max-tokens", 4, "--rounds", 1)
+    has(out, r"^\| output tok/s \| # \(#-#\) \| # \(#-#\) \| #x \|$", r"^\| acceptance \| \| #%, # tokens per verify row \| \|$")
