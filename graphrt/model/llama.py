@@ -71,7 +71,7 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # A kernel set's decode_layers may run this same body for all layers of a decode step in one
-        # call: a change here is a change there (tests/kernels/cpu/test_decode_layers_cpu.py compares the two).
+        # call: a change here is a change there (test_decode_layers_cpu.py compares the two).
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
         hidden, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
