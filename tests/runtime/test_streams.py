@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from graphrt.runtime.streams import CpuStream, CudaStream, use_own_cuda_stream
+from graphrt.runtime.streams import CpuStream, CudaStream, make_stream, use_own_cuda_stream
 
 
 class FakeStream:
@@ -133,3 +133,24 @@ def test_a_thread_that_cannot_use_its_device_fails_its_waiters_instead_of_hangin
         settled(worker.record()).synchronize()
     worker.close()
     assert ran == []  # nothing runs on a thread that is not on its device
+
+
+@pytest.mark.parametrize("with_hook", [True, False], ids=["kernel set with a stream hook", "without (no OpenMP)"])
+def test_a_cpu_stage_stream_runs_its_kernel_sets_hook_before_each_piece_of_work(with_hook):
+    """KernelSet.stream_hook: a fresh function per stream (a CPU stage's OpenMP team sizer), run on
+    the stream's own thread before every piece of work; a set without one runs the work alone."""
+    log: list[tuple[str, str]] = []
+    made = []
+
+    def hook_factory():
+        made.append(1)
+        return lambda: log.append(("hook", threading.current_thread().name))
+
+    stream = make_stream(torch.device("cpu"), "graphrt-stage7", hook_factory if with_hook else None)
+    for _ in range(2):
+        stream.submit(lambda: log.append(("work", threading.current_thread().name)))
+    stream.record().synchronize()
+    stream.close()
+    expected = [("hook", "graphrt-stage7"), ("work", "graphrt-stage7")] * 2 if with_hook else [("work", "graphrt-stage7")] * 2
+    assert log == expected
+    assert len(made) == int(with_hook)  # one function per stream, made when the stream is
