@@ -52,7 +52,7 @@ class MicroBatch:
     done: object = None  # the last stage's event
     bucket: int | None = None
     busy_events: list = field(default_factory=list)  # CUDA: (stage, start, end) events of its work
-    token_ids: list[int] | None = None  # one per sampled row, once read back
+    token_ids: list[int] | None = None  # one per sampled token (a verify row's 1 + drafts), once read back
     logprobs: LogprobPlan | None = None  # what its last stage scores, for the requests that ask
     sample_order: list[int] | None = None  # a verify step's logits rows to sample, in token order (verify_logits)
 
@@ -336,7 +336,8 @@ class Ring:
         logits = token_ids_out = None
         order = mb.sample_order or mb.sample_rows
         if order:
-            logits = out if order == list(range(out.shape[0])) else out[host_to_device(order, torch.int64, out.device)]
+            every_row = mb.sample_order is None and len(order) == out.shape[0]  # sample rows are distinct and in order
+            logits = out if every_row else out[host_to_device(order, torch.int64, out.device)]
             with self.ranges.sample():
                 token_ids_out = self.sampler(logits, params, generators)
             rows = slice(mb.token_base, mb.token_base + len(order))
