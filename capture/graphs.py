@@ -51,16 +51,21 @@ class StaticInputs:
         rows, width = meta.block_tables.shape
         static = self.meta
         self.x[:rows].copy_(x, non_blocking=True)
-        self.x[rows:].zero_()
         static.positions[:rows].copy_(meta.positions, non_blocking=True)
-        static.positions[rows:].zero_()
         static.slot_mapping[:rows].copy_(meta.slot_mapping, non_blocking=True)
-        static.slot_mapping[rows:].fill_(SCRATCH_BLOCK)  # slot 0 lies in the scratch block
         static.block_tables[:rows, :width].copy_(meta.block_tables, non_blocking=True)
         static.block_tables[:rows, width:].fill_(SCRATCH_BLOCK)
-        static.block_tables[rows:].fill_(SCRATCH_BLOCK)
         static.seq_lens[:rows].copy_(meta.seq_lens, non_blocking=True)
-        static.seq_lens[rows:].fill_(1)
+        self.pad(rows)
+
+    def pad(self, first: int = 0) -> None:
+        """Make rows `first` on padding: they read and write only the scratch block."""
+        static = self.meta
+        self.x[first:].zero_()
+        static.positions[first:].zero_()
+        static.slot_mapping[first:].fill_(SCRATCH_BLOCK)  # slot 0 lies in the scratch block
+        static.block_tables[first:].fill_(SCRATCH_BLOCK)
+        static.seq_lens[first:].fill_(1)
 
 
 class EagerStageGraph:

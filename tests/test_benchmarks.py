@@ -85,7 +85,7 @@ def talking_tiny(default_model, tmp_path_factory) -> Path:
     room for spec_decode_bench.py's prompts of source code."""
     folder = make_tiny_model(
         tmp_path_factory.mktemp("talking-tiny"), "llama-gqa-tied",
-        overrides={"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 1024},
+        overrides={"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 2048},
     )
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (default_model / name).exists():

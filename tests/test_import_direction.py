@@ -80,7 +80,7 @@ def test_the_scheduler_emits_plain_data():
     loaded = loaded_alone("graphrt.engine.scheduler")
     assert loaded == {
         "graphrt.engine.scheduler", "graphrt.engine.sequence", "graphrt.runtime.step", "graphrt.engine.block_allocator",
-        "graphrt.engine.stats",
+        "graphrt.engine.stats", "graphrt.engine.drafter", "graphrt.speculative",  # the drafter, its config
         "graphrt.errors", "graphrt.sampling_params",  # plain data: the wire decodes a SequenceOutput's logprobs
         "graphrt.engine", "graphrt.runtime", "graphrt.model",  # the packages: docstrings only
     }

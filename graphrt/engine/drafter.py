@@ -4,11 +4,22 @@
 occurred, in its prompt or output, and proposes the tokens that followed there: no model, and right
 whenever the output copies its context (editing code, quoting, summaries that reuse phrases). n goes
 from `prompt_lookup_max` down to `prompt_lookup_min`; the longest match wins.
+
+`drafts_that_pay` decides how many of the drafts to verify: a verify step's tokens are rows of the
+decode batch, so drafts make the step's bucket larger; they are worth it only while the tokens they
+are expected to add outrun the time the larger bucket costs (`StepCosts`, measured at start-up).
 """
 
 from __future__ import annotations
 
+import bisect
+from dataclasses import dataclass
+
 from graphrt.speculative import SpeculativeConfig
+
+# Draft acceptance of a sequence that has not been verified yet, as counts: one kept of two.
+PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0
+ACCEPTANCE_MEMORY = 64.0  # drafts tried: past this, earlier outcomes count half as much
 
 
 class NgramDrafter:
@@ -40,6 +51,67 @@ def continue_from(tokens: list[int], source: int, count: int) -> list[int]:
     while len(copied) < count:
         copied.append(copied[len(copied) - period])
     return copied
+
+
+@dataclass
+class Acceptance:
+    """How likely a sequence's next draft is to be kept, given the one before it was: each draft
+    verified is a try, kept or not, and a verify step ends at its first miss. Recent steps weigh
+    more, so a sequence that stops copying its context stops drafting soon."""
+
+    kept: float = PRIOR_KEPT
+    tried: float = PRIOR_TRIED
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.kept += num_accepted
+        self.tried += num_accepted + (num_accepted < num_drafts)  # the first miss is the last draft tried
+        if self.tried > ACCEPTANCE_MEMORY:
+            self.kept, self.tried = self.kept / 2, self.tried / 2
+
+    @property
+    def rate(self) -> float:
+        return self.kept / self.tried
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds a decode micro-batch takes, by bucket (graphrt.runtime.ring.Ring.time_decode_steps)."""
+
+    seconds: dict[int, float]
+
+    def __call__(self, num_tokens: int) -> float:
+        """What a step of `num_tokens` rows costs: its bucket's time."""
+        buckets = sorted(self.seconds)
+        return self.seconds[buckets[min(bisect.bisect_left(buckets, num_tokens), len(buckets) - 1)]]
+
+    def describe(self) -> str:
+        return "decode step ms by bucket " + ", ".join(f"{b}: {s * 1000:.1f}" for b, s in sorted(self.seconds.items()))
+
+
+def drafts_that_pay(
+    num_rows: int, candidates: list[tuple[float, int]], max_drafts: int, costs: StepCosts | None
+) -> list[int]:
+    """How many drafts to verify for each candidate row of a decode step of `num_rows` rows, where
+    candidate i proposes `candidates[i][1]` drafts kept at rate `candidates[i][0]` each (given the
+    ones before it): at most `max_drafts` in all, the count that gives the most expected tokens per
+    second of the step. Draft j of a row adds rate^j expected tokens, so the drafts are taken
+    best first; without costs every draft is taken (up to `max_drafts`)."""
+    gains = sorted(
+        ((rate**j, row) for row, (rate, length) in enumerate(candidates) for j in range(1, length + 1)),
+        key=lambda gain: -gain[0],  # stable: a row's drafts stay in order, the rows' ties in row order
+    )[: max(0, max_drafts)]
+    best = len(gains)
+    if costs is not None:
+        expected, best, best_rate = float(num_rows), 0, num_rows / costs(num_rows)
+        for count, (gain, _) in enumerate(gains, start=1):
+            expected += gain
+            rate = expected / costs(num_rows + count)
+            if rate > best_rate:
+                best, best_rate = count, rate
+    lengths = [0] * len(candidates)
+    for _, row in gains[:best]:
+        lengths[row] += 1
+    return lengths
 
 
 def make_drafter(config: SpeculativeConfig | None) -> NgramDrafter | None:

@@ -31,7 +31,7 @@ from graphrt.distributed.handshake import StagePlan
 from graphrt.distributed.remote import Cluster, load_first_stage
 from graphrt.distributed.transport import StageFailure
 from graphrt.engine.block_allocator import BlockAllocator
-from graphrt.engine.drafter import make_drafter
+from graphrt.engine.drafter import StepCosts, make_drafter
 from graphrt.engine.kv_budget import kv_blocks_that_fit, measure_headroom
 from graphrt.engine.scheduler import Scheduler
 from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
@@ -149,6 +149,8 @@ class Engine:
             max_per_slot=1 + int(config.async_scheduling), timeline=self.timeline, ranges=self.ranges,
             pin=self.devices[0].type == "cuda",
         )
+        if self.scheduler.drafter is not None:  # what a verify step's extra tokens must pay for
+            self.scheduler.step_costs = StepCosts(self.ring.time_decode_steps())
         self._decode_busy_until = 0.0
         self.synthetic_host_s = 0.0  # host time a synthetic engine adds per micro-batch read back (graphrt.tools.synthetic)
         self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
@@ -245,7 +247,7 @@ class Engine:
             )
         if self.devices[0].type == "cuda":
             # The plan's largest bucket depends on the cache's size: measure at the most it can be.
-            max_batch = max(cfg.buckets) if cfg.buckets else min(cfg.max_batch or GPU_MAX_BATCH_LIMIT, cfg.max_num_seqs)
+            max_batch = max(cfg.buckets) if cfg.buckets else min(cfg.max_batch or GPU_MAX_BATCH_LIMIT, self._max_decode_tokens())
             headroom = measure_headroom(
                 self.pipeline, block_size=block_size, max_model_len=self.max_model_len, max_batch=max_batch,
                 prefill_chunk_size=cfg.prefill_chunk_size, num_slots=cfg.pp + cfg.depth,
@@ -268,7 +270,13 @@ class Engine:
             return BucketPlan(tuple(sorted(set(self.config.buckets))))
         kv_tokens = (num_blocks - 1) * self.config.block_size
         max_batch = self.config.max_batch or default_max_batch(self.devices[0].type, kv_tokens)
-        return BucketPlan(tuple(default_buckets(min(max_batch, self.config.max_num_seqs))))
+        return BucketPlan(tuple(default_buckets(min(max_batch, self._max_decode_tokens()))))
+
+    def _max_decode_tokens(self) -> int:
+        """The most tokens a decode step can carry: a row each, and with speculation a row per draft
+        too (a verify step is a decode step whose drafts are rows), as vLLM sizes its graphs."""
+        spec = self.config.speculative_config
+        return self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
 
     def identity(self) -> dict:
         """What a graph cache must agree with to be used by this engine."""
@@ -369,7 +377,7 @@ class Engine:
         else:
             return False
         if not step.is_prefill and self.eager_pairs and self.backend == "cuda":
-            self._count_eager_fallbacks(len(step.seqs))
+            self._count_eager_fallbacks(step.num_tokens)
         try:
             self.ring.launch(slot, step)
         except Exception as exc:  # enqueuing itself failed (on CUDA, e.g. out of memory)
@@ -427,13 +435,13 @@ class Engine:
             raise RuntimeError("Engine.run while micro-batches are in flight would race the stage workers")
         token_ids, meta = build_inputs(step, self.config.block_size)
         if not step.is_prefill and self.eager_pairs and self.backend == "cuda":
-            self._count_eager_fallbacks(len(step.seqs))
+            self._count_eager_fallbacks(step.num_tokens)
         logits = self.pipeline.forward(token_ids, meta, self.graphs)  # (batch, vocab)
         self.scheduler.update_from_output(step, None, time.perf_counter())
         return logits
 
-    def _count_eager_fallbacks(self, rows: int) -> None:
-        bucket = self.plan.bucket_for(rows)
+    def _count_eager_fallbacks(self, tokens: int) -> None:
+        bucket = self.plan.bucket_for(tokens)
         eager_stages = [s for s, b in self.eager_pairs if b == bucket]
         if eager_stages:
             if self.num_eager_fallbacks == 0:

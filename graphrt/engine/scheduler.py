@@ -8,12 +8,13 @@ reason). Blocks go back in `_give_back` only.
 
 A micro-batch is either a prefill chunk (up to `prefill_chunk_size` tokens: prompt tokens from
 one or more sequences plus one token for each decode row riding along; eager) or a decode batch
-(one token per row, at most the largest bucket; replayed as a graph).
+(one token per row, at most the largest bucket of tokens; replayed as a graph).
 
 With a drafter (speculative decoding), a decode batch in which some rows have drafts is a verify
-step: such a row feeds its newest token and its d drafts, gets a token sampled at each of the
-1 + d positions, and keeps the drafts up to the first that differs from the token sampled before
-it, plus that sampled token (`accept_drafts`). The row's K/V past what it kept is never read (its
+step: such a row feeds its newest token and its d drafts (each a decode row of the graph), gets a
+token sampled at each of the 1 + d positions, and keeps the drafts up to the first that differs
+from the token sampled before it, plus that sampled token (`accept_drafts`). Which drafts go is
+`drafts_that_pay`: the expected tokens they add against the measured cost of the larger bucket. The row's K/V past what it kept is never read (its
 computed count goes back), and the blocks it took for drafts it did not keep go back. How many
 it keeps is known on the host only, so a verify row's next step waits for its read-back; rows
 without drafts keep async scheduling, and a row whose newest token is still on the device drafts
@@ -45,13 +46,13 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from graphrt.engine.block_allocator import BlockAllocator, block_keys
+from graphrt.engine.drafter import NgramDrafter, StepCosts, drafts_that_pay
 from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
 from graphrt.engine.stats import SpecStats
 from graphrt.errors import RequestError
 from graphrt.runtime.step import ScheduledStep
 
 if TYPE_CHECKING:
-    from graphrt.engine.drafter import NgramDrafter
     from graphrt.runtime.logprobs import StepLogprobs  # torch, which the scheduler never loads
 
 
@@ -110,6 +111,9 @@ class Scheduler:
     ):
         self.allocator = allocator
         self.drafter = drafter  # None: no speculative decoding
+        # What a decode step of each bucket costs, which drafts must pay for; None: every draft goes
+        # (the engine measures them at start-up: Ring.time_decode_steps).
+        self.step_costs: StepCosts | None = None
         self.spec = SpecStats()
         self.prefix_root = prefix_root  # None: no prefix caching
         self.eos_ids = eos_ids
@@ -232,17 +236,24 @@ class Scheduler:
 
     def _decode_step(self, batch: list[Sequence]) -> ScheduledStep:
         """A decode batch whose rows the drafter can guess for become a verify step (those rows
-        last), within the micro-batch's token budget."""
-        budget = max(self.prefill_chunk_size, self.max_decode_batch) - len(batch)
-        drafts = {}
+        last), with the drafts that pay for the larger bucket they make (`drafts_that_pay`). Its
+        tokens are the rows of a decode batch, so they fit the largest bucket."""
+        proposals = []
         for seq in batch:
             if not self._drafts_next(seq):
                 seq.draft_pause = max(0, seq.draft_pause - 1)
                 continue
-            proposed = self._draft(seq, budget)
+            proposed = self._propose(seq)
             if proposed:
-                drafts[id(seq)] = proposed
-                budget -= len(proposed)
+                proposals.append((seq, proposed))
+        lengths = drafts_that_pay(
+            len(batch), [(seq.draft_acceptance.rate, len(proposed)) for seq, proposed in proposals],
+            self.max_decode_batch - len(batch), self.step_costs,
+        )
+        drafts = {}
+        for (seq, proposed), length in zip(proposals, lengths):
+            if length and (chosen := self._with_draft_blocks(seq, proposed[:length])):
+                drafts[id(seq)] = chosen
         if not drafts:
             return ScheduledStep(batch, [1] * len(batch), is_prefill=False, id=next(self._step_ids))
         rows = [seq for seq in batch if id(seq) not in drafts] + [seq for seq in batch if id(seq) in drafts]
@@ -263,18 +274,19 @@ class Scheduler:
         seq.draft_backoff = min(2 * seq.draft_backoff + 1, MAX_DRAFT_PAUSE)
         seq.draft_pause = seq.draft_backoff
 
-    def _draft(self, seq: Sequence, budget: int) -> list[int]:
-        """Drafts for `seq`'s next step, with KV blocks for them; [] where nothing is guessed."""
-        limit = min(budget, seq.max_tokens - seq.outputs_scheduled - 1)  # its 1 + d tokens stay within max_tokens
+    def _propose(self, seq: Sequence) -> list[int]:
+        """The drafter's guesses for `seq`'s next step, within max_tokens; [] where it has none."""
+        limit = seq.max_tokens - seq.outputs_scheduled - 1  # its 1 + d tokens stay within max_tokens
         tokens = seq.prompt_ids + seq.output_ids
         if seq.awaits_token:
             # Its newest token is still being sampled (async scheduling): the drafter guesses it
             # too, from the tokens the host has, and drafts what follows the guess.
-            drafts = self.drafter.propose(tokens, limit + 1)[1:]
-        else:
-            drafts = self.drafter.propose(tokens, limit)
-        # Blocks for the draft positions (after the newest token's, at num_computed), from the free
-        # ones only: a guess never preempts anyone.
+            return self.drafter.propose(tokens, limit + 1)[1:]
+        return self.drafter.propose(tokens, limit)
+
+    def _with_draft_blocks(self, seq: Sequence, drafts: list[int]) -> list[int]:
+        """`drafts`, cut to what free KV blocks hold, with blocks for their positions (after the
+        newest token's, at num_computed) taken from the free ones only: a guess never preempts anyone."""
         room = (len(seq.block_ids) + self.allocator.num_free) * self.allocator.block_size - seq.num_computed - 1
         drafts = drafts[: max(0, room)]
         missing = self.allocator.blocks_for(seq.num_computed + 1 + len(drafts)) - len(seq.block_ids)
@@ -422,6 +434,7 @@ class Scheduler:
         kept = accept_drafts(drafts, sampled) if sampled is not None and not seq.finished else []
         num_accepted = max(0, len(kept) - 1)
         self.spec.record(len(drafts), num_accepted)
+        seq.draft_acceptance.record(len(drafts), num_accepted)
         seq.num_computed -= len(drafts) - num_accepted  # the rejected drafts' K/V is never read
         if num_accepted:
             seq.draft_backoff = 0

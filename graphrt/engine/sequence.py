@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 # Imported for real, not for type checking only: msgspec reads SequenceOutput's field types to
 # decode it (graphrt.engine.messages). Both are plain data; this module still loads no torch.
+from graphrt.engine.drafter import Acceptance
 from graphrt.sampling_params import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -42,11 +43,13 @@ class Sequence:
     # then), and the id of the newest step sampling one; both are the scheduler's to change.
     num_output_placeholders: int = 0
     sampling_step: int = -1
-    # Speculative decoding: the drafts of its verify step in flight ([] when none), and how long
-    # it goes without drafting after verify steps that accepted nothing (graphrt.engine.drafter).
+    # Speculative decoding: the drafts of its verify step in flight ([] when none), how long it
+    # goes without drafting after verify steps that accepted nothing, and how often its drafts
+    # are kept (graphrt.engine.drafter).
     draft_ids: list[int] = field(default_factory=list)
     draft_pause: int = 0
     draft_backoff: int = 0
+    draft_acceptance: Acceptance = field(default_factory=Acceptance)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     last_token_time: float | None = None

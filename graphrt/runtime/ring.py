@@ -22,7 +22,6 @@ on the device lands in the feed, and hands back the oldest finished micro-batch 
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -54,7 +53,6 @@ class MicroBatch:
     busy_events: list = field(default_factory=list)  # CUDA: (stage, start, end) events of its work
     token_ids: list[int] | None = None  # one per sampled token (a verify row's 1 + drafts), once read back
     logprobs: LogprobPlan | None = None  # what its last stage scores, for the requests that ask
-    sample_order: list[int] | None = None  # a verify step's logits rows to sample, in token order (verify_logits)
 
     @property
     def id(self) -> int:
@@ -75,13 +73,16 @@ def build_inputs(
 ) -> tuple[torch.Tensor, StepMetadata]:
     """Token ids and metadata of a step on the host; the pipeline moves them to each stage. A token
     not read back yet is given as a feed reference, from `feed_indices` (request id -> feed index).
-    The last stage computes logits for each sequence's last row, then for `extra_logits_rows`
-    (prompt rows to score, see graphrt.runtime.logprobs).
+    A prompt chunk has a row per sequence and the last stage computes logits for each sequence's
+    last token, then for `extra_logits_rows` (prompt rows to score, see graphrt.runtime.logprobs).
+    A decode step has a row per token: a verify row's newest token and drafts are rows of their
+    own, each with its position, its context up to itself and its sequence's block table, so the
+    decode kernels and graphs run them as they are and give logits at every token.
 
     `pin` puts them in page-locked memory, so the copies to a GPU are truly asynchronous (from
     pageable memory the driver may wait for the stream, and the host would block).
     """
-    token_ids, positions, slots, seq_lens, last_rows = [], [], [], [], []
+    token_ids, positions, slots, seq_lens, last_rows, row_seqs = [], [], [], [], [], []
     for row, (seq, start, query_len) in enumerate(zip(step.seqs, step.starts, step.query_lens)):
         drafts = step.draft_ids[row] if step.draft_ids else ()
         for offset, pos in enumerate(range(start, start + query_len)):
@@ -89,14 +90,21 @@ def build_inputs(
             token_ids.append(token if token is not None else feed_ref(feed_indices[seq.request_id]))
             positions.append(pos)
             slots.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
-        seq_lens.append(start + query_len)
-        last_rows.append(len(token_ids) - 1)
+            if not step.is_prefill:
+                seq_lens.append(pos + 1)
+                row_seqs.append(seq)
+        if step.is_prefill:
+            seq_lens.append(start + query_len)
+            row_seqs.append(seq)
+            last_rows.append(len(token_ids) - 1)
+    if not step.is_prefill:
+        last_rows = list(range(len(token_ids)))
     # Only the blocks the context reaches so far (a sequence may hold one more, or a preempted
     # one's recompute may be under way): attention reads no further.
     live = [-(-seq_len // block_size) for seq_len in seq_lens]
     width = max(live)
     tables = []
-    for seq, blocks in zip(step.seqs, live):
+    for seq, blocks in zip(row_seqs, live):
         tables += seq.block_ids[:blocks]
         tables += [SCRATCH_BLOCK] * (width - blocks)
     # One tensor construction per micro-batch, then views: this runs on the host every tick.
@@ -114,24 +122,9 @@ def build_inputs(
         seq_lens=flat[rows_from : rows_from + num_rows],
         logits_indices=flat[rows_from + num_rows : tables_from],
         seq_lens_host=seq_lens,
-        query_lens=list(step.query_lens) if step.is_eager else None,
+        query_lens=list(step.query_lens) if step.is_prefill else None,
     )
     return flat[:num_tokens], meta
-
-
-def verify_logits(step: ScheduledStep, first_extra: int) -> tuple[list[int], list[int]]:
-    """Where a verify step samples: each row with d drafts is sampled at all of its 1 + d tokens.
-    Returns (the token rows whose logits the last stage computes besides each row's last, which
-    build_inputs appends from index `first_extra` on; the logits rows to sample, in token order)."""
-    ends = list(itertools.accumulate(step.query_lens))
-    token_rows, order = [], []
-    for row in step.sample_rows:
-        num_drafts = step.num_drafts(row)
-        for j in range(num_drafts):
-            order.append(first_extra + len(token_rows))
-            token_rows.append(ends[row] - 1 - num_drafts + j)
-        order.append(row)
-    return token_rows, order
 
 
 @dataclass
@@ -224,10 +217,6 @@ class Ring:
         queuing (CPU)."""
         logprobs = plan_logprobs(step)
         extra_rows = logprobs.prompt_rows if logprobs is not None else []
-        sample_order = None
-        if step.is_verify:
-            verify_rows, sample_order = verify_logits(step, len(step.seqs) + len(extra_rows))
-            extra_rows = extra_rows + verify_rows
         token_ids, meta = build_inputs(step, self.block_size, self._feed_indices, self.pin, extra_rows)
         # The micro-batches in flight whose tokens this one reads from the feed.
         producers = {}
@@ -235,11 +224,11 @@ class Ring:
             if start >= seq.num_tokens:
                 producer = self._producers[seq.request_id]
                 producers[id(producer)] = producer
-        bucket = None if step.is_eager else self.graphs[0].plan.bucket_for(len(step.seqs))
+        bucket = None if step.is_prefill else self.graphs[0].plan.bucket_for(step.num_tokens)
         token_base = (2 * slot.index + slot.launches % 2) * self.max_tokens
         mb = MicroBatch(
             step, slot.index, time.perf_counter(), token_base=token_base, reads_feed=bool(producers), bucket=bucket,
-            logprobs=logprobs, sample_order=sample_order,
+            logprobs=logprobs,
         )
         if logprobs is not None:
             logprobs.allocate(pin=self.pipeline.stages[-1].device.type == "cuda")
@@ -288,7 +277,7 @@ class Ring:
             self.collect_busy(oldest)
             if self.timeline:
                 self.timeline.record_wait(waited_from, self.timeline.now())
-            num_sampled = len(oldest.sample_order or oldest.sample_rows)
+            num_sampled = sum(oldest.step.sample_counts)
             oldest.token_ids = self.host_tokens[oldest.token_base : oldest.token_base + num_sampled].tolist()
             self.slots[oldest.slot].in_flight.remove(oldest)  # the slot may take another micro-batch
             for seq in oldest.sampled_seqs:
@@ -315,7 +304,7 @@ class Ring:
         with work:
             x = self._input_ids(token_ids, mb).to(stage.device, non_blocking=True) if index == 0 else slot.recv[index][:num_tokens]
             stage_meta = meta.to(stage.device)
-            if mb.step.is_eager:
+            if mb.step.is_prefill:
                 out = stage(x, stage_meta, cache)
             else:
                 out = self.graphs[index].run(x, stage_meta)
@@ -334,13 +323,15 @@ class Ring:
     def _sample(self, mb: MicroBatch, out: torch.Tensor, params, generators) -> None:
         """On the last stage: sample the rows that get a token, score what `mb.logprobs` asks for."""
         logits = token_ids_out = None
-        order = mb.sample_order or mb.sample_rows
-        if order:
-            every_row = mb.sample_order is None and len(order) == out.shape[0]  # sample rows are distinct and in order
-            logits = out if every_row else out[host_to_device(order, torch.int64, out.device)]
+        # A decode step samples at each of its tokens (a verify row's drafts too), which are its
+        # logits rows in order; a prompt chunk at the last token of each row that samples.
+        num_sampled = sum(mb.step.sample_counts)
+        if num_sampled:
+            every_row = num_sampled == out.shape[0]  # sampled rows are distinct and in order: all of them
+            logits = out if every_row else out[host_to_device(mb.sample_rows, torch.int64, out.device)]
             with self.ranges.sample():
                 token_ids_out = self.sampler(logits, params, generators)
-            rows = slice(mb.token_base, mb.token_base + len(order))
+            rows = slice(mb.token_base, mb.token_base + num_sampled)
             if self.feed is not self.host_tokens:
                 self.feed[rows].copy_(token_ids_out, non_blocking=True)
             self.host_tokens[rows].copy_(token_ids_out, non_blocking=True)
@@ -358,6 +349,29 @@ class Ring:
             return token_ids
         ids = token_ids.to(self.feed.device, non_blocking=True)
         return torch.where(is_feed_ref(ids), self.feed[feed_index(ids).clamp(min=0)], ids)
+
+    def time_decode_steps(self, repeats: int = 3) -> dict[int, float]:
+        """Bucket -> seconds a decode micro-batch of that bucket takes through the local stages,
+        one stage after another on their own streams (the median of `repeats`, after a warm-up),
+        for speculative decoding to weigh a verify step's tokens against (graphrt.engine.drafter).
+        Run before any request: every row is padding, so the graphs touch only the scratch block."""
+        if self.busy:
+            raise RuntimeError("time_decode_steps while micro-batches are in flight would race the stage workers")
+        seconds = {}
+        for bucket in self.graphs[0].plan.sizes:
+            total = 0.0
+            for stream, graphs in zip(self.streams, self.graphs):
+                graph = graphs.graphs[bucket]
+                graph.inputs.pad()
+                times = []
+                for _ in range(1 + repeats):
+                    started = time.perf_counter()
+                    stream.submit(graph.replay)
+                    stream.record().synchronize()
+                    times.append(time.perf_counter() - started)
+                total += sorted(times[1:])[repeats // 2]
+            seconds[bucket] = total
+        return seconds
 
     # Always-on per-stage busy time, for /metrics: a clock read in the CPU worker, or a pair of
     # CUDA events read back with the micro-batch (never a host clock around asynchronous work).

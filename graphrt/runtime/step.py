@@ -63,7 +63,9 @@ class ScheduledStep:
     sample_rows: list[int] = field(default_factory=list)  # rows that get a token from this step
     # A verify step (speculative decoding): each decode row's guessed next tokens, [] for a row
     # without. A row with d drafts feeds 1 + d tokens and gets a token sampled at each of them;
-    # the rows without come first. Empty: no row has drafts.
+    # the rows without come first. Empty: no row has drafts. A verify step is decode-shaped: each
+    # of its tokens is one row of a decode batch (its own position, context and block table), so
+    # it runs the decode graph of the bucket that holds its tokens (graphrt.runtime.ring.build_inputs).
     draft_ids: list[list[int]] = field(default_factory=list)
 
     sampled_seqs: list[Row] = field(init=False)  # the sequences of sample_rows
@@ -84,9 +86,8 @@ class ScheduledStep:
         return bool(self.draft_ids)
 
     @property
-    def is_eager(self) -> bool:
-        """Ragged rows, run eagerly: a prompt chunk, or a verify step (rows of 1 + drafts tokens)."""
-        return self.is_prefill or self.is_verify
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
 
     def num_drafts(self, row: int) -> int:
         return len(self.draft_ids[row]) if self.draft_ids else 0

@@ -16,7 +16,7 @@ import torch
 from graphrt import LLM, SamplingParams
 from graphrt.config import EngineConfig
 from graphrt.engine.block_allocator import BlockAllocator
-from graphrt.engine.drafter import NgramDrafter
+from graphrt.engine.drafter import Acceptance, NgramDrafter, StepCosts, drafts_that_pay
 from graphrt.engine.scheduler import Scheduler, accept_drafts
 from graphrt.engine.sequence import FinishReason, Sequence
 from graphrt.runtime.sampler import Sampler
@@ -46,6 +46,36 @@ def test_ngram_goes_on_repeating_a_short_loop():
     # The last match of [1, 2] is two tokens back: what follows it is [1, 2] itself, and so on.
     assert drafter.propose([9, 1, 2, 1, 2], limit=5) == [1, 2, 1, 2, 1]
     assert drafter.propose([4, 4, 4], limit=5) == [4, 4, 4, 4, 4]
+
+
+def test_drafts_are_verified_while_their_expected_tokens_outrun_the_larger_bucket():
+    flat = StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
+    assert drafts_that_pay(1, [(0.5, 3)], 7, flat) == [3], "a free bucket takes every draft"
+    assert drafts_that_pay(1, [(0.5, 3)], 7, None) == [3], "without costs every draft goes"
+    assert drafts_that_pay(1, [(0.9, 3)], 2, flat) == [2], "never more than the largest bucket holds"
+    # Twice the cost from 1 to 2 tokens: one draft kept at 0.9 adds 0.9 < 1 token, so none pays;
+    # from 2 to 4 tokens the same again.
+    doubling = StepCosts({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0})
+    assert drafts_that_pay(1, [(0.9, 3)], 7, doubling) == [0]
+    # A step of 3 rows (bucket 4) has room for one draft at no extra cost; the surer row gets it.
+    steps = StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 3.0})
+    assert drafts_that_pay(3, [(0.3, 2), (0.8, 2)], 7, steps) == [0, 1]
+    # 8 tokens cost 3x 4 tokens: 3 rows + 5 drafts at 0.99 add about 4.9 tokens, 8 < 3 * 3 so no.
+    assert drafts_that_pay(3, [(0.99, 3), (0.99, 2)], 7, steps) == [1, 0]
+    assert drafts_that_pay(1, [], 7, steps) == []
+
+
+def test_acceptance_counts_each_draft_tried_up_to_the_first_miss():
+    acceptance = Acceptance()
+    assert acceptance.rate == 0.5
+    acceptance.record(num_drafts=4, num_accepted=4)  # four tried, four kept
+    assert (acceptance.kept, acceptance.tried) == (5, 6)
+    acceptance.record(num_drafts=4, num_accepted=1)  # the second missed: two tried, one kept
+    assert (acceptance.kept, acceptance.tried) == (6, 8)
+    for _ in range(100):
+        acceptance.record(num_drafts=3, num_accepted=0)
+    assert acceptance.rate < 0.1, "recent misses outweigh old hits"
+    assert acceptance.tried <= 64
 
 
 def test_accept_drafts_keeps_the_drafts_up_to_the_first_miss_and_the_token_sampled_there():
@@ -156,10 +186,17 @@ def workload(seed: int = 0, num_requests: int = 6) -> tuple[list[list[int]], lis
     return prompts, params
 
 
-def generate(model, prompts, params, **options) -> tuple[list[list[int]], LLM]:
-    """Each prompt's tokens, all requests added at once (each with its own params)."""
+MEASURED = "measured"
+
+
+def generate(model, prompts, params, step_costs=MEASURED, **options) -> tuple[list[list[int]], LLM]:
+    """Each prompt's tokens, all requests added at once (each with its own params). `step_costs`:
+    what the drafts must pay for, in place of what the engine timed at start-up (None: every
+    draft proposed is verified), so that where rows draft does not change from one start to the next."""
     llm = LLM(model=model, dtype="float64", **options)
     engine = llm.engine
+    if step_costs is not MEASURED:
+        engine.scheduler.step_costs = step_costs
     try:
         seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
         while engine.has_work():
@@ -176,15 +213,24 @@ def reference(looping_models) -> dict[float, list[list[int]]]:
 
 
 SCHEDULES = [(pp, depth, async_scheduling) for pp in (1, 2, 3) for depth in (0, 1, 2) for async_scheduling in (True, False)]
+# Costs under which a step is worth some of its drafts and not all: a row starts with one draft
+# (kept at 1/2 until it is verified) and verifies more once its drafts are kept more often.
+SOME_DRAFTS = StepCosts({1: 1.0, 2: 1.2, 4: 1.9, 8: 2.6, 16: 4.0, 24: 6.0, 32: 8.0})
 
 
-@pytest.mark.parametrize("pp, depth, async_scheduling", SCHEDULES)
-def test_greedy_output_with_speculation_is_the_output_without(looping_models, reference, pp, depth, async_scheduling):
+@pytest.mark.parametrize(
+    "pp, depth, async_scheduling, step_costs",
+    [(*schedule, None) for schedule in SCHEDULES] + [(2, 1, True, SOME_DRAFTS), (1, 0, False, SOME_DRAFTS)],
+    ids=lambda value: "some-drafts" if value is SOME_DRAFTS else None,
+)
+def test_greedy_output_with_speculation_is_the_output_without(
+    looping_models, reference, pp, depth, async_scheduling, step_costs
+):
     prompts, params = workload()
     drafted = accepted = num_drafts = 0
     for scale, model in looping_models.items():
         got, llm = generate(
-            model, prompts, params, pp=pp, depth=depth, async_scheduling=async_scheduling, speculative_config=NGRAM,
+            model, prompts, params, step_costs, pp=pp, depth=depth, async_scheduling=async_scheduling, speculative_config=NGRAM,
         )
         assert got == reference[scale], f"weight scale {scale}: speculation changed the greedy output"
         spec = llm.engine.stats.spec
@@ -202,6 +248,7 @@ def test_preemption_and_aborts_with_speculation(looping_models, reference):
         model=looping_models[0.6], dtype="float64", pp=2, kv_cache_tokens=100, block_size=4, speculative_config=NGRAM,
     )
     engine = llm.engine
+    engine.scheduler.step_costs = None  # every draft, so that verify steps are in flight to abort
     try:
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         aborted = None
@@ -225,16 +272,40 @@ def test_preemption_and_aborts_with_speculation(looping_models, reference):
         engine.close()
 
 
+def test_the_engine_times_each_bucket_at_start_up_only_with_speculation(looping_models):
+    """And its buckets hold a verify step of every row with all its drafts, tokens being rows."""
+    with_drafts, without = (
+        LLM(model=looping_models[0.6], dtype="float64", pp=2, max_num_seqs=3, speculative_config=config)
+        for config in (NGRAM, None)
+    )
+    try:
+        assert with_drafts.engine.plan.max_batch == 3 * (1 + NGRAM["num_speculative_tokens"])
+        assert without.engine.plan.max_batch == 3
+        costs = with_drafts.engine.scheduler.step_costs
+        assert sorted(costs.seconds) == list(with_drafts.engine.plan.sizes)
+        assert all(seconds > 0 for seconds in costs.seconds.values())
+        assert costs(3) == costs.seconds[4] and costs(1000) == costs.seconds[max(costs.seconds)]
+        assert without.engine.scheduler.step_costs is None
+    finally:
+        with_drafts.engine.close()
+        without.engine.close()
+
+
 def test_seeded_sampling_with_speculation_repeats_itself_without_async_scheduling(looping_models):
     """A seeded request draws once per position it samples, so its tokens depend on where it
     drafted. Without async scheduling a row drafts from its own tokens only (with it, from a guess
-    of a token still on the device, depending on timing), and here no row rides along with a
-    prompt chunk (every prompt fits the first): another pipeline gives the same tokens."""
+    of a token still on the device, depending on timing), here no row rides along with a prompt
+    chunk (every prompt fits the first), and every draft is verified (the step costs timed at
+    start-up would decide otherwise from one start to the next): another pipeline gives the same tokens."""
     prompts, _ = workload()
     params = [SamplingParams(max_tokens=40, temperature=0.3, seed=index, ignore_eos=True) for index in range(len(prompts))]
-    first, llm = generate(looping_models[0.6], prompts, params, pp=2, async_scheduling=False, speculative_config=NGRAM)
+    first, llm = generate(
+        looping_models[0.6], prompts, params, None, pp=2, async_scheduling=False, speculative_config=NGRAM
+    )
     assert llm.engine.stats.spec.num_accepted_tokens > 0
-    again, _ = generate(looping_models[0.6], prompts, params, pp=1, depth=1, async_scheduling=False, speculative_config=NGRAM)
+    again, _ = generate(
+        looping_models[0.6], prompts, params, None, pp=1, depth=1, async_scheduling=False, speculative_config=NGRAM
+    )
     assert first == again, "a seeded request must get the same tokens under another pipeline"
 
 
