@@ -107,7 +107,7 @@ class Ranges:
         return self.range(f"prefill stage{stage} tokens{tokens}", "prefill")
 
     def verify(self, stage: int, slot: int, tokens: int):
-        """A stage's work on a speculative verify micro-batch (eager): `verify stage{s} mb{k} tokens{t}`."""
+        """A stage's work on a speculative verify micro-batch (a decode graph): `verify stage{s} mb{k} tokens{t}`."""
         return self.range(f"verify stage{stage} mb{slot} tokens{tokens}", "verify")
 
     def capture(self, stage: int, bucket: int):

@@ -26,7 +26,7 @@ class StageUse:
     decode_counts: dict[int, int]
     prefill_ms: float | None
     num_prefill: int
-    verify_ms: float | None = None  # speculative decoding's verify micro-batches (eager, rows of 1 + drafts)
+    verify_ms: float | None = None  # speculative decoding's verify micro-batches (decode graphs, a row per token)
     num_verify: int = 0
 
     @property
