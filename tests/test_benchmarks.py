@@ -291,6 +291,15 @@ def test_bench_ab_against_itself(tiny):
         has(out, rf"^\| {metric} \| # \| # \| (?:#|n/a) \|$")
 
 
+def test_bench_ab_serving_against_itself(talking_tiny):
+    venv = Path(sys.executable).parent.parent
+    out = run("bench_ab", "--before", venv, "--after", venv, "--rounds", 1, "--serve", "--", "--model", talking_tiny,
+              "--concurrency", "1,2", "--requests", 2, "--max-tokens", 2)
+    for level in (1, 2):
+        for metric in ("output tok/s", "TTFT p50 ms", "TPOT p50 ms"):
+            has(out, rf"^\| c{level} {metric} \| # \| # \| (?:#|n/a) \|$")
+
+
 # ---------------------------------------------------------------- the server
 
 
