@@ -25,9 +25,10 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.method == "draft_model":
+        if self.method == "draft_model" and not self.model:
             raise ValueError(
-                'the speculative method "draft_model" is not built yet; use {"method": "ngram"} (prompt lookup)'
+                'the speculative method "draft_model" needs the draft model\'s folder: '
+                '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}'
             )
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)

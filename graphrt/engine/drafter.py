@@ -14,18 +14,37 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-
-from graphrt.speculative import SpeculativeConfig
+from typing import Protocol
 
 # Draft acceptance of a sequence that has not been verified yet, as counts: one kept of two.
 PRIOR_KEPT, PRIOR_TRIED = 1.0, 2.0
 ACCEPTANCE_MEMORY = 64.0  # drafts tried: past this, earlier outcomes count half as much
 
 
+class Drafter(Protocol):
+    """What the scheduler asks of a drafter (this module's NgramDrafter, or
+    graphrt.engine.draft_model.DraftModelDrafter, which the engine builds since it needs torch)."""
+
+    num_tokens: int  # drafts per row and step, at most
+
+    def propose_batch(self, requests: list[tuple[int, list[int], int]]) -> list[list[int]]:
+        """For each (request id, tokens so far, limit): up to min(num_tokens, limit) guesses of
+        the tokens that follow; [] where it has none."""
+
+    def release(self, request_id: int) -> None:
+        """The request has ended: whatever the drafter keeps for it goes."""
+
+
 class NgramDrafter:
     def __init__(self, num_tokens: int, min_n: int, max_n: int):
         self.num_tokens = num_tokens
         self.min_n, self.max_n = min_n, max_n
+
+    def propose_batch(self, requests: list[tuple[int, list[int], int]]) -> list[list[int]]:
+        return [self.propose(tokens, limit) for _, tokens, limit in requests]
+
+    def release(self, request_id: int) -> None:
+        pass  # it keeps nothing between steps
 
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to min(num_tokens, limit) tokens that followed the latest earlier occurrence of the
@@ -112,9 +131,3 @@ def drafts_that_pay(
     for _, row in gains[:best]:
         lengths[row] += 1
     return lengths
-
-
-def make_drafter(config: SpeculativeConfig | None) -> NgramDrafter | None:
-    if config is None:
-        return None
-    return NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)

@@ -31,7 +31,8 @@ from graphrt.distributed.handshake import StagePlan
 from graphrt.distributed.remote import Cluster, load_first_stage
 from graphrt.distributed.transport import StageFailure
 from graphrt.engine.block_allocator import BlockAllocator
-from graphrt.engine.drafter import StepCosts, make_drafter
+from graphrt.engine.draft_model import DraftModelDrafter
+from graphrt.engine.drafter import Drafter, NgramDrafter, StepCosts
 from graphrt.engine.kv_budget import kv_blocks_that_fit, measure_headroom
 from graphrt.engine.scheduler import Scheduler
 from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
@@ -131,7 +132,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch,
             eos_ids=frozenset(self.eos_ids), prefix_root=self._prefix_root() if config.prefix_caching else None,
-            drafter=make_drafter(config.speculative_config),
+            drafter=self._make_drafter(num_blocks),
         )
         # With stage processes the last rank samples (and makes each seeded request's generator from
         # the seed it is sent): a sampler here would open a CUDA context on a GPU this rank never uses.
@@ -271,6 +272,19 @@ class Engine:
         kv_tokens = (num_blocks - 1) * self.config.block_size
         max_batch = self.config.max_batch or default_max_batch(self.devices[0].type, kv_tokens)
         return BucketPlan(tuple(default_buckets(min(max_batch, self._max_decode_tokens()))))
+
+    def _make_drafter(self, num_blocks: int) -> Drafter | None:
+        spec, block_size = self.config.speculative_config, self.config.block_size
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        # Room for every token the target's cache holds, and each row's guesses past them.
+        guesses = self.config.max_num_seqs * -(-spec.num_speculative_tokens // block_size)
+        return DraftModelDrafter(
+            Path(spec.model).expanduser(), spec.num_speculative_tokens, self.devices[-1], self.dtype,
+            num_blocks + guesses, block_size, self.max_model_len, self.config.max_num_seqs, self.model_config.vocab_size,
+        )
 
     def _max_decode_tokens(self) -> int:
         """The most tokens a decode step can carry: a row each, and with speculation a row per draft

@@ -46,7 +46,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from graphrt.engine.block_allocator import BlockAllocator, block_keys
-from graphrt.engine.drafter import NgramDrafter, StepCosts, drafts_that_pay
+from graphrt.engine.drafter import Drafter, StepCosts, drafts_that_pay
 from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
 from graphrt.engine.stats import SpecStats
 from graphrt.errors import RequestError
@@ -107,7 +107,7 @@ class Scheduler:
         max_decode_batch: int,
         eos_ids: frozenset[int] = frozenset(),
         prefix_root: bytes | None = None,
-        drafter: NgramDrafter | None = None,
+        drafter: Drafter | None = None,
     ):
         self.allocator = allocator
         self.drafter = drafter  # None: no speculative decoding
@@ -238,14 +238,13 @@ class Scheduler:
         """A decode batch whose rows the drafter can guess for become a verify step (those rows
         last), with the drafts that pay for the larger bucket they make (`drafts_that_pay`). Its
         tokens are the rows of a decode batch, so they fit the largest bucket."""
-        proposals = []
+        drafting = []
         for seq in batch:
-            if not self._drafts_next(seq):
+            if self._drafts_next(seq):
+                drafting.append(seq)
+            else:
                 seq.draft_pause = max(0, seq.draft_pause - 1)
-                continue
-            proposed = self._propose(seq)
-            if proposed:
-                proposals.append((seq, proposed))
+        proposals = [(seq, proposed) for seq, proposed in zip(drafting, self._propose(drafting)) if proposed]
         lengths = drafts_that_pay(
             len(batch), [(seq.draft_acceptance.rate, len(proposed)) for seq, proposed in proposals],
             self.max_decode_batch - len(batch), self.step_costs,
@@ -274,15 +273,16 @@ class Scheduler:
         seq.draft_backoff = min(2 * seq.draft_backoff + 1, MAX_DRAFT_PAUSE)
         seq.draft_pause = seq.draft_backoff
 
-    def _propose(self, seq: Sequence) -> list[int]:
-        """The drafter's guesses for `seq`'s next step, within max_tokens; [] where it has none."""
-        limit = seq.max_tokens - seq.outputs_scheduled - 1  # its 1 + d tokens stay within max_tokens
-        tokens = seq.prompt_ids + seq.output_ids
-        if seq.awaits_token:
-            # Its newest token is still being sampled (async scheduling): the drafter guesses it
-            # too, from the tokens the host has, and drafts what follows the guess.
-            return self.drafter.propose(tokens, limit + 1)[1:]
-        return self.drafter.propose(tokens, limit)
+    def _propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        """The drafter's guesses for each sequence's next step, within max_tokens; [] where it has none.
+        A sequence whose newest token is still being sampled (async scheduling) has the drafter
+        guess that token too, from the tokens the host has, and drafts what follows the guess."""
+        requests = []
+        for seq in seqs:
+            limit = seq.max_tokens - seq.outputs_scheduled - 1  # its 1 + d tokens stay within max_tokens
+            requests.append((seq.request_id, seq.prompt_ids + seq.output_ids, limit + (1 if seq.awaits_token else 0)))
+        proposed = self.drafter.propose_batch(requests) if requests else []
+        return [guesses[1:] if seq.awaits_token else guesses for seq, guesses in zip(seqs, proposed)]
 
     def _with_draft_blocks(self, seq: Sequence, drafts: list[int]) -> list[int]:
         """`drafts`, cut to what free KV blocks hold, with blocks for their positions (after the
@@ -460,6 +460,8 @@ class Scheduler:
         """End a sequence (a stop string, an abort...): stop scheduling it, and free its blocks
         now or, if a micro-batch in flight still uses them, when that one is back."""
         seq.finish_reason = reason
+        if self.drafter is not None:
+            self.drafter.release(seq.request_id)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

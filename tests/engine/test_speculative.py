@@ -91,7 +91,7 @@ def test_accept_drafts_keeps_the_drafts_up_to_the_first_miss_and_the_token_sampl
         ("{not json", "not valid JSON"),
         ('["ngram"]', "must be a JSON object"),
         ({"method": "eagle"}, "must be one of ngram, draft_model"),
-        ({"method": "draft_model", "model": "/x"}, "not built yet"),
+        ({"method": "draft_model"}, "needs the draft model.s folder"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
         ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "give min <= max"),
         ({"num_spec_tokens": 4}, "unknown speculative config field 'num_spec_tokens'"),

@@ -1,5 +1,6 @@
-"""`graphrt serve --speculative-config` as a user starts it, through the openai client: the same
-greedy text as without speculation (stop strings included), and the drafts counted in /metrics."""
+"""`graphrt serve --speculative-config` as a user starts it, through the openai client, with each
+drafter: the same greedy text as without speculation (stop strings included), and the drafts
+counted in /metrics."""
 
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ def metric(text: str, name: str) -> float:
     return float(found.group(1))
 
 
-def test_serve_with_speculation_gives_the_text_without_it(default_model):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_serve_with_speculation_gives_the_text_without_it(default_model, method):
+    """draft_model: the default model drafts for itself (no smaller one with its tokenizer is at hand)."""
+    speculative = SPECULATIVE if method == "ngram" else {"method": "draft_model", "model": str(default_model), "num_speculative_tokens": 4}
     llm = LLM(model=default_model, dtype="float32", max_model_len=512)
     prompt = llm.chat_prompt(MESSAGE)
     want = llm.generate(prompt, SamplingParams(max_tokens=80, temperature=0))[0].text
@@ -40,7 +44,7 @@ def test_serve_with_speculation_gives_the_text_without_it(default_model):
     llm.engine.close()
     assert "width * height" in want, "the reference answer should reuse the code"
 
-    proc, url, _ = start_server(extra_args=("--dtype", "float32", "--speculative-config", json.dumps(SPECULATIVE)))
+    proc, url, _ = start_server(extra_args=("--dtype", "float32", "--speculative-config", json.dumps(speculative)))
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
         messages = [{"role": "user", "content": MESSAGE}]

@@ -1,0 +1,154 @@
+"""The `draft_model` drafter: a smaller model with the target's vocabulary guesses each row's next
+tokens, greedily, with a paged KV cache of its own.
+
+It runs graphrt's own model code (one stage, eager) on the target's last device, when the
+scheduler builds a decode step: first one prompt-shaped step that feeds every drafting row the
+tokens its cache lacks (a row's whole context the first time, then the tokens kept since its last
+guess) and gives each row's first draft, then a decode step per further draft. A row's cache
+keeps the K/V of every token it was fed; what the target rejected is found by comparing the fed
+tokens with the row's tokens the next time, and only the differing tail is fed again, as the
+target itself overwrites rejected K/V.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.model.config import ModelConfig
+from graphrt.model.weights import WeightFiles
+from graphrt.runtime.pipeline import Pipeline
+from graphrt.runtime.ring import build_inputs
+from graphrt.runtime.step import ScheduledStep
+
+
+@dataclass
+class DraftRow:
+    """One sequence in the draft model's cache (graphrt.runtime.step.Row, as far as build_inputs reads)."""
+
+    request_id: int
+    block_ids: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # what it is guessing from, then its guesses
+    fed: list[int] = field(default_factory=list)  # tokens whose K/V its cache holds, in order
+
+    def token_at(self, position: int) -> int:
+        return self.tokens[position]
+
+
+class DraftModelDrafter:
+    def __init__(
+        self,
+        model_dir: Path,
+        num_tokens: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+        max_position: int,
+        max_rows: int,
+        target_vocab_size: int,
+    ):
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(
+                f"the draft model folder {model_dir} has no config.json; give the speculative config's \"model\" "
+                "as a Hugging Face style folder (config.json, *.safetensors) of a smaller model with the target's tokenizer"
+            )
+        cfg = ModelConfig.from_dir(model_dir)
+        if cfg.vocab_size != target_vocab_size:
+            raise ValueError(
+                f"the draft model {model_dir} has a vocabulary of {cfg.vocab_size} tokens and the target "
+                f"{target_vocab_size}; a draft model must share the target's tokenizer (e.g. a smaller model of its family)"
+            )
+        self.num_tokens = num_tokens
+        self.block_size = block_size
+        self.pipeline = Pipeline.load(cfg, WeightFiles(model_dir), [device], dtype, max_position)
+        self.pipeline.allocate_kv(num_blocks, block_size)
+        # Its decode steps have a row per drafting sequence: the kernels fastest here up to that.
+        self.pipeline.choose_kernels(max_rows, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.rows: dict[int, DraftRow] = {}
+
+    def propose_batch(self, requests: list[tuple[int, list[int], int]]) -> list[list[int]]:
+        """For each (request id, tokens, limit): up to min(num_tokens, limit) greedy guesses of the
+        tokens after `tokens`; [] for a row whose guesses the draft cache has no room for."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        active: list[tuple[int, DraftRow, int]] = []  # (request index, its row, guesses wanted)
+        starts = []
+        for index, (request_id, tokens, limit) in enumerate(requests):
+            count = min(limit, self.num_tokens)
+            if count <= 0 or not tokens:
+                continue
+            row = self.rows.setdefault(request_id, DraftRow(request_id))
+            if not self._make_room(row, len(tokens) + count - 1):  # the last guess is never fed
+                continue
+            starts.append(common_prefix(row.fed, tokens, len(tokens) - 1))  # the newest token is always fed
+            row.tokens = list(tokens)
+            active.append((index, row, count))
+        if not active:
+            return drafts
+        rows = [row for _, row, _ in active]
+        catch_up = [len(row.tokens) - start for row, start in zip(rows, starts)]
+        # What the target kept since a row's last guesses is a few tokens: decode-shaped, a row per
+        # token (as a verify step is), it runs on the decode kernels. A row's first guesses need its
+        # whole context: prompt-shaped.
+        decode_shaped = max(catch_up) <= self.num_tokens + 1
+        step = ScheduledStep(rows, catch_up, is_prefill=not decode_shaped, starts=starts, sample_rows=list(range(len(rows))))
+        guesses = self._forward(step)
+        if decode_shaped:  # a guess at every token: each row's is at its last
+            ends = list(itertools.accumulate(catch_up))
+            guesses = [guesses[end - 1] for end in ends]
+        for _, row, _ in active:
+            row.fed = row.tokens[:]  # what this step and each one after it feeds; the last guess is not
+        going = active
+        while True:
+            for (index, row, _), guess in zip(going, guesses):
+                drafts[index].append(guess)
+                row.tokens.append(guess)
+            going = [(index, row, count) for index, row, count in going if len(drafts[index]) < count]
+            if not going:
+                break
+            rows = [row for _, row, _ in going]
+            for row in rows:
+                row.fed.append(row.tokens[-1])
+            step = ScheduledStep(
+                rows, [1] * len(rows), is_prefill=False, starts=[len(row.tokens) - 1 for row in rows],
+                sample_rows=list(range(len(rows))),
+            )
+            guesses = self._forward(step)
+        return drafts
+
+    def _forward(self, step: ScheduledStep) -> list[int]:
+        token_ids, meta = build_inputs(step, self.block_size)
+        logits = self.pipeline.forward(token_ids, meta)
+        return logits.argmax(dim=-1).tolist()
+
+    def _make_room(self, row: DraftRow, num_positions: int) -> bool:
+        """Blocks for `row`'s first `num_positions` positions; False (and its cache given back)
+        where the draft cache has too few free."""
+        missing = self.allocator.blocks_for(num_positions) - len(row.block_ids)
+        if missing > self.allocator.num_free:
+            self.release(row.request_id)
+            return False
+        if missing > 0:
+            row.block_ids += self.allocator.allocate(missing)
+        return True
+
+    def release(self, request_id: int) -> None:
+        """The sequence is done (finished, aborted or preempted): its draft cache goes back."""
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self.allocator.free(row.block_ids)
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens `a` and `b` share, at most `limit`."""
+    count = 0
+    for x, y in zip(a, b):
+        if count >= limit or x != y:
+            break
+        count += 1
+    return count

@@ -1,0 +1,130 @@
+"""Speculative decoding with a draft model: its guesses are its own greedy continuation, its cache
+follows the rows through rejections, and the target's greedy output is unchanged under every
+schedule, whether the draft agrees with the target (the target drafting for itself) or mostly not
+(a one-layer model of its own).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from graphrt import LLM, SamplingParams
+from graphrt.engine.draft_model import DraftModelDrafter, common_prefix
+from graphrt.model.config import ModelConfig
+from graphrt.tools.synthetic import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, object]:
+    """A target whose greedy output loops now and then, and a one-layer draft with its vocabulary."""
+    root = tmp_path_factory.mktemp("draft-model")
+    return {
+        "target": make_tiny_model(root / "target", "llama-gqa-tied", weight_scale=0.6),
+        "small": make_tiny_model(root / "small", "llama-gqa-tied", seed=1, num_layers=1, weight_scale=0.6),
+    }
+
+
+def drafter_for(model, num_tokens: int = 3, num_blocks: int = 64) -> DraftModelDrafter:
+    vocab = ModelConfig.from_dir(model).vocab_size
+    return DraftModelDrafter(model, num_tokens, torch.device("cpu"), torch.float64, num_blocks, 4, 256, 4, vocab)
+
+
+def greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    llm = LLM(model=model, dtype="float64", pp=1)
+    try:
+        return llm.generate([prompt], SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True))[0].token_ids
+    finally:
+        llm.engine.close()
+
+
+def test_common_prefix_stops_at_the_first_difference_or_the_limit():
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9, 4], 10) == 2
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4], 2) == 2
+    assert common_prefix([], [1], 0) == 0
+
+
+def test_the_drafts_are_the_draft_models_greedy_continuation(models):
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [3] * 9]
+    drafter = drafter_for(models["small"], num_tokens=4)
+    got = drafter.propose_batch([(index, prompt, 4 - index) for index, prompt in enumerate(prompts)])
+    assert got == [greedy(models["small"], prompt, 4 - index) for index, prompt in enumerate(prompts)]
+
+
+def test_a_rows_cache_follows_it_through_rejections(models):
+    """A row's tokens go on past its guesses with tokens of their own (as after a rejection), or
+    keep some of them: the cached drafter proposes what a fresh one does from the whole context,
+    feeding only what its cache lacks."""
+    rng = random.Random(0)
+    cached = drafter_for(models["small"])
+    tokens = [rng.randrange(97) for _ in range(6)]
+    for _ in range(8):
+        fresh = drafter_for(models["small"])
+        want = fresh.propose_batch([(0, tokens, 3)])
+        assert cached.propose_batch([(0, tokens, 3)]) == want
+        kept = rng.randrange(len(want[0]) + 1)
+        tokens = tokens + want[0][:kept] + [rng.randrange(97)]  # the target's token after what it kept
+        fresh.release(0)
+    row = cached.rows[0]
+    assert row.fed == row.tokens[:-1]
+    cached.release(0)
+    assert cached.allocator.num_free == cached.allocator.num_blocks - 1, "the draft cache leaked blocks"
+
+
+def test_a_row_the_draft_cache_cannot_hold_gets_no_drafts(models):
+    drafter = drafter_for(models["small"], num_blocks=3)  # two blocks of 4: 8 positions
+    assert drafter.propose_batch([(0, list(range(7)), 3)]) == [[]]  # 7 + 2 positions do not fit
+    assert drafter.propose_batch([(1, list(range(5)), 3)]) != [[]]
+    assert drafter.allocator.num_free == 0
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(models, tmp_path):
+    other = make_tiny_model(tmp_path / "other", "llama-gqa-tied", overrides={"vocab_size": 64})
+    with pytest.raises(ValueError, match="vocabulary of 64 tokens.*must share the target's tokenizer"):
+        LLM(model=models["target"], dtype="float64", speculative_config={"method": "draft_model", "model": str(other)})
+
+
+def workload(num_requests: int = 5) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(97) for _ in range(rng.randrange(3, 20))] for _ in range(num_requests)]
+    params = [SamplingParams(max_tokens=rng.randrange(5, 40), temperature=0, ignore_eos=True) for _ in prompts]
+    return prompts, params
+
+
+def run(model, prompts, params, **options) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model=model, dtype="float64", **options)
+    engine = llm.engine
+    engine.scheduler.step_costs = None  # every draft is verified, whatever the step costs here
+    try:
+        seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        return [seq.output_ids for seq in seqs], llm
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(models) -> list[list[int]]:
+    return run(models["target"], *workload(), pp=1, depth=0)[0]
+
+
+@pytest.mark.parametrize("draft", ["target", "small"])
+@pytest.mark.parametrize("pp, depth, async_scheduling", [(1, 0, False), (2, 1, True), (3, 0, True)])
+def test_greedy_output_with_a_draft_model_is_the_output_without(models, reference, draft, pp, depth, async_scheduling):
+    config = {"method": "draft_model", "model": str(models[draft]), "num_speculative_tokens": 3}
+    got, llm = run(
+        models["target"], *workload(), pp=pp, depth=depth, async_scheduling=async_scheduling, speculative_config=config,
+    )
+    assert got == reference, "speculation changed the greedy output"
+    spec = llm.engine.stats.spec
+    assert spec.num_draft_tokens > 0
+    if draft == "target":  # the target guessing for itself is right nearly always
+        assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens, spec.describe()
+    else:
+        assert spec.num_accepted_tokens < spec.num_draft_tokens, spec.describe()
+    drafter = llm.engine.scheduler.drafter
+    assert not drafter.rows and drafter.allocator.num_free == drafter.allocator.num_blocks - 1, "draft KV leaked"
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks - 1, "KV blocks leaked"
