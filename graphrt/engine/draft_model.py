@@ -13,12 +13,15 @@ target itself overwrites rejected K/V.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.engine.drafter import StepCosts
+from graphrt.model import SCRATCH_BLOCK
 from graphrt.model.config import ModelConfig
 from graphrt.model.weights import WeightFiles
 from graphrt.runtime.pipeline import Pipeline
@@ -71,6 +74,23 @@ class DraftModelDrafter:
         self.pipeline.choose_kernels(max_rows, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.rows: dict[int, DraftRow] = {}
+        self.guess_costs: StepCosts | None = None  # set by the engine from time_guesses
+
+    def time_guesses(self, row_counts: list[int], repeats: int = 3) -> dict[int, float]:
+        """Rows -> seconds a round of guesses (one decode step of the draft model) takes for that
+        many rows (the median of `repeats`, after a warm-up). Run before any request: every row is
+        padding in the scratch block."""
+        seconds = {}
+        for count in row_counts:
+            rows = [DraftRow(-1 - i, block_ids=[SCRATCH_BLOCK], tokens=[0]) for i in range(count)]
+            step = ScheduledStep(rows, [1] * count, is_prefill=False, starts=[0] * count, sample_rows=list(range(count)))
+            times = []
+            for _ in range(1 + repeats):
+                started = time.perf_counter()
+                self._forward(step)
+                times.append(time.perf_counter() - started)
+            seconds[count] = sorted(times[1:])[repeats // 2]
+        return seconds
 
     def propose_batch(self, requests: list[tuple[int, list[int], int]]) -> list[list[int]]:
         """For each (request id, tokens, limit): up to min(num_tokens, limit) greedy guesses of the

@@ -26,6 +26,10 @@ class Drafter(Protocol):
     graphrt.engine.draft_model.DraftModelDrafter, which the engine builds since it needs torch)."""
 
     num_tokens: int  # drafts per row and step, at most
+    # What a round of guesses costs, by rows guessed for: a model step each (draft_model), so how
+    # many to make is chosen before making them; None: guessing is free next to a step (ngram),
+    # so the guesses are made first and the choice is among them.
+    guess_costs: StepCosts | None
 
     def propose_batch(self, requests: list[tuple[int, list[int], int]]) -> list[list[int]]:
         """For each (request id, tokens so far, limit): up to min(num_tokens, limit) guesses of
@@ -36,6 +40,8 @@ class Drafter(Protocol):
 
 
 class NgramDrafter:
+    guess_costs = None  # a lookup in the row's tokens
+
     def __init__(self, num_tokens: int, min_n: int, max_n: int):
         self.num_tokens = num_tokens
         self.min_n, self.max_n = min_n, max_n
@@ -94,7 +100,8 @@ class Acceptance:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds a decode micro-batch takes, by bucket (graphrt.runtime.ring.Ring.time_decode_steps)."""
+    """Seconds a decode micro-batch takes, by bucket (graphrt.runtime.ring.Ring.time_decode_steps),
+    or a round of a draft model's guesses, by rows (DraftModelDrafter.time_guesses)."""
 
     seconds: dict[int, float]
 
@@ -103,31 +110,39 @@ class StepCosts:
         buckets = sorted(self.seconds)
         return self.seconds[buckets[min(bisect.bisect_left(buckets, num_tokens), len(buckets) - 1)]]
 
-    def describe(self) -> str:
-        return "decode step ms by bucket " + ", ".join(f"{b}: {s * 1000:.1f}" for b, s in sorted(self.seconds.items()))
+    def describe(self, what: str = "decode step ms by bucket") -> str:
+        return f"{what} " + ", ".join(f"{b}: {s * 1000:.1f}" for b, s in sorted(self.seconds.items()))
 
 
 def drafts_that_pay(
-    num_rows: int, candidates: list[tuple[float, int]], max_drafts: int, costs: StepCosts | None
+    num_rows: int, candidates: list[tuple[float, int]], max_drafts: int, costs: StepCosts | None,
+    guess_costs: StepCosts | None = None,
 ) -> list[int]:
     """How many drafts to verify for each candidate row of a decode step of `num_rows` rows, where
     candidate i proposes `candidates[i][1]` drafts kept at rate `candidates[i][0]` each (given the
     ones before it): at most `max_drafts` in all, the count that gives the most expected tokens per
     second of the step. Draft j of a row adds rate^j expected tokens, so the drafts are taken
-    best first; without costs every draft is taken (up to `max_drafts`)."""
+    best first; without costs every draft is taken (up to `max_drafts`). With `guess_costs`
+    (drafts not made yet), making them costs a round of guesses for the rows that draft, as many
+    rounds as the deepest row drafts."""
     gains = sorted(
-        ((rate**j, row) for row, (rate, length) in enumerate(candidates) for j in range(1, length + 1)),
+        ((rate**j, j, row) for row, (rate, length) in enumerate(candidates) for j in range(1, length + 1)),
         key=lambda gain: -gain[0],  # stable: a row's drafts stay in order, the rows' ties in row order
     )[: max(0, max_drafts)]
     best = len(gains)
     if costs is not None:
         expected, best, best_rate = float(num_rows), 0, num_rows / costs(num_rows)
-        for count, (gain, _) in enumerate(gains, start=1):
+        depth, drafting = 0, set()
+        for count, (gain, j, row) in enumerate(gains, start=1):
             expected += gain
-            rate = expected / costs(num_rows + count)
+            depth, seconds = max(depth, j), costs(num_rows + count)
+            drafting.add(row)
+            if guess_costs is not None:
+                seconds += depth * guess_costs(len(drafting))
+            rate = expected / seconds
             if rate > best_rate:
                 best, best_rate = count, rate
     lengths = [0] * len(candidates)
-    for _, row in gains[:best]:
+    for _, _, row in gains[:best]:
         lengths[row] += 1
     return lengths

@@ -152,6 +152,11 @@ class Engine:
         )
         if self.scheduler.drafter is not None:  # what a verify step's extra tokens must pay for
             self.scheduler.step_costs = StepCosts(self.ring.time_decode_steps())
+            if isinstance(self.scheduler.drafter, DraftModelDrafter):  # and the guesses, made by a model
+                rows = [size for size in self.plan.sizes if size < config.max_num_seqs] + [config.max_num_seqs]
+                self.scheduler.drafter.guess_costs = StepCosts(self.scheduler.drafter.time_guesses(rows))
+                logger.info("draft model: %s", self.scheduler.drafter.guess_costs.describe("a round of guesses, ms by rows"))
+            logger.info("speculative decoding: %s", self.scheduler.step_costs.describe())
         self._decode_busy_until = 0.0
         self.synthetic_host_s = 0.0  # host time a synthetic engine adds per micro-batch read back (graphrt.tools.synthetic)
         self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)

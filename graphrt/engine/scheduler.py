@@ -244,15 +244,26 @@ class Scheduler:
                 drafting.append(seq)
             else:
                 seq.draft_pause = max(0, seq.draft_pause - 1)
-        proposals = [(seq, proposed) for seq, proposed in zip(drafting, self._propose(drafting)) if proposed]
-        lengths = drafts_that_pay(
-            len(batch), [(seq.draft_acceptance.rate, len(proposed)) for seq, proposed in proposals],
-            self.max_decode_batch - len(batch), self.step_costs,
-        )
+        budget = self.max_decode_batch - len(batch)
+        if self.drafter.guess_costs is None:  # guesses cost nothing: make them, then choose among them
+            proposals = [(seq, proposed) for seq, proposed in zip(drafting, self._propose(drafting)) if proposed]
+            lengths = drafts_that_pay(
+                len(batch), [(seq.draft_acceptance.rate, len(proposed)) for seq, proposed in proposals],
+                budget, self.step_costs,
+            )
+            proposals = [(seq, proposed[:length]) for (seq, proposed), length in zip(proposals, lengths)]
+        else:  # guesses cost a model step a round: choose how many first, then make only those
+            lengths = drafts_that_pay(
+                len(batch), [(seq.draft_acceptance.rate, self._draft_limit(seq)) for seq in drafting],
+                budget, self.step_costs, self.drafter.guess_costs,
+            )
+            chosen = [(seq, length) for seq, length in zip(drafting, lengths) if length]
+            guessed = self._propose([seq for seq, _ in chosen], [length for _, length in chosen])
+            proposals = list(zip([seq for seq, _ in chosen], guessed))
         drafts = {}
-        for (seq, proposed), length in zip(proposals, lengths):
-            if length and (chosen := self._with_draft_blocks(seq, proposed[:length])):
-                drafts[id(seq)] = chosen
+        for seq, proposed in proposals:
+            if proposed and (kept := self._with_draft_blocks(seq, proposed)):
+                drafts[id(seq)] = kept
         if not drafts:
             return ScheduledStep(batch, [1] * len(batch), is_prefill=False, id=next(self._step_ids))
         rows = [seq for seq in batch if id(seq) not in drafts] + [seq for seq in batch if id(seq) in drafts]
@@ -273,14 +284,21 @@ class Scheduler:
         seq.draft_backoff = min(2 * seq.draft_backoff + 1, MAX_DRAFT_PAUSE)
         seq.draft_pause = seq.draft_backoff
 
-    def _propose(self, seqs: list[Sequence]) -> list[list[int]]:
-        """The drafter's guesses for each sequence's next step, within max_tokens; [] where it has none.
-        A sequence whose newest token is still being sampled (async scheduling) has the drafter
-        guess that token too, from the tokens the host has, and drafts what follows the guess."""
-        requests = []
-        for seq in seqs:
-            limit = seq.max_tokens - seq.outputs_scheduled - 1  # its 1 + d tokens stay within max_tokens
-            requests.append((seq.request_id, seq.prompt_ids + seq.output_ids, limit + (1 if seq.awaits_token else 0)))
+    def _draft_limit(self, seq: Sequence) -> int:
+        """The most drafts `seq`'s next step may carry: its 1 + d tokens stay within max_tokens."""
+        return min(self.drafter.num_tokens, seq.max_tokens - seq.outputs_scheduled - 1)
+
+    def _propose(self, seqs: list[Sequence], limits: list[int] | None = None) -> list[list[int]]:
+        """The drafter's guesses for each sequence's next step, up to its limit (default: its
+        `_draft_limit`); [] where it has none. A sequence whose newest token is still being sampled
+        (async scheduling) has the drafter guess that token too, from the tokens the host has, and
+        drafts what follows the guess."""
+        if limits is None:
+            limits = [self._draft_limit(seq) for seq in seqs]
+        requests = [
+            (seq.request_id, seq.prompt_ids + seq.output_ids, limit + (1 if seq.awaits_token else 0))
+            for seq, limit in zip(seqs, limits)
+        ]
         proposed = self.drafter.propose_batch(requests) if requests else []
         return [guesses[1:] if seq.awaits_token else guesses for seq, guesses in zip(seqs, proposed)]
 

@@ -13,6 +13,7 @@ import torch
 
 from graphrt import LLM, SamplingParams
 from graphrt.engine.draft_model import DraftModelDrafter, common_prefix
+from graphrt.engine.drafter import StepCosts
 from graphrt.model.config import ModelConfig
 from graphrt.tools.synthetic import make_tiny_model
 
@@ -128,3 +129,27 @@ def test_greedy_output_with_a_draft_model_is_the_output_without(models, referenc
     drafter = llm.engine.scheduler.drafter
     assert not drafter.rows and drafter.allocator.num_free == drafter.allocator.num_blocks - 1, "draft KV leaked"
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks - 1, "KV blocks leaked"
+
+
+@pytest.mark.parametrize("round_cost, drafts", [(10.0, False), (0.01, True)])
+def test_the_draft_model_guesses_only_where_its_rounds_pay(models, reference, round_cost, drafts):
+    """Rounds of guesses that cost ten steps each are never made (the drafter is not even asked);
+    ones that cost a hundredth of a step are. Either way the output is the output without."""
+    config = {"method": "draft_model", "model": str(models["target"]), "num_speculative_tokens": 3}
+    llm = LLM(model=models["target"], dtype="float64", pp=2, speculative_config=config)
+    engine = llm.engine
+    assert sorted(engine.scheduler.drafter.guess_costs.seconds)[-1] == engine.config.max_num_seqs  # timed at start-up
+    engine.scheduler.step_costs = StepCosts({size: 1.0 for size in engine.plan.sizes})
+    engine.scheduler.drafter.guess_costs = StepCosts({1: round_cost})
+    asked = []
+    propose = engine.scheduler.drafter.propose_batch
+    engine.scheduler.drafter.propose_batch = lambda requests: asked.append(requests) or propose(requests)
+    try:
+        prompts, params = workload()
+        seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        assert [seq.output_ids for seq in seqs] == reference
+        assert (engine.stats.spec.num_draft_tokens > 0) == drafts and bool(asked) == drafts
+    finally:
+        engine.close()

@@ -65,6 +65,18 @@ def test_drafts_are_verified_while_their_expected_tokens_outrun_the_larger_bucke
     assert drafts_that_pay(1, [], 7, steps) == []
 
 
+def test_drafts_a_model_must_make_pay_for_its_rounds_of_guesses_too():
+    flat = StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
+    # Each round of guesses costs a fifth of a step: three drafts at 0.9 add 2.44 tokens for 0.6
+    # of a step more, 3.44 / 1.6 beats 1 / 1.
+    assert drafts_that_pay(1, [(0.9, 3)], 7, flat, StepCosts({1: 0.2})) == [3]
+    # A round costs a whole step: the first draft adds 0.9 tokens for a step's time, 1.9 / 2 < 1.
+    assert drafts_that_pay(1, [(0.9, 3)], 7, flat, StepCosts({1: 1.0})) == [0]
+    # Rounds are paid by depth: two rows drafting one each cost one round, so at 0.5 a round
+    # (rows 1 or 2 alike) two shallow drafts pay where a second round for one row would not.
+    assert drafts_that_pay(2, [(0.6, 3), (0.6, 3)], 7, flat, StepCosts({1: 0.5, 2: 0.5})) == [1, 1]
+
+
 def test_acceptance_counts_each_draft_tried_up_to_the_first_miss():
     acceptance = Acceptance()
     assert acceptance.rate == 0.5

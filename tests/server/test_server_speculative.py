@@ -17,6 +17,8 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from graphrt import LLM, SamplingParams  # noqa: E402
+from graphrt.model.config import ModelConfig  # noqa: E402
+from graphrt.tools.synthetic import make_tiny_model  # noqa: E402
 from helpers import API_KEY, start_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -34,9 +36,15 @@ def metric(text: str, name: str) -> float:
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_serve_with_speculation_gives_the_text_without_it(default_model, method):
-    """draft_model: the default model drafts for itself (no smaller one with its tokenizer is at hand)."""
-    speculative = SPECULATIVE if method == "ngram" else {"method": "draft_model", "model": str(default_model), "num_speculative_tokens": 4}
+def test_serve_with_speculation_gives_the_text_without_it(default_model, method, tmp_path):
+    """draft_model: a one-layer random model with the default model's vocabulary, cheap enough for
+    its guesses to pay (no trained smaller model with SmolLM2's tokenizer is at hand); its drafts
+    are mostly rejected, and the text must not change."""
+    speculative = SPECULATIVE
+    if method == "draft_model":
+        vocab = ModelConfig.from_dir(default_model).vocab_size
+        draft = make_tiny_model(tmp_path / "draft", "llama-gqa-tied", num_layers=1, overrides={"vocab_size": vocab})
+        speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
     llm = LLM(model=default_model, dtype="float32", max_model_len=512)
     prompt = llm.chat_prompt(MESSAGE)
     want = llm.generate(prompt, SamplingParams(max_tokens=80, temperature=0))[0].text
@@ -56,8 +64,10 @@ def test_serve_with_speculation_gives_the_text_without_it(default_model, method)
         metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
         drafts = metric(metrics, "graphrt_spec_decode_num_draft_tokens_total")
         accepted = metric(metrics, "graphrt_spec_decode_num_accepted_tokens_total")
-        assert metric(metrics, "graphrt_spec_decode_num_drafts_total") > 0 and 0 < accepted <= drafts
-        assert metric(metrics, 'graphrt_spec_decode_num_accepted_tokens_per_pos_total{position="0"}') > 0
+        assert metric(metrics, "graphrt_spec_decode_num_drafts_total") > 0 and 0 <= accepted <= drafts
+        if method == "ngram":  # the answer copies the question's code, which prompt lookup finds
+            assert accepted > 0
+            assert metric(metrics, 'graphrt_spec_decode_num_accepted_tokens_per_pos_total{position="0"}') > 0
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
