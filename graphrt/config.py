@@ -124,10 +124,6 @@ class EngineConfig:
         if self.dtype != "auto":
             self.dtype = parse_dtype(self.dtype)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.speculative_config is not None and self.procs:
-            raise ValueError(
-                "speculative decoding does not run with stage processes (--procs) yet; drop one of the two"
-            )
 
     def default_depth(self) -> int:
         """1 for CUDA stages on several GPUs, else 0 (measured: benchmarks/results.md, "ring depth").

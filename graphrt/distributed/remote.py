@@ -394,7 +394,12 @@ class RemoteRing(Ring):
         released = [rid for rid, seq in self._seeded.items() if seq.finished]
         for rid in released:
             del self._seeded[rid]
-        sampling = Sampling(mb.sample_rows, [s.request_id for s in seqs], [s.params for s in seqs], [s.params.seed for s in seqs], released)
+        # A decode step samples at each of its tokens, a verify row's drafts too (the ring's
+        # _sample): one entry per token, each of a row's sharing its request's params and generator.
+        counts = mb.step.sample_counts
+        rows = mb.sample_rows if mb.step.is_prefill else list(range(sum(counts)))
+        each = [seq for seq, count in zip(seqs, counts) for _ in range(count)]
+        sampling = Sampling(rows, [s.request_id for s in each], [s.params for s in each], [s.params.seed for s in each], released)
         if mb.logprobs is not None:
             sampling.scored, sampling.prompt_targets, sampling.num_top = mb.logprobs.sampled, mb.logprobs.prompt_targets, mb.logprobs.num_top
         return sampling

@@ -284,10 +284,11 @@ class Engine:
             return None
         if spec.method == "ngram":
             return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        # Room for every token the target's cache holds, and each row's guesses past them.
+        # On this process's last device (with stage processes, rank 0's). Room for every token the
+        # target's cache holds, and each row's guesses past them.
         guesses = self.config.max_num_seqs * -(-spec.num_speculative_tokens // block_size)
         return DraftModelDrafter(
-            Path(spec.model).expanduser(), spec.num_speculative_tokens, self.devices[-1], self.dtype,
+            Path(spec.model).expanduser(), spec.num_speculative_tokens, self.pipeline.stages[-1].device, self.dtype,
             num_blocks + guesses, block_size, self.max_model_len, self.config.max_num_seqs, self.model_config.vocab_size,
         )
 

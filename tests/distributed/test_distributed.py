@@ -20,7 +20,7 @@ from graphrt import LLM, SamplingParams
 from graphrt.distributed.remote import free_port
 from graphrt.distributed.transport import StageFailure
 from graphrt.errors import GraphrtError
-from graphrt.tools.synthetic import make_synthetic
+from graphrt.tools.synthetic import make_synthetic, make_tiny_model
 
 OPTIONS = dict(dtype="float64", kv_cache_tokens=2048, buckets=[1, 2, 4], prefill_chunk_size=16)
 PROMPTS = [[(7 * i + j) % 96 + 1 for j in range(3 + 5 * i)] for i in range(5)]  # 3..23 tokens: several prefill chunks
@@ -228,3 +228,31 @@ def test_stage_zero_keeps_the_heartbeat_going_while_it_waits_for_a_reply():
             stream.record().synchronize()  # the failure reaches whoever waits on stage 0 next
     finally:
         stream.close()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_over_stage_processes_gives_the_tokens_without_it(tmp_path, method):
+    """Verify steps cross the processes as decode steps whose tokens are rows; the last rank samples
+    at every token. A model whose output loops, so that ngram drafts are kept and rejected; the
+    target drafts for itself as the draft model (on rank 0's device)."""
+    model = make_tiny_model(tmp_path / "looping", "llama-gqa-tied", weight_scale=0.6)
+    options = dict(dtype="float64", kv_cache_tokens=2048, prefill_chunk_size=16, max_num_seqs=4)
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    alone = LLM(model=model, pp=2, **options)
+    expected = outputs(alone, greedy)
+    alone.engine.close()
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    if method == "draft_model":
+        config = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+    llm = LLM(model=model, pp=2, procs=True, watchdog_s=30, speculative_config=config, **options)
+    llm.engine.scheduler.step_costs = None  # every draft is verified, whatever the step costs here
+    children = llm.engine.cluster.children
+    try:
+        assert outputs(llm, greedy) == expected
+        spec = llm.engine.stats.spec
+        assert 0 < spec.num_accepted_tokens, spec.describe()
+        assert method == "draft_model" or spec.num_accepted_tokens < spec.num_draft_tokens, spec.describe()
+    finally:
+        llm.engine.close()
+        codes = wait_all_exited(children, within_s=10)
+    assert codes == [0]

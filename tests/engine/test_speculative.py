@@ -114,9 +114,7 @@ def test_a_bad_speculative_config_says_what_is_wrong(value, message):
         SpeculativeConfig.parse(value)
 
 
-def test_speculation_with_stage_processes_is_refused_at_the_edge():
-    with pytest.raises(ValueError, match="does not run with stage processes"):
-        EngineConfig(pp=2, procs=True, speculative_config=NGRAM)
+def test_a_speculative_config_given_as_json_is_parsed_at_the_edge():
     assert EngineConfig(speculative_config='{"method": "ngram"}').speculative_config == SpeculativeConfig()
 
 
