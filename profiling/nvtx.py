@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-COLORS = {"stage": "green", "tick": "blue", "prefill": "orange", "sample": "purple", "transfer": "yellow", "capture": "red", "verify": "cyan"}
+COLORS = {"stage": "green", "tick": "blue", "prefill": "orange", "sample": "purple", "transfer": "yellow", "capture": "red", "verify": "cyan", "draft": "magenta"}
 
 
 class TorchNvtxDomain:
@@ -109,6 +109,10 @@ class Ranges:
     def verify(self, stage: int, slot: int, tokens: int):
         """A stage's work on a speculative verify micro-batch (a decode graph): `verify stage{s} mb{k} tokens{t}`."""
         return self.range(f"verify stage{stage} mb{slot} tokens{tokens}", "verify")
+
+    def draft(self, rows: int, rounds: int):
+        """A draft model's guesses for a decode step (on the scheduler's thread): `draft rows{r} rounds{n}`."""
+        return self.range(f"draft rows{rows} rounds{rounds}", "draft")
 
     def capture(self, stage: int, bucket: int):
         return self.range(f"capture stage{stage} bs{bucket}", "capture")

@@ -24,6 +24,7 @@ from graphrt.engine.drafter import StepCosts
 from graphrt.model import SCRATCH_BLOCK
 from graphrt.model.config import ModelConfig
 from graphrt.model.weights import WeightFiles
+from graphrt.profiling.nvtx import Ranges
 from graphrt.runtime.pipeline import Pipeline
 from graphrt.runtime.ring import build_inputs
 from graphrt.runtime.step import ScheduledStep
@@ -54,6 +55,7 @@ class DraftModelDrafter:
         max_position: int,
         max_rows: int,
         target_vocab_size: int,
+        ranges: Ranges | None = None,
     ):
         if not (model_dir / "config.json").is_file():
             raise ValueError(
@@ -75,6 +77,7 @@ class DraftModelDrafter:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.rows: dict[int, DraftRow] = {}
         self.guess_costs: StepCosts | None = None  # set by the engine from time_guesses
+        self.ranges = ranges or Ranges()  # NVTX: a `draft` range around each step's guesses
 
     def time_guesses(self, row_counts: list[int], repeats: int = 3) -> dict[int, float]:
         """Rows -> seconds a round of guesses (one decode step of the draft model) takes for that
@@ -110,6 +113,12 @@ class DraftModelDrafter:
             active.append((index, row, count))
         if not active:
             return drafts
+        with self.ranges.draft(len(active), max(count for _, _, count in active)):
+            self._guess(active, starts, drafts)
+        return drafts
+
+    def _guess(self, active: list[tuple[int, DraftRow, int]], starts: list[int], drafts: list[list[int]]) -> None:
+        """Each active row's guesses, appended to `drafts` by request index; its cache fed as they go."""
         rows = [row for _, row, _ in active]
         catch_up = [len(row.tokens) - start for row, start in zip(rows, starts)]
         # What the target kept since a row's last guesses is a few tokens: decode-shaped, a row per
@@ -139,7 +148,6 @@ class DraftModelDrafter:
                 sample_rows=list(range(len(rows))),
             )
             guesses = self._forward(step)
-        return drafts
 
     def _forward(self, step: ScheduledStep) -> list[int]:
         token_ids, meta = build_inputs(step, self.block_size)

@@ -290,6 +290,7 @@ class Engine:
         return DraftModelDrafter(
             Path(spec.model).expanduser(), spec.num_speculative_tokens, self.pipeline.stages[-1].device, self.dtype,
             num_blocks + guesses, block_size, self.max_model_len, self.config.max_num_seqs, self.model_config.vocab_size,
+            self.ranges,
         )
 
     def _max_decode_tokens(self) -> int:

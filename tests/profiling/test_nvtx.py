@@ -215,3 +215,18 @@ def test_a_speculative_verify_step_has_a_range_of_its_own(tiny_model_factory):
         stage, _, tokens = map(int, re.fullmatch(r"verify stage(\d) mb(\d) tokens(\d+)", message).groups())
         assert thread == f"graphrt-stage{stage}" and tokens >= 2  # the newest token and at least one draft
     assert {thread for _, thread in verifies} == {"graphrt-stage0", "graphrt-stage1"}
+
+
+def test_a_draft_models_guesses_have_a_range_on_the_schedulers_thread(tiny_model_factory):
+    model = tiny_model_factory()
+    config = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 2}
+    llm = LLM(model=model, pp=2, kv_cache_tokens=1024, speculative_config=config)
+    engine = llm.engine
+    engine.scheduler.step_costs = None  # every draft, whatever the step costs here
+    domain = RecordingDomain()
+    engine.ranges = engine.ring.ranges = engine.scheduler.drafter.ranges = Ranges(domain=domain)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.close()
+    drafts = [(m, parent) for m, parent, _ in nested(domain.events) if m.startswith("draft")]
+    assert drafts and all(re.fullmatch(r"draft rows1 rounds[12]", m) for m, _ in drafts), drafts
+    assert {parent for _, parent in drafts} == {"scheduler tick"}  # built with the step it drafts for
