@@ -205,6 +205,7 @@ def test_a_speculative_verify_step_has_a_range_of_its_own(tiny_model_factory):
     # Prompts that repeat a phrase, so the ngram drafter proposes from the first decode step on.
     llm = LLM(model=tiny_model_factory(), pp=2, kv_cache_tokens=1024, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     engine = llm.engine
+    engine.scheduler.step_costs = None  # every draft: whether drafts pay depends on the timing here
     domain = RecordingDomain()
     engine.ranges = engine.ring.ranges = Ranges(domain=domain)
     llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
