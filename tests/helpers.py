@@ -9,11 +9,15 @@ import re
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphrt.engine.engine import Engine
 from graphrt.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from graphrt.llm import LLM
 
 
 def prompt_logits(engine: Engine, prompt_ids: list[int]) -> torch.Tensor:
@@ -123,3 +127,25 @@ def assert_draws_follow(tokens: torch.Tensor, expected: torch.Tensor) -> None:
     bound = mean_bound + math.sqrt(math.log(1e9) / (2 * num_draws))
     distance = (frequencies - expected).abs().sum().item() / 2
     assert distance < bound, f"total variation {distance:.4f} >= {bound:.4f}: {frequencies} vs {expected}"
+
+
+MEASURED = "measured"  # generate_all: the step costs the engine timed at start-up
+
+
+def generate_all(model, prompts, params, step_costs=MEASURED, **options) -> tuple[list[list[int]], LLM]:
+    """Each prompt's tokens, all requests added at once (each with its own params). `step_costs`:
+    what the drafts must pay for, in place of what the engine timed at start-up (None: every
+    draft proposed is verified), so that where rows draft does not change from one start to the next."""
+    from graphrt.llm import LLM
+
+    llm = LLM(model=model, dtype="float64", **options)
+    engine = llm.engine
+    if step_costs is not MEASURED:
+        engine.scheduler.step_costs = step_costs
+    try:
+        seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        return [seq.output_ids for seq in seqs], llm
+    finally:
+        engine.close()

@@ -16,6 +16,7 @@ from graphrt.engine.draft_model import DraftModelDrafter, common_prefix
 from graphrt.engine.drafter import StepCosts
 from graphrt.model.config import ModelConfig
 from graphrt.tools.synthetic import make_tiny_model
+from helpers import generate_all
 
 
 @pytest.fixture(scope="module")
@@ -95,16 +96,7 @@ def workload(num_requests: int = 5) -> tuple[list[list[int]], list[SamplingParam
 
 
 def run(model, prompts, params, **options) -> tuple[list[list[int]], LLM]:
-    llm = LLM(model=model, dtype="float64", **options)
-    engine = llm.engine
-    engine.scheduler.step_costs = None  # every draft is verified, whatever the step costs here
-    try:
-        seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
-        while engine.has_work():
-            engine.step()
-        return [seq.output_ids for seq in seqs], llm
-    finally:
-        engine.close()
+    return generate_all(model, prompts, params, None, **options)  # every draft, whatever the step costs here
 
 
 @pytest.fixture(scope="module")

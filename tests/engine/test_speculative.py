@@ -23,6 +23,7 @@ from graphrt.runtime.sampler import Sampler
 from graphrt.speculative import SpeculativeConfig
 from graphrt.tools.synthetic import make_tiny_model
 from helpers import assert_draws_follow, reference_distribution
+from helpers import generate_all as generate
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -194,26 +195,6 @@ def workload(seed: int = 0, num_requests: int = 6) -> tuple[list[list[int]], lis
         prompts.append((phrase * 4)[: rng.randrange(6, 24)])  # some prompts repeat a phrase
         params.append(SamplingParams(max_tokens=rng.randrange(5, 70), temperature=0, ignore_eos=True))
     return prompts, params
-
-
-MEASURED = "measured"
-
-
-def generate(model, prompts, params, step_costs=MEASURED, **options) -> tuple[list[list[int]], LLM]:
-    """Each prompt's tokens, all requests added at once (each with its own params). `step_costs`:
-    what the drafts must pay for, in place of what the engine timed at start-up (None: every
-    draft proposed is verified), so that where rows draft does not change from one start to the next."""
-    llm = LLM(model=model, dtype="float64", **options)
-    engine = llm.engine
-    if step_costs is not MEASURED:
-        engine.scheduler.step_costs = step_costs
-    try:
-        seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
-        while engine.has_work():
-            engine.step()
-        return [seq.output_ids for seq in seqs], llm
-    finally:
-        engine.close()
 
 
 @pytest.fixture(scope="module")
