@@ -13,7 +13,7 @@ are expected to add outrun the time the larger bucket costs (`StepCosts`, measur
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 # Draft acceptance of a sequence that has not been verified yet, as counts: one kept of two.
@@ -104,10 +104,14 @@ class StepCosts:
     or a round of a draft model's guesses, by rows (DraftModelDrafter.time_guesses)."""
 
     seconds: dict[int, float]
+    buckets: list[int] = field(init=False)  # the keys of `seconds`, sorted once: read every tick
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "buckets", sorted(self.seconds))
 
     def __call__(self, num_tokens: int) -> float:
         """What a step of `num_tokens` rows costs: its bucket's time."""
-        buckets = sorted(self.seconds)
+        buckets = self.buckets
         return self.seconds[buckets[min(bisect.bisect_left(buckets, num_tokens), len(buckets) - 1)]]
 
     def describe(self, what: str = "decode step ms by bucket") -> str:
