@@ -8,7 +8,24 @@ chooses (cpu/). Importing this package loads no torch, so the CLI and the CPU pl
 
 from __future__ import annotations
 
-from graphrt.kernels.kernel_set import KernelSet
+if __name__ == "kernels":
+    # This folder is graphrt.kernels. Python reaches it as a top-level `kernels` only when the
+    # checkout is on sys.path (`python -m ...` in the repository root), where it would hide Hugging
+    # Face's `kernels` package, which transformers imports. Give that import the installed package.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _checkout]
+    _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
+    if _spec is None:
+        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
+    sys.modules["kernels"] = _installed = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_installed)
+else:
+    from graphrt.kernels.kernel_set import KernelSet
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
 

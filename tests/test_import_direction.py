@@ -205,3 +205,32 @@ def test_no_import_cycle_even_for_type_hints():
         if module not in state:
             visit(module, [module])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_checkout_on_sys_path_does_not_hide_an_installed_kernels_package():
+    """`python -m ...` in the repository root puts the checkout first on sys.path, where the folder
+    kernels/ (graphrt.kernels) is also a top-level `kernels`. transformers imports Hugging Face's
+    `kernels` package when it is installed (transformers 5.x depends on it), so that name must still
+    reach the installed package, or every transformers model class fails to import."""
+    checkout = PACKAGE_DIR.parent
+    probe = (
+        "import importlib.metadata, json, transformers\n"
+        "transformers.LlamaConfig  # imports transformers' hub kernels integration\n"
+        "try:\n"
+        "    import kernels\n"
+        "    found = kernels.__file__\n"
+        "except ModuleNotFoundError:\n"
+        "    found = None\n"
+        "try:\n"
+        "    installed = importlib.metadata.version('kernels')\n"
+        "except importlib.metadata.PackageNotFoundError:\n"
+        "    installed = None\n"
+        "print(json.dumps([found, installed]))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], cwd=checkout, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found, installed = json.loads(run.stdout.strip().splitlines()[-1])
+    if installed is None:
+        assert found is None, f"`import kernels` found {found}, graphrt's folder under another name"
+    else:
+        assert found is not None and Path(found).parent.resolve() != (checkout / "kernels").resolve(), found

@@ -58,7 +58,8 @@ def choose_stage_kernels(
     already made for another stage on the same device)."""
     plan = choose_matmuls(stage, max_rows, matmul_mode, previous_matmuls)
     if stage.device.type != "cpu":
-        return StageKernels(plan, None)  # a CUDA stage keeps its kernel set's (--kernels)
+        stage.use_kernels(stage.ops)  # a CUDA stage keeps its kernel set's (--kernels), over its new weights
+        return StageKernels(plan, None)
     if cpu_choice is None:
         cpu_choice = choose_cpu_kernels(
             LayerShapes.of(stage.cfg), block_size, stage.dtype, stage.device, max_rows, cpu_mode, cached=cached_ops

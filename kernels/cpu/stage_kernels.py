@@ -48,7 +48,7 @@ def choose_matmuls(
     whichever this machine runs fastest at one row and at `max_rows` (matmul_choice.py), or the path
     `mode` forces for it, and convert the stage's weights of each shape to its path's form.
     `previous`: choices to reuse by shape name (the graph cache's, or another stage's on the same
-    device). Call it once per stage, before the stage runs `cpu_kernel_set`'s kernels."""
+    device). Call it once per stage, then `stage.use_kernels` with the set that reads those forms."""
     owners_of = stage.matmul_owners()
     modes = as_forced(mode)
     # Before the clock starts: finding out whether the panel kernel runs may mean building it.
@@ -71,7 +71,6 @@ def choose_matmuls(
         del trial
         choices.append(choice)
     measured = any(c.source == "measured" and c.seconds for c in choices)
-    stage.use_kernels(stage.ops)  # weights replaced: the set decides again what runs in one call
     return MatmulPlan(tuple(choices), rows, timer() - start if measured else 0.0)
 
 
