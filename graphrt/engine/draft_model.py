@@ -13,7 +13,6 @@ target itself overwrites rejected K/V.
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +22,10 @@ from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.drafter import StepCosts
 from graphrt.model import SCRATCH_BLOCK
 from graphrt.model.config import ModelConfig
+from graphrt.model.kv_cache import bytes_per_block
 from graphrt.model.weights import WeightFiles
 from graphrt.profiling.nvtx import Ranges
+from graphrt.profiling.timing import median_seconds
 from graphrt.runtime.pipeline import Pipeline
 from graphrt.runtime.ring import build_inputs
 from graphrt.runtime.step import ScheduledStep
@@ -50,13 +51,12 @@ class DraftModelDrafter:
         num_tokens: int,
         device: torch.device,
         dtype: torch.dtype,
-        num_blocks: int,
-        block_size: int,
         max_position: int,
-        max_rows: int,
         target_vocab_size: int,
         ranges: Ranges | None = None,
     ):
+        """Load the draft model's weights onto `device`; its KV cache comes with `allocate`, once
+        the engine has sized the target's, counting this model's weights and its bytes per block."""
         if not (model_dir / "config.json").is_file():
             raise ValueError(
                 f"the draft model folder {model_dir} has no config.json; give the speculative config's \"model\" "
@@ -69,40 +69,44 @@ class DraftModelDrafter:
                 f"{target_vocab_size}; a draft model must share the target's tokenizer (e.g. a smaller model of its family)"
             )
         self.num_tokens = num_tokens
-        self.block_size = block_size
+        self.cfg, self.dtype = cfg, dtype
         self.pipeline = Pipeline.load(cfg, WeightFiles(model_dir), [device], dtype, max_position)
-        self.pipeline.allocate_kv(num_blocks, block_size)
-        # Its decode steps have a row per drafting sequence: the kernels fastest here up to that.
-        self.pipeline.choose_kernels(max_rows, block_size)
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.allocator: BlockAllocator | None = None  # allocate() makes it
         self.rows: dict[int, DraftRow] = {}
-        self.guess_costs: StepCosts | None = None  # set by the engine from time_guesses
+        self.guess_costs: StepCosts | None = None  # measure_guess_costs sets it, before any request
         self.ranges = ranges or Ranges()  # NVTX: a `draft` range around each step's guesses
 
-    def time_guesses(self, row_counts: list[int], repeats: int = 3) -> dict[int, float]:
-        """Rows -> seconds a round of guesses (one decode step of the draft model) takes for that
-        many rows (the median of `repeats`, after a warm-up). Run before any request: every row is
-        padding in the scratch block."""
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """What a block of its KV cache takes (every layer's K and V for `block_size` tokens)."""
+        return bytes_per_block(self.cfg, self.cfg.num_layers, block_size, self.dtype)
+
+    def allocate(self, num_blocks: int, block_size: int, max_rows: int) -> None:
+        """Its paged KV cache of `num_blocks` blocks, and the kernels fastest here for decode steps
+        of up to `max_rows` rows (a row per drafting sequence)."""
+        self.block_size = block_size
+        self.pipeline.allocate_kv(num_blocks, block_size)
+        self.pipeline.choose_kernels(max_rows, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+
+    def measure_guess_costs(self, row_counts: list[int], repeats: int = 3) -> None:
+        """Time a round of guesses (one decode step of the draft model) for each number of rows in
+        `row_counts` (graphrt.engine.drafter.Drafter). Run before any request: every row is padding
+        in the scratch block."""
         seconds = {}
         for count in row_counts:
             rows = [DraftRow(-1 - i, block_ids=[SCRATCH_BLOCK], tokens=[0]) for i in range(count)]
             step = ScheduledStep(rows, [1] * count, is_prefill=False, starts=[0] * count, sample_rows=list(range(count)))
-            times = []
-            for _ in range(1 + repeats):
-                started = time.perf_counter()
-                self._forward(step)
-                times.append(time.perf_counter() - started)
-            seconds[count] = sorted(times[1:])[repeats // 2]
-        return seconds
+            seconds[count] = median_seconds(lambda step=step: self._forward(step), repeats)
+        self.guess_costs = StepCosts(seconds)
 
     def propose_batch(self, requests: list[tuple[int, list[int], int]]) -> list[list[int]]:
-        """For each (request id, tokens, limit): up to min(num_tokens, limit) greedy guesses of the
-        tokens after `tokens`; [] for a row whose guesses the draft cache has no room for."""
+        """For each (request id, tokens, limit): up to `limit` greedy guesses of the tokens after
+        `tokens` (graphrt.engine.drafter.Drafter); [] for a row whose guesses the draft cache has no room for."""
         drafts: list[list[int]] = [[] for _ in requests]
         active: list[tuple[int, DraftRow, int]] = []  # (request index, its row, guesses wanted)
         starts = []
         for index, (request_id, tokens, limit) in enumerate(requests):
-            count = min(limit, self.num_tokens)
+            count = limit
             if count <= 0 or not tokens:
                 continue
             row = self.rows.setdefault(request_id, DraftRow(request_id))

@@ -32,11 +32,16 @@ class Drafter(Protocol):
     guess_costs: StepCosts | None
 
     def propose_batch(self, requests: list[tuple[int, list[int], int]]) -> list[list[int]]:
-        """For each (request id, tokens so far, limit): up to min(num_tokens, limit) guesses of
-        the tokens that follow; [] where it has none."""
+        """For each (request id, tokens so far, limit): up to `limit` guesses of the tokens that
+        follow; [] where it has none. The scheduler sets the limits: at most num_tokens, and one
+        more for a row whose newest token is still being sampled (its first guess is of that token)."""
 
     def release(self, request_id: int) -> None:
-        """The request has ended: whatever the drafter keeps for it goes."""
+        """The request has ended or was preempted: whatever the drafter keeps for it goes."""
+
+    def measure_guess_costs(self, row_counts: list[int]) -> None:
+        """Before any request: where guessing costs a model step, time a round of it for each
+        number of rows in `row_counts` and set `guess_costs`; otherwise nothing."""
 
 
 class NgramDrafter:
@@ -52,10 +57,12 @@ class NgramDrafter:
     def release(self, request_id: int) -> None:
         pass  # it keeps nothing between steps
 
+    def measure_guess_costs(self, row_counts: list[int]) -> None:
+        pass  # a lookup costs nothing next to a step
+
     def propose(self, tokens: list[int], limit: int) -> list[int]:
-        """Up to min(num_tokens, limit) tokens that followed the latest earlier occurrence of the
-        last n tokens of `tokens`, for the largest n with one; [] where none occurs."""
-        limit = min(limit, self.num_tokens)
+        """Up to `limit` tokens that followed the latest earlier occurrence of the last n tokens of
+        `tokens`, for the largest n with one; [] where none occurs."""
         if limit <= 0:
             return []
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
@@ -101,7 +108,7 @@ class Acceptance:
 @dataclass(frozen=True)
 class StepCosts:
     """Seconds a decode micro-batch takes, by bucket (graphrt.runtime.ring.Ring.time_decode_steps),
-    or a round of a draft model's guesses, by rows (DraftModelDrafter.time_guesses)."""
+    or a round of a draft model's guesses, by rows (Drafter.measure_guess_costs)."""
 
     seconds: dict[int, float]
     buckets: list[int] = field(init=False)  # the keys of `seconds`, sorted once: read every tick
@@ -120,7 +127,7 @@ class StepCosts:
 
 def drafts_that_pay(
     num_rows: int, candidates: list[tuple[float, int]], max_drafts: int, costs: StepCosts | None,
-    guess_costs: StepCosts | None = None,
+    guess_costs: StepCosts | None = None, leads: list[int] | None = None,
 ) -> list[int]:
     """How many drafts to verify for each candidate row of a decode step of `num_rows` rows, where
     candidate i proposes `candidates[i][1]` drafts kept at rate `candidates[i][0]` each (given the
@@ -128,7 +135,8 @@ def drafts_that_pay(
     second of the step. Draft j of a row adds rate^j expected tokens, so the drafts are taken
     best first; without costs every draft is taken (up to `max_drafts`). With `guess_costs`
     (drafts not made yet), making them costs a round of guesses for the rows that draft, as many
-    rounds as the deepest row drafts."""
+    rounds as the deepest row needs: its drafts plus its `leads` entry (1 for a row whose newest
+    token is still on the device, whose first round guesses that token)."""
     gains = sorted(
         ((rate**j, j, row) for row, (rate, length) in enumerate(candidates) for j in range(1, length + 1)),
         key=lambda gain: -gain[0],  # stable: a row's drafts stay in order, the rows' ties in row order
@@ -139,7 +147,7 @@ def drafts_that_pay(
         depth, drafting = 0, set()
         for count, (gain, j, row) in enumerate(gains, start=1):
             expected += gain
-            depth, seconds = max(depth, j), costs(num_rows + count)
+            depth, seconds = max(depth, j + (leads[row] if leads else 0)), costs(num_rows + count)
             drafting.add(row)
             if guess_costs is not None:
                 seconds += depth * guess_costs(len(drafting))

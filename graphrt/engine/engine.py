@@ -102,7 +102,10 @@ class Engine:
             self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels
         )
         self.backend = "cuda" if config.use_graphs and all(d.type == "cuda" for d in self.devices) else "eager"
-        num_blocks = self._num_kv_blocks()
+        self.ranges = Ranges()
+        # Before the KV cache is sized: a draft model's weights are in the free memory read, its K/V in a block's bytes.
+        draft_model = self._load_draft_model()
+        num_blocks = self._num_kv_blocks(draft_model)
         self.pipeline.allocate_kv(num_blocks, config.block_size)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.plan = self._bucket_plan(num_blocks)
@@ -124,7 +127,6 @@ class Engine:
                     self.devices[-1], self.model_config.vocab_size, self.plan.max_batch, cpu_kernel_mode_from_env(),
                     cached=cached_argmax,
                 )
-        self.ranges = Ranges()
         self._capture_graphs(forced_eager, show_progress)
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer_eos_id is not None:
@@ -132,7 +134,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.allocator, config.max_num_seqs, config.prefill_chunk_size, self.max_model_len, self.plan.max_batch,
             eos_ids=frozenset(self.eos_ids), prefix_root=self._prefix_root() if config.prefix_caching else None,
-            drafter=self._make_drafter(num_blocks),
+            drafter=self._make_drafter(draft_model, num_blocks),
         )
         # With stage processes the last rank samples (and makes each seeded request's generator from
         # the seed it is sent): a sampler here would open a CUDA context on a GPU this rank never uses.
@@ -150,13 +152,13 @@ class Engine:
             max_per_slot=1 + int(config.async_scheduling), timeline=self.timeline, ranges=self.ranges,
             pin=self.devices[0].type == "cuda",
         )
-        if self.scheduler.drafter is not None:  # what a verify step's extra tokens must pay for
+        drafter = self.scheduler.drafter
+        if drafter is not None:  # what a verify step's extra tokens must pay for, and the guesses where a model makes them
             self.scheduler.step_costs = StepCosts(self.ring.time_decode_steps())
-            if isinstance(self.scheduler.drafter, DraftModelDrafter):  # and the guesses, made by a model
-                rows = [size for size in self.plan.sizes if size < config.max_num_seqs] + [config.max_num_seqs]
-                self.scheduler.drafter.guess_costs = StepCosts(self.scheduler.drafter.time_guesses(rows))
-                logger.info("draft model: %s", self.scheduler.drafter.guess_costs.describe("a round of guesses, ms by rows"))
+            drafter.measure_guess_costs([size for size in self.plan.sizes if size < config.max_num_seqs] + [config.max_num_seqs])
             logger.info("speculative decoding: %s", self.scheduler.step_costs.describe())
+            if drafter.guess_costs is not None:
+                logger.info("draft model: %s", drafter.guess_costs.describe("a round of guesses, ms by rows"))
         self._decode_busy_until = 0.0
         self.synthetic_host_s = 0.0  # host time a synthetic engine adds per micro-batch read back (graphrt.tools.synthetic)
         self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
@@ -238,11 +240,13 @@ class Engine:
         self.eager_pairs = {(r.stage, r.bucket) for r in self.graph_records if r.mode == "eager"}
         self.num_eager_fallbacks = 0  # decode micro-batches that ran eagerly on a CUDA-graph engine
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, draft_model: DraftModelDrafter | None) -> int:
         """Every stage holds every block id (for its own layers), so the device that needs the most
         bytes per block, relative to its free memory, decides how many blocks there are. On GPUs,
         what graph pools, ring buffers and activations will take is measured first and left free
-        (graphrt.engine.kv_budget), and free memory is read after that probe."""
+        (graphrt.engine.kv_budget), and free memory is read after that probe. A draft model's cache
+        has a block for each of the target's, plus its rows' guesses (`_draft_guess_blocks`): its
+        device counts its bytes per block, and its guesses' blocks are kept free."""
         cfg, block_size = self.config, self.config.block_size
         if cfg.kv_cache_tokens is not None:
             return -(-cfg.kv_cache_tokens // block_size) + 1  # + the scratch block
@@ -251,6 +255,11 @@ class Engine:
             per_block[stage.device] = per_block.get(stage.device, 0) + bytes_per_block(
                 self.model_config, len(stage.layers), block_size, self.dtype
             )
+        reserved = dict.fromkeys(per_block, 0)
+        if draft_model is not None:
+            device, draft_bytes = self._draft_device(), draft_model.kv_bytes_per_block(block_size)
+            per_block[device] += draft_bytes
+            reserved[device] += self._draft_guess_blocks() * draft_bytes
         if self.devices[0].type == "cuda":
             # The plan's largest bucket depends on the cache's size: measure at the most it can be.
             max_batch = max(cfg.buckets) if cfg.buckets else min(cfg.max_batch or GPU_MAX_BATCH_LIMIT, self._max_decode_tokens())
@@ -259,14 +268,14 @@ class Engine:
                 prefill_chunk_size=cfg.prefill_chunk_size, num_slots=cfg.pp + cfg.depth,
                 max_tokens=max(cfg.prefill_chunk_size, max_batch), use_cuda_graphs=self.backend == "cuda",
             )
-            free = {d: torch.cuda.mem_get_info(d)[0] for d in per_block}
+            free = {d: torch.cuda.mem_get_info(d)[0] - reserved[d] for d in per_block}
             fits = kv_blocks_that_fit(free, headroom, per_block)
             logger.info(
                 "KV cache: %d blocks; kept free besides it: %s", fits,
                 ", ".join(f"{d} {h.total / 2**20:.0f} MiB" for d, h in headroom.items()),
             )
         else:
-            fits = CPU_KV_CACHE_BYTES // sum(per_block.values())
+            fits = (CPU_KV_CACHE_BYTES - sum(reserved.values())) // sum(per_block.values())
         # No need for more than every sequence at full context.
         enough = self.config.max_num_seqs * -(-self.max_model_len // block_size) + 1
         return max(2, min(fits, enough))
@@ -278,20 +287,31 @@ class Engine:
         max_batch = self.config.max_batch or default_max_batch(self.devices[0].type, kv_tokens)
         return BucketPlan(tuple(default_buckets(min(max_batch, self._max_decode_tokens()))))
 
-    def _make_drafter(self, num_blocks: int) -> Drafter | None:
-        spec, block_size = self.config.speculative_config, self.config.block_size
+    def _draft_device(self) -> torch.device:
+        return self.pipeline.stages[-1].device  # this process's last (with stage processes, rank 0's)
+
+    def _draft_guess_blocks(self) -> int:
+        """Blocks a draft model's cache holds past the target's: each row's guesses."""
+        spec = self.config.speculative_config
+        return self.config.max_num_seqs * -(-spec.num_speculative_tokens // self.config.block_size)
+
+    def _load_draft_model(self) -> DraftModelDrafter | None:
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        return DraftModelDrafter(
+            Path(spec.model).expanduser(), spec.num_speculative_tokens, self._draft_device(), self.dtype,
+            self.max_model_len, self.model_config.vocab_size, self.ranges,
+        )
+
+    def _make_drafter(self, draft_model: DraftModelDrafter | None, num_blocks: int) -> Drafter | None:
+        spec = self.config.speculative_config
         if spec is None:
             return None
         if spec.method == "ngram":
             return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        # On this process's last device (with stage processes, rank 0's). Room for every token the
-        # target's cache holds, and each row's guesses past them.
-        guesses = self.config.max_num_seqs * -(-spec.num_speculative_tokens // block_size)
-        return DraftModelDrafter(
-            Path(spec.model).expanduser(), spec.num_speculative_tokens, self.pipeline.stages[-1].device, self.dtype,
-            num_blocks + guesses, block_size, self.max_model_len, self.config.max_num_seqs, self.model_config.vocab_size,
-            self.ranges,
-        )
+        draft_model.allocate(num_blocks + self._draft_guess_blocks(), self.config.block_size, self.config.max_num_seqs)
+        return draft_model
 
     def _max_decode_tokens(self) -> int:
         """The most tokens a decode step can carry: a row each, and with speculation a row per draft

@@ -255,7 +255,7 @@ class Scheduler:
         else:  # guesses cost a model step a round: choose how many first, then make only those
             lengths = drafts_that_pay(
                 len(batch), [(seq.draft_acceptance.rate, self._draft_limit(seq)) for seq in drafting],
-                budget, self.step_costs, self.drafter.guess_costs,
+                budget, self.step_costs, self.drafter.guess_costs, leads=[int(seq.awaits_token) for seq in drafting],
             )
             chosen = [(seq, length) for seq, length in zip(drafting, lengths) if length]
             guessed = self._propose([seq for seq, _ in chosen], [length for _, length in chosen])
@@ -364,8 +364,11 @@ class Scheduler:
         return False
 
     def _preempt(self, seq: Sequence) -> None:
-        """Give back every block of `seq` and queue it to be recomputed, in arrival order."""
+        """Give back every block of `seq` (and the drafter's cache of it) and queue it to be
+        recomputed, in arrival order."""
         self._free_blocks(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq.request_id)
         seq.num_computed, seq.prefill_len = 0, seq.num_tokens
         seq.num_cached_tokens = seq.num_registered = 0
         self.running.remove(seq)

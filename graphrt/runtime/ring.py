@@ -32,6 +32,7 @@ from graphrt.model import SCRATCH_BLOCK
 from graphrt.model.batch import StepMetadata
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline, mark
+from graphrt.profiling.timing import median_seconds
 from graphrt.runtime.logprobs import LogprobPlan, plan_logprobs, score_rows
 from graphrt.runtime.pipeline import Pipeline
 from graphrt.runtime.sampler import Sampler, host_to_device
@@ -363,13 +364,12 @@ class Ring:
             for stream, graphs in zip(self.streams, self.graphs):
                 graph = graphs.graphs[bucket]
                 graph.inputs.pad()
-                times = []
-                for _ in range(1 + repeats):
-                    started = time.perf_counter()
+
+                def replay(stream=stream, graph=graph) -> None:
                     stream.submit(graph.replay)
                     stream.record().synchronize()
-                    times.append(time.perf_counter() - started)
-                total += sorted(times[1:])[repeats // 2]
+
+                total += median_seconds(replay, repeats)
             seconds[bucket] = total
         return seconds
 

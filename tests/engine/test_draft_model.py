@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from graphrt import LLM, SamplingParams
+from graphrt.engine import engine as engine_module
 from graphrt.engine.draft_model import DraftModelDrafter, common_prefix
 from graphrt.engine.drafter import StepCosts
 from graphrt.model.config import ModelConfig
@@ -31,7 +32,9 @@ def models(tmp_path_factory) -> dict[str, object]:
 
 def drafter_for(model, num_tokens: int = 3, num_blocks: int = 64) -> DraftModelDrafter:
     vocab = ModelConfig.from_dir(model).vocab_size
-    return DraftModelDrafter(model, num_tokens, torch.device("cpu"), torch.float64, num_blocks, 4, 256, 4, vocab)
+    drafter = DraftModelDrafter(model, num_tokens, torch.device("cpu"), torch.float64, 256, vocab)
+    drafter.allocate(num_blocks, block_size=4, max_rows=4)
+    return drafter
 
 
 def greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
@@ -145,3 +148,60 @@ def test_the_draft_model_guesses_only_where_its_rounds_pay(models, reference, ro
         assert (engine.stats.spec.num_draft_tokens > 0) == drafts and bool(asked) == drafts
     finally:
         engine.close()
+
+
+def test_preemption_and_aborts_with_a_draft_model(models, reference):
+    """A cache too small for every request at once: rows are preempted (and their draft cache
+    given back with their blocks, so only running rows hold any) and recomputed; one request is
+    aborted with a verify step in flight. The rest get the tokens they get without speculation."""
+    config = {"method": "draft_model", "model": str(models["target"]), "num_speculative_tokens": 3}
+    llm = LLM(model=models["target"], dtype="float64", pp=2, kv_cache_tokens=60, block_size=4, speculative_config=config)
+    engine, drafter = llm.engine, llm.engine.scheduler.drafter
+    engine.scheduler.step_costs = None  # every draft, so that verify steps are in flight to abort
+    prompts, params = workload()
+    try:
+        seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        aborted = None
+        while engine.has_work():
+            engine.step()
+            running = {seq.request_id for seq in engine.scheduler.running}
+            assert set(drafter.rows) <= running, "a preempted or finished row kept its draft cache"
+            if aborted is None:
+                verifying = [s for s in seqs if s.draft_ids and not s.finished and len(s.output_ids) > 2]
+                if verifying:
+                    aborted = verifying[0]
+                    engine.abort(aborted)
+        assert aborted is not None, "no request was ever caught with a verify step in flight"
+        assert engine.scheduler.num_preemptions > 0
+        for seq, want in zip(seqs, reference):
+            if seq is aborted:
+                assert seq.output_ids == want[: len(seq.output_ids)]
+            else:
+                assert seq.output_ids == want
+        assert not drafter.rows and drafter.allocator.num_free == drafter.allocator.num_blocks - 1, "draft KV leaked"
+        assert engine.allocator.num_free == engine.allocator.num_blocks - 1, "KV blocks leaked"
+    finally:
+        engine.close()
+
+
+def kv_bytes(pipeline) -> int:
+    return sum(cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size() for cache in pipeline.caches)
+
+
+def test_the_kv_budget_holds_the_draft_models_cache_too(models, monkeypatch):
+    """On a CPU the KV caches get a fixed budget (on GPUs, free memory): with a draft model, its
+    cache, a block for each of the target's and its rows' guesses, comes out of the same budget."""
+    budget = 1 << 20
+    monkeypatch.setattr(engine_module, "CPU_KV_CACHE_BYTES", budget)
+    config = {"method": "draft_model", "model": str(models["small"]), "num_speculative_tokens": 3}
+    llm = LLM(model=models["target"], dtype="float64", speculative_config=config)
+    alone = LLM(model=models["target"], dtype="float64")
+    try:
+        engine, drafter = llm.engine, llm.engine.scheduler.drafter
+        both = kv_bytes(engine.pipeline) + kv_bytes(drafter.pipeline)
+        one_of_each = kv_bytes(engine.pipeline) // engine.allocator.num_blocks + drafter.kv_bytes_per_block(engine.config.block_size)
+        assert budget - one_of_each < both <= budget, (both, budget)
+        assert engine.allocator.num_blocks < alone.engine.allocator.num_blocks
+    finally:
+        llm.engine.close()
+        alone.engine.close()

@@ -34,10 +34,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_longest_match():
     drafter = NgramDrafter(num_tokens=3, min_n=1, max_n=3)
     # [7, 8, 9] occurs at 0 and 5 (the latest before the end wins); [8, 9] alone would match too.
-    assert drafter.propose([7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 6, 7, 8, 9], limit=10) == [4, 5, 6]
+    assert drafter.propose([7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 6, 7, 8, 9], limit=3) == [4, 5, 6]
     # Only n = 1 matches: 3 was last followed by 4.
-    assert drafter.propose([3, 4, 1, 2, 3], limit=10) == [4, 1, 2]
-    assert drafter.propose([1, 2, 3, 4], limit=10) == []  # nothing repeats
+    assert drafter.propose([3, 4, 1, 2, 3], limit=3) == [4, 1, 2]
+    assert drafter.propose([1, 2, 3, 4], limit=3) == []  # nothing repeats
     assert drafter.propose([5, 6, 5, 6], limit=1) == [5]  # the caller's limit (max_tokens) wins
     assert drafter.propose([5], limit=3) == []
 
@@ -169,6 +169,28 @@ def test_eos_inside_an_accepted_run_ends_the_row_there():
     assert scheduler.allocator.num_free == 9 - 1
 
 
+def test_a_row_whose_newest_token_is_on_the_device_still_gets_every_draft():
+    """With async scheduling a row drafts after a guess of its newest token, which is not a draft:
+    the drafter is asked for one more guess, so the row still carries num_speculative_tokens."""
+    allocator = BlockAllocator(num_blocks=9, block_size=4)
+    scheduler = Scheduler(allocator, 4, 16, 64, 8, drafter=NgramDrafter(3, 1, 3))
+    seq = Sequence(0, [1, 2, 3, 1, 2], SamplingParams(max_tokens=20, temperature=0), max_tokens=20)
+    scheduler.add(seq)
+    prefill = scheduler.schedule()  # its token (a 3, by the loop) is not read back yet
+    step = scheduler.schedule(follows=prefill.id)
+    assert seq.awaits_token and step.draft_ids == [[1, 2, 3]], "a guess of 3, then three drafts"
+
+
+def test_drafts_that_pay_count_the_round_that_guesses_a_token_still_on_the_device():
+    flat = StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
+    # Drafts at 0.9 add 0.9, 1.71 and 2.44 tokens. A row whose newest token is on the device pays
+    # a round more: at 0.3 a round, three drafts still pay (3.44 tokens / 2.2 steps beats 1 / 1);
+    # at 0.7, two pay without that round (2.71 / 2.4) and none with it (3.44 / 3.8 is the best).
+    assert drafts_that_pay(1, [(0.9, 3)], 7, flat, StepCosts({1: 0.3}), leads=[1]) == [3]
+    assert drafts_that_pay(1, [(0.9, 3)], 7, flat, StepCosts({1: 0.7})) == [2]
+    assert drafts_that_pay(1, [(0.9, 3)], 7, flat, StepCosts({1: 0.7}), leads=[1]) == [0]
+
+
 def test_drafts_never_reach_past_max_tokens():
     # One token out, three to go: one draft at most, so the row's 1 + 1 tokens end at max_tokens.
     scheduler, seq, outputs = verify_once([1, 2], max_tokens=3, drafts=[1])
@@ -227,6 +249,11 @@ def test_greedy_output_with_speculation_is_the_output_without(
         spec = llm.engine.stats.spec
         num_drafts, drafted, accepted = num_drafts + spec.num_drafts, drafted + spec.num_draft_tokens, accepted + spec.num_accepted_tokens
         assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks - 1, "KV blocks leaked"
+        if step_costs is not None:  # the costs held some drafts back that would otherwise have gone
+            _, every = generate(
+                model, prompts, params, None, pp=pp, depth=depth, async_scheduling=async_scheduling, speculative_config=NGRAM,
+            )
+            assert spec.num_draft_tokens < every.engine.stats.spec.num_draft_tokens, (spec.describe(), every.engine.stats.spec.describe())
     # Both kinds of verify outcome happened: drafts kept, and drafts rejected.
     assert 0 < accepted < drafted, (num_drafts, drafted, accepted)
 

@@ -229,5 +229,6 @@ def test_a_draft_models_guesses_have_a_range_on_the_schedulers_thread(tiny_model
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.close()
     drafts = [(m, parent) for m, parent, _ in nested(domain.events) if m.startswith("draft")]
-    assert drafts and all(re.fullmatch(r"draft rows1 rounds[12]", m) for m, _ in drafts), drafts
+    # Up to 2 rounds, and 3 while the row's newest token is still on the device (its guess comes first).
+    assert drafts and all(re.fullmatch(r"draft rows1 rounds[123]", m) for m, _ in drafts), drafts
     assert {parent for _, parent in drafts} == {"scheduler tick"}  # built with the step it drafts for
