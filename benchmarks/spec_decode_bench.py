@@ -29,10 +29,10 @@ EDITS = ("Add a one-line comment above its first line.", "Rename its first argum
 
 def copy_prompts(llm: LLM, num_requests: int) -> list[list[int]]:
     """Chat prompts, each a function of graphrt's own source with an edit to make to it."""
-    from graphrt.engine import drafter, scheduler
+    from graphrt.engine import drafter, scheduler, speculation
     from graphrt.runtime import ring
 
-    functions = [ring.build_inputs, drafter.NgramDrafter.propose, scheduler.accept_drafts, scheduler.check_lengths, make_workload]
+    functions = [ring.build_inputs, drafter.NgramDrafter.propose, speculation.accept_drafts, scheduler.check_lengths, make_workload]
     prompts = []
     for index in range(num_requests):
         source = inspect.getsource(functions[index % len(functions)])

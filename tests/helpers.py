@@ -140,8 +140,8 @@ def generate_all(model, prompts, params, step_costs=MEASURED, **options) -> tupl
 
     llm = LLM(model=model, dtype="float64", **options)
     engine = llm.engine
-    if step_costs is not MEASURED:
-        engine.scheduler.step_costs = step_costs
+    if step_costs is not MEASURED and engine.scheduler.speculation is not None:
+        engine.scheduler.speculation.step_costs = step_costs
     try:
         seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
         while engine.has_work():

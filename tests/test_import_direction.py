@@ -40,6 +40,7 @@ MUST_NOT_IMPORT = {
     "graphrt.engine.sequence": {"graphrt.runtime.ring", "graphrt.engine.scheduler", "graphrt.runtime.step", "graphrt.engine.engine"},
     "graphrt.runtime.step": {"graphrt.runtime.ring", "graphrt.engine.scheduler", "graphrt.engine.engine"},
     "graphrt.engine.scheduler": {"graphrt.runtime.ring", "graphrt.engine.engine", "graphrt.distributed.remote", "torch"},
+    "graphrt.engine.speculation": {"graphrt.engine.scheduler", "graphrt.runtime.ring", "graphrt.engine.engine", "torch"},
     "graphrt.runtime.ring": {"graphrt.engine.scheduler", "graphrt.engine.sequence", "graphrt.engine.engine", "graphrt.distributed.remote"},
 }
 
@@ -80,7 +81,7 @@ def test_the_scheduler_emits_plain_data():
     loaded = loaded_alone("graphrt.engine.scheduler")
     assert loaded == {
         "graphrt.engine.scheduler", "graphrt.engine.sequence", "graphrt.runtime.step", "graphrt.engine.block_allocator",
-        "graphrt.engine.stats", "graphrt.engine.drafter",  # the drafter
+        "graphrt.engine.stats", "graphrt.engine.speculation", "graphrt.engine.drafter",  # speculative decoding
         "graphrt.errors", "graphrt.sampling_params",  # plain data: the wire decodes a SequenceOutput's logprobs
         "graphrt.engine", "graphrt.runtime", "graphrt.model",  # the packages: docstrings only
     }

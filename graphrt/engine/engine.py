@@ -152,11 +152,12 @@ class Engine:
             max_per_slot=1 + int(config.async_scheduling), timeline=self.timeline, ranges=self.ranges,
             pin=self.devices[0].type == "cuda",
         )
-        drafter = self.scheduler.drafter
-        if drafter is not None:  # what a verify step's extra tokens must pay for, and the guesses where a model makes them
-            self.scheduler.step_costs = StepCosts(self.ring.time_decode_steps())
+        speculation = self.scheduler.speculation
+        if speculation is not None:  # what a verify step's extra tokens must pay for, and the guesses where a model makes them
+            speculation.step_costs = StepCosts(self.ring.time_decode_steps())
+            drafter = speculation.drafter
             drafter.measure_guess_costs([size for size in self.plan.sizes if size < config.max_num_seqs] + [config.max_num_seqs])
-            logger.info("speculative decoding: %s", self.scheduler.step_costs.describe())
+            logger.info("speculative decoding: %s", speculation.step_costs.describe())
             if drafter.guess_costs is not None:
                 logger.info("draft model: %s", drafter.guess_costs.describe("a round of guesses, ms by rows"))
         self._decode_busy_until = 0.0

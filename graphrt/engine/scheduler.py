@@ -11,14 +11,13 @@ one or more sequences plus one token for each decode row riding along; eager) or
 (one token per row, at most the largest bucket of tokens; replayed as a graph).
 
 With a drafter (speculative decoding), a decode batch in which some rows have drafts is a verify
-step: such a row feeds its newest token and its d drafts (each a decode row of the graph), gets a
-token sampled at each of the 1 + d positions, and keeps the drafts up to the first that differs
-from the token sampled before it, plus that sampled token (`accept_drafts`). Which drafts go is
-`drafts_that_pay`: the expected tokens they add against the measured cost of the larger bucket. The row's K/V past what it kept is never read (its
-computed count goes back), and the blocks it took for drafts it did not keep go back. How many
-it keeps is known on the host only, so a verify row's next step waits for its read-back; rows
-without drafts keep async scheduling, and a row whose newest token is still on the device drafts
-after a guess of it. A row whose drafts all miss drafts again only after 1, 3, 7, ... decode steps.
+step: such a row feeds its newest token and its d drafts (each a decode row of the graph) and gets
+a token sampled at each of the 1 + d positions. Which drafts go and what a row keeps is
+graphrt.engine.speculation's to decide; here a verify row takes blocks for its drafts (free ones
+only), and after its step its computed count goes back to what it kept, so the K/V past that is
+never read, and the blocks it took for drafts it did not keep go back. How many it keeps is known
+on the host only, so a verify row's next step waits for its read-back; rows without drafts keep
+async scheduling.
 
 KV blocks are allocated as a sequence grows: on admission for its prompt and first new token,
 then one block whenever its next position starts a new one. When none is free, the youngest
@@ -46,30 +45,15 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from graphrt.engine.block_allocator import BlockAllocator, block_keys
-from graphrt.engine.drafter import Drafter, StepCosts, drafts_that_pay
+from graphrt.engine.drafter import Drafter
 from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
+from graphrt.engine.speculation import Speculation
 from graphrt.engine.stats import SpecStats
 from graphrt.errors import RequestError
 from graphrt.runtime.step import ScheduledStep
 
 if TYPE_CHECKING:
     from graphrt.runtime.logprobs import StepLogprobs  # torch, which the scheduler never loads
-
-
-MAX_DRAFT_PAUSE = 64  # decode steps a row goes at most without drafting after verify steps that kept nothing
-
-
-def accept_drafts(drafts: list[int], sampled: list[int]) -> list[int]:
-    """The tokens a verify row keeps: `sampled[j]` is the token sampled where draft j + 1 (or for
-    the last, the next token) goes, given the drafts before it. Each draft is kept while it equals
-    the token sampled in its place, and the first sampled token that differs (or the one after the
-    last draft) ends the run. Greedy, this is the target's argmax run; sampling, each draft is kept
-    with the probability p(draft) the target gives it and on a miss the token comes from p without
-    the draft: speculative rejection sampling against a draft that is sure of its token."""
-    kept = 0
-    while kept < len(drafts) and drafts[kept] == sampled[kept]:
-        kept += 1
-    return sampled[: kept + 1]
 
 
 def check_lengths(prompt_len: int, max_tokens: int | None, max_model_len: int, capacity_tokens: int) -> int:
@@ -110,11 +94,8 @@ class Scheduler:
         drafter: Drafter | None = None,
     ):
         self.allocator = allocator
-        self.drafter = drafter  # None: no speculative decoding
-        # What a decode step of each bucket costs, which drafts must pay for; None: every draft goes
-        # (the engine measures them at start-up: Ring.time_decode_steps).
-        self.step_costs: StepCosts | None = None
         self.spec = SpecStats()
+        self.speculation = Speculation(drafter, self.spec) if drafter is not None else None  # None: no speculative decoding
         self.prefix_root = prefix_root  # None: no prefix caching
         self.eos_ids = eos_ids
         self.max_num_seqs = max_num_seqs
@@ -230,39 +211,17 @@ class Scheduler:
         if not batch:
             return None
         self._rotate(batch)
-        if self.drafter is not None and not prefilling:
+        if self.speculation is not None and not prefilling:
             return self._launched(self._decode_step(batch))
         return self._launched(ScheduledStep(batch, [1] * len(batch), is_prefill=False, id=next(self._step_ids)))
 
     def _decode_step(self, batch: list[Sequence]) -> ScheduledStep:
-        """A decode batch whose rows the drafter can guess for become a verify step (those rows
-        last), with the drafts that pay for the larger bucket they make (`drafts_that_pay`). Its
-        tokens are the rows of a decode batch, so they fit the largest bucket."""
-        drafting = []
-        for seq in batch:
-            if self._drafts_next(seq):
-                drafting.append(seq)
-            else:
-                seq.draft_pause = max(0, seq.draft_pause - 1)
-        budget = self.max_decode_batch - len(batch)
-        if self.drafter.guess_costs is None:  # guesses cost nothing: make them, then choose among them
-            proposals = [(seq, proposed) for seq, proposed in zip(drafting, self._propose(drafting)) if proposed]
-            lengths = drafts_that_pay(
-                len(batch), [(seq.draft_acceptance.rate, len(proposed)) for seq, proposed in proposals],
-                budget, self.step_costs,
-            )
-            proposals = [(seq, proposed[:length]) for (seq, proposed), length in zip(proposals, lengths)]
-        else:  # guesses cost a model step a round: choose how many first, then make only those
-            lengths = drafts_that_pay(
-                len(batch), [(seq.draft_acceptance.rate, self._draft_limit(seq)) for seq in drafting],
-                budget, self.step_costs, self.drafter.guess_costs, leads=[int(seq.awaits_token) for seq in drafting],
-            )
-            chosen = [(seq, length) for seq, length in zip(drafting, lengths) if length]
-            guessed = self._propose([seq for seq, _ in chosen], [length for _, length in chosen])
-            proposals = list(zip([seq for seq, _ in chosen], guessed))
+        """A decode batch whose rows have drafts worth verifying (graphrt.engine.speculation) becomes
+        a verify step, those rows last, each with blocks for its drafts. Its tokens are the rows of
+        a decode batch, so they fit the largest bucket."""
         drafts = {}
-        for seq, proposed in proposals:
-            if proposed and (kept := self._with_draft_blocks(seq, proposed)):
+        for seq, proposed in self.speculation.choose_drafts(batch, self.max_decode_batch - len(batch)):
+            if kept := self._with_draft_blocks(seq, proposed):
                 drafts[id(seq)] = kept
         if not drafts:
             return ScheduledStep(batch, [1] * len(batch), is_prefill=False, id=next(self._step_ids))
@@ -273,34 +232,6 @@ class Scheduler:
         return ScheduledStep(
             rows, [1 + len(d) for d in draft_ids], is_prefill=False, draft_ids=draft_ids, id=next(self._step_ids)
         )
-
-    def _drafts_next(self, seq: Sequence) -> bool:
-        """Whether `seq`'s next decode step tries drafts: not while it pauses after drafts that
-        missed, nor for a request that reports logprobs."""
-        return self.drafter is not None and not seq.draft_pause and seq.params.logprobs is None
-
-    def _missed(self, seq: Sequence) -> None:
-        """No draft kept: try again after 1, 3, 7, ... decode steps, so what can't be guessed costs little."""
-        seq.draft_backoff = min(2 * seq.draft_backoff + 1, MAX_DRAFT_PAUSE)
-        seq.draft_pause = seq.draft_backoff
-
-    def _draft_limit(self, seq: Sequence) -> int:
-        """The most drafts `seq`'s next step may carry: its 1 + d tokens stay within max_tokens."""
-        return min(self.drafter.num_tokens, seq.max_tokens - seq.outputs_scheduled - 1)
-
-    def _propose(self, seqs: list[Sequence], limits: list[int] | None = None) -> list[list[int]]:
-        """The drafter's guesses for each sequence's next step, up to its limit (default: its
-        `_draft_limit`); [] where it has none. A sequence whose newest token is still being sampled
-        (async scheduling) has the drafter guess that token too, from the tokens the host has, and
-        drafts what follows the guess."""
-        if limits is None:
-            limits = [self._draft_limit(seq) for seq in seqs]
-        requests = [
-            (seq.request_id, seq.prompt_ids + seq.output_ids, limit + (1 if seq.awaits_token else 0))
-            for seq, limit in zip(seqs, limits)
-        ]
-        proposed = self.drafter.propose_batch(requests) if requests else []
-        return [guesses[1:] if seq.awaits_token else guesses for seq, guesses in zip(seqs, proposed)]
 
     def _with_draft_blocks(self, seq: Sequence, drafts: list[int]) -> list[int]:
         """`drafts`, cut to what free KV blocks hold, with blocks for their positions (after the
@@ -367,8 +298,8 @@ class Scheduler:
         """Give back every block of `seq` (and the drafter's cache of it) and queue it to be
         recomputed, in arrival order."""
         self._free_blocks(seq)
-        if self.drafter is not None:
-            self.drafter.release(seq.request_id)
+        if self.speculation is not None:
+            self.speculation.release(seq)
         seq.num_computed, seq.prefill_len = 0, seq.num_tokens
         seq.num_cached_tokens = seq.num_registered = 0
         self.running.remove(seq)
@@ -449,18 +380,11 @@ class Scheduler:
         return outputs
 
     def _verified(self, seq: Sequence, sampled: list[int] | None) -> list[int] | None:
-        """A verify row is back: keep what `accept_drafts` keeps (None: the step ran for its logits
-        only, nothing is kept), count it, and let go of what the row computed and allocated past that."""
+        """A verify row is back: keep what `Speculation.keep` keeps (None: the step ran for its
+        logits only, nothing is kept), and let go of what the row computed and allocated past that."""
         drafts, seq.draft_ids = seq.draft_ids, []
-        kept = accept_drafts(drafts, sampled) if sampled is not None and not seq.finished else []
-        num_accepted = max(0, len(kept) - 1)
-        self.spec.record(len(drafts), num_accepted)
-        seq.draft_acceptance.record(len(drafts), num_accepted)
-        seq.num_computed -= len(drafts) - num_accepted  # the rejected drafts' K/V is never read
-        if num_accepted:
-            seq.draft_backoff = 0
-        else:
-            self._missed(seq)
+        kept = self.speculation.keep(seq, drafts, sampled)
+        seq.num_computed -= len(drafts) - max(0, len(kept) - 1)  # the rejected drafts' K/V is never read
         if seq.block_ids:  # blocks past the next position go back (a finished row frees them all below)
             keep = self.allocator.blocks_for(seq.num_computed + 1)
             surplus, seq.block_ids = seq.block_ids[keep:], seq.block_ids[:keep]
@@ -481,8 +405,8 @@ class Scheduler:
         """End a sequence (a stop string, an abort...): stop scheduling it, and free its blocks
         now or, if a micro-batch in flight still uses them, when that one is back."""
         seq.finish_reason = reason
-        if self.drafter is not None:
-            self.drafter.release(seq.request_id)
+        if self.speculation is not None:
+            self.speculation.release(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

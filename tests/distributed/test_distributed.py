@@ -245,7 +245,7 @@ def test_speculation_over_stage_processes_gives_the_tokens_without_it(tmp_path, 
     if method == "draft_model":
         config = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
     llm = LLM(model=model, pp=2, procs=True, watchdog_s=30, speculative_config=config, **options)
-    llm.engine.scheduler.step_costs = None  # every draft is verified, whatever the step costs here
+    llm.engine.scheduler.speculation.step_costs = None  # every draft is verified, whatever the step costs here
     children = llm.engine.cluster.children
     try:
         assert outputs(llm, greedy) == expected

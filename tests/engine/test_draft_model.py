@@ -121,7 +121,7 @@ def test_greedy_output_with_a_draft_model_is_the_output_without(models, referenc
         assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens, spec.describe()
     else:
         assert spec.num_accepted_tokens < spec.num_draft_tokens, spec.describe()
-    drafter = llm.engine.scheduler.drafter
+    drafter = llm.engine.scheduler.speculation.drafter
     assert not drafter.rows and drafter.allocator.num_free == drafter.allocator.num_blocks - 1, "draft KV leaked"
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks - 1, "KV blocks leaked"
 
@@ -133,12 +133,12 @@ def test_the_draft_model_guesses_only_where_its_rounds_pay(models, reference, ro
     config = {"method": "draft_model", "model": str(models["target"]), "num_speculative_tokens": 3}
     llm = LLM(model=models["target"], dtype="float64", pp=2, speculative_config=config)
     engine = llm.engine
-    assert sorted(engine.scheduler.drafter.guess_costs.seconds)[-1] == engine.config.max_num_seqs  # timed at start-up
-    engine.scheduler.step_costs = StepCosts({size: 1.0 for size in engine.plan.sizes})
-    engine.scheduler.drafter.guess_costs = StepCosts({1: round_cost})
+    assert sorted(engine.scheduler.speculation.drafter.guess_costs.seconds)[-1] == engine.config.max_num_seqs  # timed at start-up
+    engine.scheduler.speculation.step_costs = StepCosts({size: 1.0 for size in engine.plan.sizes})
+    engine.scheduler.speculation.drafter.guess_costs = StepCosts({1: round_cost})
     asked = []
-    propose = engine.scheduler.drafter.propose_batch
-    engine.scheduler.drafter.propose_batch = lambda requests: asked.append(requests) or propose(requests)
+    propose = engine.scheduler.speculation.drafter.propose_batch
+    engine.scheduler.speculation.drafter.propose_batch = lambda requests: asked.append(requests) or propose(requests)
     try:
         prompts, params = workload()
         seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
@@ -156,8 +156,8 @@ def test_preemption_and_aborts_with_a_draft_model(models, reference):
     aborted with a verify step in flight. The rest get the tokens they get without speculation."""
     config = {"method": "draft_model", "model": str(models["target"]), "num_speculative_tokens": 3}
     llm = LLM(model=models["target"], dtype="float64", pp=2, kv_cache_tokens=60, block_size=4, speculative_config=config)
-    engine, drafter = llm.engine, llm.engine.scheduler.drafter
-    engine.scheduler.step_costs = None  # every draft, so that verify steps are in flight to abort
+    engine, drafter = llm.engine, llm.engine.scheduler.speculation.drafter
+    engine.scheduler.speculation.step_costs = None  # every draft, so that verify steps are in flight to abort
     prompts, params = workload()
     try:
         seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
@@ -197,7 +197,7 @@ def test_the_kv_budget_holds_the_draft_models_cache_too(models, monkeypatch):
     llm = LLM(model=models["target"], dtype="float64", speculative_config=config)
     alone = LLM(model=models["target"], dtype="float64")
     try:
-        engine, drafter = llm.engine, llm.engine.scheduler.drafter
+        engine, drafter = llm.engine, llm.engine.scheduler.speculation.drafter
         both = kv_bytes(engine.pipeline) + kv_bytes(drafter.pipeline)
         one_of_each = kv_bytes(engine.pipeline) // engine.allocator.num_blocks + drafter.kv_bytes_per_block(engine.config.block_size)
         assert budget - one_of_each < both <= budget, (both, budget)

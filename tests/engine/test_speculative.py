@@ -17,7 +17,8 @@ from graphrt import LLM, SamplingParams
 from graphrt.config import EngineConfig
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.drafter import Acceptance, NgramDrafter, StepCosts, drafts_that_pay
-from graphrt.engine.scheduler import Scheduler, accept_drafts
+from graphrt.engine.scheduler import Scheduler
+from graphrt.engine.speculation import accept_drafts
 from graphrt.engine.sequence import FinishReason, Sequence
 from graphrt.runtime.sampler import Sampler
 from graphrt.speculative import SpeculativeConfig
@@ -266,7 +267,7 @@ def test_preemption_and_aborts_with_speculation(looping_models, reference):
         model=looping_models[0.6], dtype="float64", pp=2, kv_cache_tokens=100, block_size=4, speculative_config=NGRAM,
     )
     engine = llm.engine
-    engine.scheduler.step_costs = None  # every draft, so that verify steps are in flight to abort
+    engine.scheduler.speculation.step_costs = None  # every draft, so that verify steps are in flight to abort
     try:
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         aborted = None
@@ -299,11 +300,11 @@ def test_the_engine_times_each_bucket_at_start_up_only_with_speculation(looping_
     try:
         assert with_drafts.engine.plan.max_batch == 3 * (1 + NGRAM["num_speculative_tokens"])
         assert without.engine.plan.max_batch == 3
-        costs = with_drafts.engine.scheduler.step_costs
+        costs = with_drafts.engine.scheduler.speculation.step_costs
         assert sorted(costs.seconds) == list(with_drafts.engine.plan.sizes)
         assert all(seconds > 0 for seconds in costs.seconds.values())
         assert costs(3) == costs.seconds[4] and costs(1000) == costs.seconds[max(costs.seconds)]
-        assert without.engine.scheduler.step_costs is None
+        assert without.engine.scheduler.speculation is None
     finally:
         with_drafts.engine.close()
         without.engine.close()

@@ -205,7 +205,7 @@ def test_a_speculative_verify_step_has_a_range_of_its_own(tiny_model_factory):
     # Prompts that repeat a phrase, so the ngram drafter proposes from the first decode step on.
     llm = LLM(model=tiny_model_factory(), pp=2, kv_cache_tokens=1024, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     engine = llm.engine
-    engine.scheduler.step_costs = None  # every draft: whether drafts pay depends on the timing here
+    engine.scheduler.speculation.step_costs = None  # every draft: whether drafts pay depends on the timing here
     domain = RecordingDomain()
     engine.ranges = engine.ring.ranges = Ranges(domain=domain)
     llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -223,9 +223,9 @@ def test_a_draft_models_guesses_have_a_range_on_the_schedulers_thread(tiny_model
     config = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 2}
     llm = LLM(model=model, pp=2, kv_cache_tokens=1024, speculative_config=config)
     engine = llm.engine
-    engine.scheduler.step_costs = None  # every draft, whatever the step costs here
+    engine.scheduler.speculation.step_costs = None  # every draft, whatever the step costs here
     domain = RecordingDomain()
-    engine.ranges = engine.ring.ranges = engine.scheduler.drafter.ranges = Ranges(domain=domain)
+    engine.ranges = engine.ring.ranges = engine.scheduler.speculation.drafter.ranges = Ranges(domain=domain)
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.close()
     drafts = [(m, parent) for m, parent, _ in nested(domain.events) if m.startswith("draft")]
