@@ -18,6 +18,9 @@ class KernelSet:
     paged_prefill_attention: Callable
     linear: Callable  # (x, weight, bias=None) -> x @ weight.T + bias, for the weight in whatever form the set keeps it
     gate_up_silu: Callable  # (x, gate_up_weight) -> silu_and_mul(linear(x, gate_up_weight)), in one pass where it can
+    # (hidden (T, H), w_gate_up (E, 2I, H), w_down (E, H, I), topk_weights (T, K) float, topk_ids (T, K) int64)
+    # -> (T, H): each token's chosen experts' gated MLPs, summed by their weights (kernels/moe.py)
+    fused_moe: Callable
     # (stage) -> a function running a decode step through all of the stage's layers in one call,
     # (hidden, meta, cos, sin, kv) -> (hidden, residual), or None where it can't run that stage.
     decode_layers: Callable | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from graphrt.kernels import activation, paged_attention, rmsnorm, rotary
+from graphrt.kernels import activation, moe, paged_attention, rmsnorm, rotary
 from graphrt.kernels.kernel_set import KernelSet
 
 TORCH = KernelSet(
@@ -17,4 +17,5 @@ TORCH = KernelSet(
     paged_prefill_attention=paged_attention.paged_prefill_attention,
     linear=F.linear,
     gate_up_silu=activation.gate_up_silu,
+    fused_moe=moe.fused_moe,
 )

@@ -1,4 +1,4 @@
-"""The Triton kernel set: the decode hot path in Triton, prefill attention from the torch reference.
+"""The Triton kernel set: the decode hot path and the fused mixture of experts in Triton, prefill attention from the torch reference.
 
 Importing this module imports triton. With `TRITON_INTERPRET=1` set before that, the same kernels
 run on CPU tensors through Triton's interpreter, which is how the tests check them.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from graphrt.kernels import activation_triton, paged_attention_triton, rmsnorm_triton, rotary_triton
+from graphrt.kernels import activation_triton, moe_triton, paged_attention_triton, rmsnorm_triton, rotary_triton
 from graphrt.kernels.kernel_set import KernelSet
 
 TRITON = KernelSet(
@@ -21,4 +21,5 @@ TRITON = KernelSet(
     paged_prefill_attention=paged_attention_triton.paged_prefill_attention,  # the torch reference: prefill is eager
     linear=F.linear,  # cuBLAS
     gate_up_silu=activation_triton.gate_up_silu,
+    fused_moe=moe_triton.fused_moe,
 )

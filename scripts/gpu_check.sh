@@ -13,7 +13,7 @@
 #   smoke              scripts/gpu_smoke.py: graphrt imports, a tiny model captured and replayed, greedy = eager
 #   write_model        a random Llama-3.2-1B-shaped bfloat16 model, made on the GPU (no download)
 #   capture            `graphrt capture --pp 2` of the 1B-shaped model, every default bucket
-#   pytest_cuda        tests/kernels/test_kernels.py whole (its Triton tests, bfloat16 too), then pytest -m cuda
+#   pytest_cuda        tests/kernels/test_kernels.py and test_moe_triton.py whole (their Triton tests, bfloat16 too), then pytest -m cuda
 #                      (the server tests skip where fastapi, uvicorn or openai are missing)
 #   graph_replay_gpu   decode step per bucket, graph replay against eager; capture per (stage, bucket)
 #   pp_throughput_gpu  pp 1, 2, 4 on the one GPU at batch 1 and 64; share of the HBM peak
@@ -360,9 +360,9 @@ else
     fi
     run_step capture "$(limit_of capture)" "$capture"
 
-    # tests/kernels/test_kernels.py whole: `-m cuda` alone would deselect all but one of its Triton tests.
-    run_step pytest_cuda "$(limit_of pytest_cuda)" "'$PY' -m pytest -v -rfEs -p no:cacheprovider tests/kernels/test_kernels.py; kernels=\$?; \
-        '$PY' -m pytest -m cuda -v -rfEs --continue-on-collection-errors -p no:cacheprovider --ignore=tests/kernels/test_kernels.py tests; \
+    # The Triton kernel files whole: `-m cuda` alone would deselect all but a few of their Triton tests.
+    run_step pytest_cuda "$(limit_of pytest_cuda)" "'$PY' -m pytest -v -rfEs -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_moe_triton.py; kernels=\$?; \
+        '$PY' -m pytest -m cuda -v -rfEs --continue-on-collection-errors -p no:cacheprovider --ignore=tests/kernels/test_kernels.py --ignore=tests/kernels/test_moe_triton.py tests; \
         marked=\$?; exit \$(( kernels != 0 ? kernels : marked ))"
 
     run_step graph_replay_gpu "$(limit_of graph_replay_gpu)" "$(cpu_first 'benchmarks/graph_replay_gpu.py --device cpu --buckets 1,2 --repeats 2')\

@@ -17,7 +17,9 @@ unpacks the archive into its TRITON_CACHE_DIR and reports how many kernels it st
    (with a bfloat16 twin of each float16 launch: the tests add bfloat16 on CUDA), benchmarks/
    kernels_gpu.py's cases, and the engines that `graphrt capture` / `generate` / `serve`,
    graph_replay_gpu.py and pp_throughput_gpu.py build (their own build functions, on the CPU with
-   kernels="triton"; a launch is recorded, not run, and the torch reference computes the result).
+   kernels="triton"; a launch is recorded, not run, and the torch reference computes the result),
+   and, until an engine runs MoE, the fused-MoE kernels at each decode bucket for each MoE family's
+   routing (record_moe_layers).
    Decode attention's split count is what `default_num_splits` gives on an H200 (132 SMs).
 3. `compile` runs each recorded launch through triton 3.6's own JIT path (`JITFunction.run(...,
    warmup=True)`, which compiles without launching) against a compile-only driver whose target is
@@ -198,8 +200,10 @@ def record_only_kernel_set() -> None:
     choose = stage_builder.kernel_set
     stage_builder.kernel_set = lambda name, device_type: choose(name, "cuda" if device_type == "cpu" else device_type)
     triton = triton_ops.TRITON
-    triton_ops.TRITON = KernelSet(**{  # the name as it is, no one-call decode step (both sets have none)
-        f.name: getattr(triton, f.name) if f.name in ("name", "decode_layers") else both(getattr(triton, f.name), getattr(TORCH, f.name))
+    # The name as it is; the one-call decode step and the stream hook as they are: both sets have none.
+    kept = ("name", "decode_layers", "stream_hook")
+    triton_ops.TRITON = KernelSet(**{
+        f.name: getattr(triton, f.name) if f.name in kept else both(getattr(triton, f.name), getattr(TORCH, f.name))
         for f in dataclasses.fields(KernelSet)
     })
 
@@ -299,6 +303,34 @@ def record_workloads(recorder: LaunchRecorder, scratch: Path) -> None:
         for context in (1024, 4096):
             for case in kernels.attention_cases(batch, context, torch.bfloat16, torch.device("cpu")):
                 case.triton(*case.inputs)
+
+    record_moe_layers(recorder)
+
+
+# (experts, top-k) of the MoE families of issue 32: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 / Kimi K2.
+MOE_ROUTINGS = ((8, 2), (60, 4), (128, 8), (256, 8))
+MOE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode buckets, up to the largest KV memory gives on the GPU
+
+
+def record_moe_layers(recorder: LaunchRecorder) -> None:
+    """kernels/moe_triton.py's fused MoE in bfloat16 at each decode bucket for each family's routing.
+    No engine runs MoE yet, so these stand in for its layers: what the JIT specializes on is the
+    routing's shape (experts, top-k), the block size that the bucket picks and whether counts are 1 or
+    multiples of 16; of the widths only whether they are multiples of 16 and, for the sum over top-k,
+    whether hidden reaches 1024 (its tile). So hidden 1024 and inter 256 compile what 7168 and 2048 would."""
+    import torch
+
+    from graphrt.kernels import moe_triton
+
+    recorder.source = "fused MoE at decode buckets 1-256 (Mixtral, Qwen2/3-MoE, DeepSeek-V3 routings; no MoE engine yet)"
+    hidden_size, inter_size = 1024, 256
+    for num_experts, top_k in MOE_ROUTINGS:
+        w_gate_up = torch.empty(num_experts, 2 * inter_size, hidden_size, dtype=torch.bfloat16)
+        w_down = torch.empty(num_experts, hidden_size, inter_size, dtype=torch.bfloat16)
+        for bucket in MOE_BUCKETS:
+            topk_ids = torch.zeros(bucket, top_k, dtype=torch.int64)  # recorded, not run: the routing is never read
+            hidden = torch.empty(bucket, hidden_size, dtype=torch.bfloat16)
+            moe_triton.fused_moe(hidden, w_gate_up, w_down, torch.empty(bucket, top_k), topk_ids)
 
 
 def record(out_dir: Path) -> list[dict]:

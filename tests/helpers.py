@@ -32,6 +32,17 @@ def prompt_logits(engine: Engine, prompt_ids: list[int]) -> torch.Tensor:
             return logits[row].float().cpu()
 
 
+def hf_model(model_dir, dtype: torch.dtype):
+    """transformers' model of `model_dir` in `dtype`, the reference graphrt is compared with. A mixture
+    of experts runs transformers' eager experts loop: its default (grouped_mm) computes no float64."""
+    import transformers
+
+    from graphrt.model.config import ModelConfig
+
+    options = {"experts_implementation": "eager"} if ModelConfig.from_dir(model_dir).moe is not None else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **options).eval()
+
+
 def run_counting_feed_reads(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list, int]:
     """Add every request and step the engine until it is done. Returns the sequences and how often
     a micro-batch in flight read its input tokens from the device feed (async scheduling)."""

@@ -13,13 +13,36 @@ from pathlib import Path
 from graphrt.errors import ModelLoadError
 from graphrt.kernels.rotary import RopeConfig
 
-# architectures value -> what differs from plain Llama
+# architectures value -> what differs from plain Llama ("moe": the family whose sparse MLP it has)
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": {},
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "MixtralForCausalLM": {"moe": "mixtral"},
+    "Qwen2MoeForCausalLM": {"moe": "qwen2_moe"},  # q/k/v bias per its `qkv_bias` field (True by default)
+    "Qwen3MoeForCausalLM": {"moe": "qwen3_moe", "qk_norm": True},
 }
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts model's sparse MLP (router, experts, optional shared expert) and which
+    layers have one instead of the dense MLP."""
+
+    num_experts: int
+    num_experts_per_tok: int  # top-k
+    moe_intermediate_size: int  # of each expert
+    norm_topk_prob: bool  # divide the chosen experts' weights by their sum (Mixtral: always)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token runs, gated by sigmoid; 0 = none
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether `layer` has the sparse MLP: transformers' rule for Qwen2-MoE and Qwen3-MoE (Mixtral,
+        with a step of 1 and no MLP-only layers, is sparse everywhere)."""
+        return layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -37,6 +60,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    moe: MoeConfig | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str | None = None
@@ -64,12 +88,14 @@ class ModelConfig:
                 f"architectures {architectures!r} is not supported; graphrt serves "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        extras = SUPPORTED_ARCHITECTURES[arch]
+        _refuse_unimplemented(arch, raw)
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden_size = int(raw["hidden_size"])
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            extras = SUPPORTED_ARCHITECTURES[arch]
+            moe = moe_from_hf(extras["moe"], raw) if "moe" in extras else None
             return ModelConfig(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -83,14 +109,76 @@ class ModelConfig:
                 max_position=_context_limit(raw),
                 rope=rope_from_hf(raw),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=bool(extras.get("qkv_bias", False) or raw.get("attention_bias", False)),
+                qkv_bias=_qkv_bias(arch, raw),
                 qk_norm=bool(extras.get("qk_norm", False)),
+                moe=moe,
                 eos_token_ids=eos_ids,
                 bos_token_id=raw.get("bos_token_id"),
                 torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             )
         except KeyError as exc:
             raise ModelLoadError(f"config.json lacks the field {exc.args[0]!r}; the model folder is incomplete") from None
+
+
+def _qkv_bias(arch: str, raw: dict) -> bool:
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(raw.get("qkv_bias", True))  # its own field; transformers' default is on
+    return bool(SUPPORTED_ARCHITECTURES[arch].get("qkv_bias", False) or raw.get("attention_bias", False))
+
+
+def _refuse_unimplemented(arch: str, raw: dict) -> None:
+    """A config that asks for something graphrt does not compute is refused here, naming the field,
+    rather than served with other semantics."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"hidden_act {act!r} is not supported; graphrt's MLPs compute silu(gate) * up (\"silu\")")
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ModelLoadError(
+            f"quantization_config ({method}) is not supported; graphrt reads unquantized float weights, "
+            "so use the model's bfloat16 or float16 release"
+        )
+    if arch == "Qwen3MoeForCausalLM" and raw.get("attention_bias"):
+        raise ModelLoadError(
+            "attention_bias true is not supported for Qwen3MoeForCausalLM (it adds a bias to o_proj, which graphrt lacks)"
+        )
+
+
+def moe_from_hf(family: str, raw: dict) -> MoeConfig:
+    """The sparse MLP of a `family` (mixtral, qwen2_moe, qwen3_moe) config.json, with the names and
+    defaults of transformers' configuration classes. Fields only training reads (router_aux_loss_coef,
+    output_router_logits, Mixtral's router_jitter_noise) are ignored."""
+    # Mixtral calls it num_local_experts, Qwen2-MoE num_experts; transformers writes Qwen3-MoE's under
+    # the first name (an attribute_map), while Qwen's own configs use the second.
+    num_experts_field = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    num_experts = int(raw[num_experts_field])
+    if family == "mixtral":
+        moe = MoeConfig(
+            num_experts=num_experts,
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["intermediate_size"]),
+            norm_topk_prob=True,
+        )
+    else:
+        step = int(raw.get("decoder_sparse_step", 1))
+        if step < 1:
+            raise ModelLoadError(f"decoder_sparse_step {step} is not valid; it is the layer period of the sparse MLP, 1 or more")
+        moe = MoeConfig(
+            num_experts=num_experts,
+            num_experts_per_tok=int(raw["num_experts_per_tok"]),
+            moe_intermediate_size=int(raw["moe_intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=int(raw["shared_expert_intermediate_size"]) if family == "qwen2_moe" else 0,
+            decoder_sparse_step=step,
+            mlp_only_layers=tuple(int(layer) for layer in raw.get("mlp_only_layers") or ()),
+        )
+    if moe.num_experts > 0 and not 1 <= moe.num_experts_per_tok <= moe.num_experts:
+        raise ModelLoadError(
+            f"num_experts_per_tok {moe.num_experts_per_tok} is not valid with {num_experts_field} "
+            f"{moe.num_experts}; each token chooses 1 to {moe.num_experts} experts"
+        )
+    return moe
 
 
 def _context_limit(raw: dict) -> int:

@@ -3,6 +3,8 @@
 One `Stage` owns a contiguous range of layers; stage 0 also owns the embedding, the last stage the
 final norm and the LM head. Llama 2/3, SmolLM2 and Mistral are plain Llama; Qwen2 adds a bias to
 q/k/v, Qwen3 an RMSNorm on each head of q and k. q/k/v and gate/up are fused into one matmul each.
+Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP of their sparse layers with a mixture of experts
+(graphrt/model/moe.py); the rest of a layer is the same.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from graphrt.kernels.rotary import rotary_cos_sin
 from graphrt.model.batch import StepMetadata
 from graphrt.model.config import ModelConfig
 from graphrt.model.kv_cache import StageKVCache
+from graphrt.model.moe import SparseMoE
+from graphrt.model.weight_reads import WeightReads
 from graphrt.model.weights import WeightFiles
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelSet):
+    def __init__(self, cfg: ModelConfig, ops: KernelSet, layer: int):
         super().__init__()
         self.cfg = cfg
         self.ops = ops
@@ -38,8 +42,11 @@ class DecoderLayer(nn.Module):
         self.k_norm = empty(cfg.head_dim) if cfg.qk_norm else None
         self.o_proj = empty(cfg.hidden_size, self.q_size)
         self.post_attention_norm = empty(cfg.hidden_size)
-        self.gate_up_proj = empty(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.down_proj = empty(cfg.hidden_size, cfg.intermediate_size)
+        # A sparse layer's MLP is its mixture of experts; a dense layer's, the gated MLP.
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(layer)
+        self.moe = SparseMoE(cfg) if sparse else None
+        self.gate_up_proj = None if sparse else empty(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = None if sparse else empty(cfg.hidden_size, cfg.intermediate_size)
 
     @staticmethod
     def hf_names(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
@@ -50,9 +57,12 @@ class DecoderLayer(nn.Module):
             "qkv_proj": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
             "o_proj": [p + "self_attn.o_proj.weight"],
             "post_attention_norm": [p + "post_attention_layernorm.weight"],
-            "gate_up_proj": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-            "down_proj": [p + "mlp.down_proj.weight"],
         }
+        if cfg.moe is not None and cfg.moe.is_sparse(layer):
+            names.update({f"moe.{ours}": theirs for ours, theirs in SparseMoE.hf_names(cfg, layer).items()})
+        else:
+            names["gate_up_proj"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+            names["down_proj"] = [p + "mlp.down_proj.weight"]
         if cfg.qkv_bias:
             names["qkv_bias"] = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if cfg.qk_norm:
@@ -98,7 +108,10 @@ class DecoderLayer(nn.Module):
             )
         hidden = ops.linear(attn.reshape(-1, self.q_size), self.o_proj)
         hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, eps, residual)
-        hidden = ops.linear(ops.gate_up_silu(hidden, self.gate_up_proj), self.down_proj)
+        if self.moe is not None:
+            hidden = self.moe(hidden, ops)
+        else:
+            hidden = ops.linear(ops.gate_up_silu(hidden, self.gate_up_proj), self.down_proj)
         return hidden, residual
 
 
@@ -131,7 +144,7 @@ class Stage(nn.Module):
         self.synthetic_delay_s = 0.0
         meta = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         self.embed_tokens = meta(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in layers)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, layer) for layer in layers)
         self.norm = meta(cfg.hidden_size) if self.is_last else None
         self.lm_head = meta(cfg.vocab_size, cfg.hidden_size) if self.is_last else None
         cos, sin = rotary_cos_sin(cfg.rope, cfg.head_dim, max_position)
@@ -155,12 +168,20 @@ class Stage(nn.Module):
         names = self.hf_names()
         if self.is_last and not self.cfg.tie_word_embeddings and "lm_head.weight" not in files:
             names["lm_head"] = ["model.embed_tokens.weight"]  # checkpoints that tie without saying so
+        for i, layer in enumerate(self.layers):
+            if layer.moe is not None:  # a checkpoint that stores the experts already stacked
+                for ours, stacked in SparseMoE.stacked_hf_names(self.layer_ids[i]).items():
+                    if stacked in files:
+                        names[f"layers.{i}.moe.{ours}"] = [stacked]
         wanted = sorted({n for group in names.values() for n in group})
         tensors = files.load(wanted, self.device, self.dtype)
         state = {
             ours: tensors[theirs[0]] if len(theirs) == 1 else torch.cat([tensors[n] for n in theirs])
             for ours, theirs in names.items()
         }
+        # Stacked experts arrive concatenated along their first dimension: give them their shape.
+        shapes = {name: p.shape for name, p in self.named_parameters()}
+        state = {name: t if t.dim() == len(shapes[name]) else t.view(shapes[name]) for name, t in state.items()}
         self.load_state_dict(state, strict=True, assign=True)
         # Weights stay dense until the stage's kernels are chosen (graphrt.runtime.stage_builder),
         # which may keep them in forms of their own and needs the largest decode bucket.
@@ -169,7 +190,15 @@ class Stage(nn.Module):
         """Weight shape name -> where each weight of that shape lives (one per layer; the LM head
         on the last stage), for choosing kernels that keep a weight in a form of their own (which
         the set's `linear` then reads). The embedding is not a matmul, it is a gather."""
-        owners = {name: [(layer, name) for layer in self.layers] for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+        owners = {
+            name: [(layer, name) for layer in self.layers if getattr(layer, name) is not None]
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a sparse layer has no dense gate/up, down
+        }
+        # A shared expert is a dense gated MLP; the router and the shared expert's gate (a few
+        # columns) stay dense, and the stacked experts are read by the set's fused_moe as they are.
+        for name in ("shared_gate_up_proj", "shared_down_proj"):
+            sparse = [layer.moe for layer in self.layers if layer.moe is not None]
+            owners[name] = [(moe, name) for moe in sparse if getattr(moe, name) is not None]
         owners = {name: places for name, places in owners.items() if places}
         if self.is_last:
             owners["lm_head"] = [(self, "lm_head")]
@@ -189,8 +218,19 @@ class Stage(nn.Module):
         return self._decode_step is not None and all(layer.ops is self.ops for layer in self.layers)
 
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads (the embedding is a gather, so it is not counted)."""
+        """Bytes of weights a decode step of a dense model reads: all of them but the embedding (a
+        gather, so it is not counted). A mixture of experts reads fewer: see weight_reads."""
         return sum(p.numel() * p.element_size() for name, p in self.named_parameters() if name != "embed_tokens")
+
+    def weight_reads(self) -> WeightReads:
+        """weight_bytes, with the routed experts' bytes apart: a decode step reads only the experts
+        its rows chose (graphrt/model/weight_reads.py)."""
+        sparse = [layer.moe for layer in self.layers if layer.moe is not None]
+        expert_bytes = sum(t.numel() * t.element_size() for moe in sparse for t in (moe.experts_gate_up, moe.experts_down))
+        if not expert_bytes:
+            return WeightReads(self.weight_bytes())
+        moe = self.cfg.moe
+        return WeightReads(self.weight_bytes() - expert_bytes, expert_bytes, moe.num_experts, moe.num_experts_per_tok)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, meta: StepMetadata, kv: StageKVCache) -> torch.Tensor:

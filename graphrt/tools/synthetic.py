@@ -5,8 +5,8 @@ host) and the host spends `host_ms` on every micro-batch it reads back (standing
 detokenizing, stop checks and streaming). With these known, the pipeline formula in
 docs/profiling.md predicts each stage's busy share, and the timeline measures it.
 
-`make_tiny_model` writes a small random Llama-family model (no download), which tests,
-benchmarks and `graphrt profile --synthetic` run these stages on.
+`make_tiny_model` writes a small random model of a supported family, dense or mixture of experts
+(no download), which tests, benchmarks and `graphrt profile --synthetic` run these stages on.
 """
 
 from __future__ import annotations
@@ -68,6 +68,39 @@ TINY_VARIANTS = {
     "mistral": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
     "qwen2-qkv-bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3-qk-norm": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    # Mixtures of experts: 8 experts is more than a decode bucket of 1 or 3 rows chooses at top-2, so
+    # fused_moe's gathered form runs there and its every-expert form at 8 rows and in prefill. Mixtral
+    # gets Llama's rope_theta: with its own (1e6) and these sizes, greedy output fell into loops.
+    "mixtral": (
+        "mixtral",
+        dict(
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=80,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+    "qwen2-moe": (
+        "qwen2_moe",
+        dict(
+            num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, norm_topk_prob=False,
+        ),
+    ),
+    "qwen3-moe": (
+        "qwen3_moe",
+        dict(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True,
+        ),
+    ),
+    # Layers 0 and 2 dense (layer 0 named in mlp_only_layers, layer 2 off the step of 2), 1 and 3 sparse;
+    # 6 experts at top-3, unnormalised.
+    "qwen3-moe-dense-first": (
+        "qwen3_moe",
+        dict(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=6, num_experts_per_tok=3,
+            moe_intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[0], decoder_sparse_step=2,
+        ),
+    ),
 }
 
 
@@ -99,6 +132,9 @@ def make_tiny_model(
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[family]
     options = {**TINY_COMMON, **extra, **(overrides or {})}
     if num_layers is not None:
@@ -113,8 +149,10 @@ def make_tiny_model(
                 param.add_(torch.randn_like(param) * 0.1)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.mul_(TINY_QK_NORM_GAIN)
+            # Stacked experts (transformers holds them as (experts, out, in) tensors) are matrices too.
+            is_matrix = name.endswith(("weight", "experts.gate_up_proj", "experts.down_proj"))
             for part, std in TINY_INIT_STD.items():
-                if part in name and name.endswith("weight"):
+                if part in name and is_matrix:
                     param.mul_(weight_scale * std / config.initializer_range)
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -4,7 +4,8 @@
 (F.linear on the dense weight, packed oneDNN, or compiled panels: matmul_choice.py), or the one
 forced or cached; `cpu_kernel_set` makes the `KernelSet` the stage then runs: each op compiled or
 its torch reference (kernel_choice.py), a `linear` for whichever form a weight is in, the gate/up
-matmul ending in silu_and_mul in one pass where that is compiled and the weight is in panels, and,
+matmul ending in silu_and_mul in one pass where that is compiled and the weight is in panels, a
+mixture of experts' experts grouped by expert (moe.py), and,
 where every op a decode step's layers call is compiled, a `decode_layers` that runs those layers
 as one call of graphrt::decode_layers. The model (graphrt/model/) sees only the set.
 """
@@ -24,6 +25,7 @@ from graphrt.kernels.cpu.forcing import ForcedModes, as_forced
 from graphrt.kernels.cpu.kernel_choice import DECODE_LAYER_OPS, CpuKernelChoice
 from graphrt.kernels.cpu.linear import convert, linear, panel_linear_silu_and_mul
 from graphrt.kernels.cpu.matmul_choice import MatmulChoice, MatmulPlan, available_paths, choose_path
+from graphrt.kernels.cpu.moe import fused_moe_by_expert
 from graphrt.kernels.cpu.openmp import TeamSizer, openmp_available
 
 # A stage here is a graphrt.model.llama.Stage, read by its attributes (the kernels sit below the
@@ -77,7 +79,7 @@ def choose_matmuls(
 def cpu_kernel_set(ops: KernelSet, choice: CpuKernelChoice) -> KernelSet:
     """`ops` (a CPU stage's, `--kernels torch`) with the kernels `choice` chose: each op's function,
     a prompt chunk's riding decode rows attending through the chosen decode attention too, matmuls
-    for every weight form, and the one-call decode step where it may run."""
+    for every weight form, the experts by expert, and the one-call decode step where it may run."""
     chosen = choice.functions()
     prefill = functools.partial(chosen["paged_prefill_attention"], decode_attention=chosen["paged_decode_attention"])
     silu_and_mul = chosen["silu_and_mul"]
@@ -91,7 +93,7 @@ def cpu_kernel_set(ops: KernelSet, choice: CpuKernelChoice) -> KernelSet:
     one_call = choice.one_call and all(choice.paths[op] == "compiled" for op in DECODE_LAYER_OPS)
     return dataclasses.replace(
         ops, **{**chosen, "paged_prefill_attention": prefill}, linear=linear, gate_up_silu=gate_up_silu,
-        decode_layers=bind_decode_layers if one_call else None,
+        fused_moe=fused_moe_by_expert, decode_layers=bind_decode_layers if one_call else None,
         stream_hook=TeamSizer if openmp_available() else None,
     )
 
@@ -99,8 +101,12 @@ def cpu_kernel_set(ops: KernelSet, choice: CpuKernelChoice) -> KernelSet:
 def bind_decode_layers(stage: Stage) -> Callable | None:
     """graphrt::decode_layers bound to the stage's weights: a decode step's layers in one call,
     bitwise the Python loop of DecoderLayer.forward. None where a layer's matmul weights are not all
-    in panels (or gate/up's not in whole panels of up columns): the loop runs those."""
+    in panels (or gate/up's not in whole panels of up columns), or a layer is a mixture of experts:
+    the loop runs those."""
     layers = stage.layers
+    # The compiled loop knows one MLP, the dense gated one: a stage with a sparse (MoE) layer runs the loop.
+    if any(layer.moe is not None for layer in layers):
+        return None
     if not layers or not all(
         all(getattr(layer, name).dim() == 4 for name in DECODE_LAYER_MATMULS) and layer.gate_up_proj.shape[0] % 2 == 0
         for layer in layers

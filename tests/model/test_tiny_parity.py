@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from conftest import TINY_VARIANTS
 
 from graphrt import LLM, SamplingParams
-from helpers import prompt_logits
+from helpers import hf_model, prompt_logits
 
 
 def hf_last_logits(model_dir, prompt_ids, dtype=torch.float32) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = hf_model(model_dir, dtype)
     with torch.no_grad():
         return model(torch.tensor([prompt_ids])).logits[0, -1].float()
 
@@ -45,7 +44,7 @@ def test_greedy_decode_matches_transformers_generate(tiny_model_factory, variant
     tokens (tests/model/test_informative_models.py)."""
     model_dir = tiny_model_factory(variant)
     prompts = [[5, 9, 13], list(range(20, 45)), [1]]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    hf = hf_model(model_dir, torch.float64)
     # ignore_eos keeps going past EOS, which may still be picked; min_new_tokens would forbid it.
     hf.generation_config.eos_token_id = None
     llm = LLM(model=model_dir, pp=2, dtype="float64", kv_cache_tokens=512)

@@ -1,0 +1,75 @@
+"""The sparse MLP of a mixture-of-experts layer (Mixtral, Qwen2-MoE, Qwen3-MoE), pure torch over a KernelSet.
+
+A router picks each token's top-k experts (`route_topk`, softmax in float32); the set's `fused_moe`
+runs them and sums their outputs by the routing weights. Qwen2-MoE adds a shared expert that every
+token runs, scaled by sigmoid(shared_expert_gate(x)). Every shape follows from the number of tokens
+alone, so a decode step's graph holds the whole block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from graphrt.kernels import KernelSet
+from graphrt.kernels.moe import route_topk
+from graphrt.model.config import ModelConfig
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.top_k = moe.num_experts_per_tok
+        self.renormalize = moe.norm_topk_prob
+        empty = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
+        inter, shared = moe.moe_intermediate_size, moe.shared_expert_intermediate_size
+        self.router = empty(moe.num_experts, cfg.hidden_size)
+        # Experts stacked as fused_moe reads them: each expert's gate rows, then its up rows.
+        self.experts_gate_up = empty(moe.num_experts, 2 * inter, cfg.hidden_size)
+        self.experts_down = empty(moe.num_experts, cfg.hidden_size, inter)
+        self.shared_gate_up_proj = empty(2 * shared, cfg.hidden_size) if shared else None
+        self.shared_down_proj = empty(cfg.hidden_size, shared) if shared else None
+        self.shared_expert_gate = empty(1, cfg.hidden_size) if shared else None
+
+    @staticmethod
+    def hf_names(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
+        """Our parameter -> the Hugging Face tensors concatenated (in order) to make it, as
+        transformers writes them: one tensor per expert and projection. Concatenated, the experts'
+        tensors are the stacked parameter with its first two dimensions merged (Stage.load reshapes)."""
+        num_experts = cfg.moe.num_experts
+        if cfg.architecture == "MixtralForCausalLM":  # w1: gate, w3: up, w2: down
+            p = f"model.layers.{layer}.block_sparse_moe."
+            gate, up, down = "w1", "w3", "w2"
+        else:
+            p = f"model.layers.{layer}.mlp."
+            gate, up, down = "gate_proj", "up_proj", "down_proj"
+        expert = lambda e, proj: f"{p}experts.{e}.{proj}.weight"  # noqa: E731
+        names = {
+            "router": [p + "gate.weight"],
+            "experts_gate_up": [expert(e, proj) for e in range(num_experts) for proj in (gate, up)],
+            "experts_down": [expert(e, down) for e in range(num_experts)],
+        }
+        if cfg.moe.shared_expert_intermediate_size:
+            names["shared_gate_up_proj"] = [p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight"]
+            names["shared_down_proj"] = [p + "shared_expert.down_proj.weight"]
+            names["shared_expert_gate"] = [p + "shared_expert_gate.weight"]
+        return names
+
+    @staticmethod
+    def stacked_hf_names(layer: int) -> dict[str, str]:
+        """Our parameter -> its name in a checkpoint saved with transformers' in-memory names, where
+        the experts are already stacked (gate rows before up rows) and Mixtral's block is `mlp` too."""
+        p = f"model.layers.{layer}.mlp."
+        return {
+            "router": p + "gate.weight", "experts_gate_up": p + "experts.gate_up_proj", "experts_down": p + "experts.down_proj",
+        }
+
+    def forward(self, hidden: torch.Tensor, ops: KernelSet) -> torch.Tensor:  # (tokens, hidden_size)
+        router_logits = ops.linear(hidden, self.router)  # (tokens, num_experts)
+        topk_weights, topk_ids = route_topk(router_logits, self.top_k, self.renormalize)  # (tokens, top_k) each
+        out = ops.fused_moe(hidden, self.experts_gate_up, self.experts_down, topk_weights, topk_ids)
+        if self.shared_gate_up_proj is not None:
+            shared = ops.linear(ops.gate_up_silu(hidden, self.shared_gate_up_proj), self.shared_down_proj)
+            out = out + torch.sigmoid(ops.linear(hidden, self.shared_expert_gate)) * shared
+        return out

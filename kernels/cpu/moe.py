@@ -1,0 +1,42 @@
+"""The mixture of experts on a CPU: each chosen expert once, on the rows that chose it.
+
+The kernel sets' `fused_moe` (kernels/moe.py, kernels/moe_triton.py) keeps every shape static so
+that a CUDA graph can hold it, which costs the torch reference either a copy of each chosen
+expert's weights (few rows) or every expert on every row (many). A CPU stage replays no graph
+(it runs the same code eagerly), so here the host may read the routing: the (token, k) pairs are
+grouped by expert, and each expert that some row chose runs one pair of matmuls on its rows, as
+transformers' experts loop does. Same definition, fewer bytes and FLOPs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_moe_by_expert(
+    hidden: torch.Tensor,  # (tokens, hidden_size)
+    w_gate_up: torch.Tensor,  # (num_experts, 2 * inter, hidden_size): each expert's gate rows, then its up rows
+    w_down: torch.Tensor,  # (num_experts, hidden_size, inter)
+    topk_weights: torch.Tensor,  # (tokens, top_k) float
+    topk_ids: torch.Tensor,  # (tokens, top_k) int64
+) -> torch.Tensor:
+    """kernels/moe.py's `fused_moe`, summed in the same dtype (the wider of hidden's and the
+    weights'); an expert a row names twice runs on that row twice."""
+    top_k = topk_ids.shape[1]
+    sum_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
+    pairs = topk_ids.reshape(-1)  # (tokens * top_k,): token t's k-th choice at t * top_k + k
+    order = torch.argsort(pairs, stable=True)  # the pairs grouped by expert
+    counts = torch.bincount(pairs, minlength=w_gate_up.shape[0]).tolist()  # the host reads the routing
+    rows_of, weight_of = order // top_k, topk_weights.reshape(-1)[order].to(sum_dtype)
+    out = torch.zeros(hidden.shape, dtype=sum_dtype, device=hidden.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue  # no row chose it: its weights are never read
+        rows = rows_of[start : start + count]
+        gate, up = F.linear(hidden.index_select(0, rows), w_gate_up[expert]).chunk(2, dim=-1)
+        down = F.linear(F.silu(gate) * up, w_down[expert])  # (count, hidden_size)
+        out.index_add_(0, rows, down.to(sum_dtype) * weight_of[start : start + count, None])
+        start += count
+    return out.to(hidden.dtype)
