@@ -129,7 +129,8 @@ def generate(prompt, prompts_file, chat, cache, max_tokens, temperature, top_p, 
     num_tokens = sum(len(o.token_ids) for o in outputs)
     click.echo(
         f"[graphrt] {num_tokens} tokens in {seconds:.2f} s ({num_tokens / seconds:.1f} tok/s); "
-        f"decode {stats.decode_tokens_per_s():.1f} tok/s, {stats.weight_gb_per_s(engine.weight_bytes):.1f} GB/s of weights; "
+        f"decode {stats.decode_tokens_per_s():.1f} tok/s, "
+        f"{stats.weight_gb_per_s():.1f} GB/s of weights{engine.weight_reads.counting_note()}; "
         f"prompt {stats.prefill_tokens} tokens; start-up {load_seconds:.1f} s; "
         f"{engine.describe()}",
         err=True,

@@ -256,6 +256,18 @@ def test_decode_batch1(talking_tiny):
         r"^\| transformers generate \| # \| # \| #% \|$", r"^ratio graphrt / transformers: #x$")
 
 
+covers("moe_bench")
+
+
+def test_moe_bench():
+    # A MoE of 4 experts, hidden 64, 2 layers: seconds, not the default's minute.
+    out = run("moe_bench", "--experts", 4, "--top-k", 2, "--hidden", 64, "--layers", 2, "--expert-size", 32, "--vocab", 128,
+              "--batches", "1,4", "--tokens", 3, "--prompt", 4, "--rounds", 1)
+    has(out, r"^model: Qwen3-MoE, 2 layers, hidden 64, 4 experts of 32, top-2, vocab 128, float32, # MB of weights$",
+        r"^\| 1 \| 2\.00 of 4 \| # \| # \(#-#\) \| # \(#-#\) \| #x \| # \| # \|$",
+        r"^\| 4 \| 3\.75 of 4 \| # \| # \(#-#\) \| # \(#-#\) \| #x \| # \| # \|$")
+
+
 covers("matmul_choice")
 
 

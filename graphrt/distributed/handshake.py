@@ -3,9 +3,9 @@
 Rank 0 decides (it has loaded stage 0, sized the KV cache and chosen the buckets) and sends each
 worker a `StagePlan` as one fixed-size int64 tensor. Each worker compares what it was told with
 what it sees itself (its model folder's fingerprint, its --dtype and --buckets if given, the stage
-layout it computes) and answers with a status; rank 0 sends every worker the verdict, so on a
+layout it computes for the plan's partition rows) and answers with a status; rank 0 sends every worker the verdict, so on a
 mismatch every rank stops with the same message naming the field. Then each worker loads its
-stage, captures its graphs and reports ready with its weight bytes.
+stage, captures its graphs and reports ready with its weight bytes (graphrt/model/weight_reads.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from graphrt.config import DTYPES
 from graphrt.distributed.transport import Link, StageFailure, stage_name
+from graphrt.model.weight_reads import WeightReads
 
 PLAN_SIZE = 192
 MAX_BUCKETS = 64
@@ -24,6 +25,7 @@ MAX_STAGES = 64
 FIELDS = ("ok", "model_fingerprint", "dtype", "pp", "stages", "buckets", "model folder")
 DTYPE_CODES = sorted({str(d).removeprefix("torch.") for d in DTYPES.values()})
 KERNEL_CODES = ("auto", "torch", "triton")
+READS_SIZE = 4  # a WeightReads' fields, as a worker reports them ready
 
 
 @dataclass
@@ -34,6 +36,7 @@ class StagePlan:
     dtype: str
     pp: int
     layers: list[range]  # per stage
+    partition_rows: int  # the decode rows the partition weighed a mixture of experts at (Engine._partition_rows)
     buckets: list[int]
     num_blocks: int
     block_size: int
@@ -51,7 +54,8 @@ class StagePlan:
         values = list(torch.frombuffer(bytearray(bytes.fromhex(self.fingerprint)), dtype=torch.int64).tolist())
         values += [DTYPE_CODES.index(self.dtype), self.pp, self.num_blocks, self.block_size, self.max_model_len]
         values += [self.num_slots, self.max_tokens, self.seed, int(self.use_cuda_graphs), KERNEL_CODES.index(self.kernels)]
-        values += [int(self.allow_eager), len(self.buckets)] + self.buckets + [0] * (MAX_BUCKETS - len(self.buckets))
+        values += [int(self.allow_eager), self.partition_rows, len(self.buckets)]
+        values += self.buckets + [0] * (MAX_BUCKETS - len(self.buckets))
         values += [r.start for r in self.layers] + [self.layers[-1].stop]
         return torch.tensor(values + [0] * (PLAN_SIZE - len(values)), dtype=torch.int64)
 
@@ -59,11 +63,12 @@ class StagePlan:
     def decode(tensor: torch.Tensor) -> StagePlan:
         values = tensor.tolist()
         fingerprint = tensor[:4].numpy().tobytes().hex()
-        dtype, pp, num_blocks, block_size, max_model_len, num_slots, max_tokens, seed, graphs, kernels, eager, num_buckets = values[4:16]
-        buckets = values[16 : 16 + num_buckets]
-        bounds = values[16 + MAX_BUCKETS : 16 + MAX_BUCKETS + pp + 1]
+        dtype, pp, num_blocks, block_size, max_model_len, num_slots, max_tokens, seed, graphs, kernels, eager = values[4:15]
+        partition_rows, num_buckets = values[15:17]
+        buckets = values[17 : 17 + num_buckets]
+        bounds = values[17 + MAX_BUCKETS : 17 + MAX_BUCKETS + pp + 1]
         return StagePlan(
-            fingerprint, DTYPE_CODES[dtype], pp, [range(a, b) for a, b in zip(bounds, bounds[1:])], buckets,
+            fingerprint, DTYPE_CODES[dtype], pp, [range(a, b) for a, b in zip(bounds, bounds[1:])], partition_rows, buckets,
             num_blocks, block_size, max_model_len, num_slots, max_tokens, seed, bool(graphs), KERNEL_CODES[kernels], bool(eager),
         )
 
@@ -98,9 +103,10 @@ def mismatch_message(rank: int, field: str) -> str:
     )
 
 
-def engine_handshake(link: Link, plan: StagePlan, timeout_s: float) -> int:
+def engine_handshake(link: Link, plan: StagePlan, timeout_s: float) -> WeightReads:
     """Rank 0: send the plan, collect statuses, send the verdict, wait for every stage. Returns the
-    workers' weight bytes. Raises StageFailure naming the field and the first rank that disagreed."""
+    workers' weight bytes, as a decode step reads them. Raises StageFailure naming the field and the
+    first rank that disagreed."""
     timeout = datetime.timedelta(seconds=timeout_s)
     encoded = plan.encode()
     for rank in range(1, link.world_size):
@@ -111,13 +117,13 @@ def engine_handshake(link: Link, plan: StagePlan, timeout_s: float) -> int:
         link.send([torch.tensor(bad, dtype=torch.int64)], rank)
     if bad[0] != -1:
         raise StageFailure(mismatch_message(bad[0], FIELDS[bad[1]]))
-    weight_bytes = 0
+    weight_reads = WeightReads(0)
     for rank in range(1, link.world_size):
-        failed, num_bytes = link.recv(torch.zeros(2, dtype=torch.int64), rank, timeout).tolist()
+        failed, *reads = link.recv(torch.zeros(1 + READS_SIZE, dtype=torch.int64), rank, timeout).tolist()
         if failed:
             raise StageFailure(f"{stage_name(rank)} could not load its stage; its own output says why")
-        weight_bytes += num_bytes
-    return weight_bytes
+        weight_reads += WeightReads(*reads)
+    return weight_reads
 
 
 def worker_handshake(link: Link, view_of, timeout_s: float) -> StagePlan:
@@ -139,6 +145,8 @@ def worker_handshake(link: Link, view_of, timeout_s: float) -> StagePlan:
     return plan
 
 
-def report_ready(link: Link, weight_bytes: int | None) -> None:
-    """A worker: its stage is loaded and captured (weight_bytes), or failed to (None)."""
-    link.send([torch.tensor([int(weight_bytes is None), weight_bytes or 0], dtype=torch.int64)], 0)
+def report_ready(link: Link, weight_reads: WeightReads | None) -> None:
+    """A worker: its stage is loaded and captured (its weight bytes, as a decode step reads them), or failed to (None)."""
+    reads = weight_reads or WeightReads(0)
+    values = [int(weight_reads is None), reads.dense_bytes, reads.expert_bytes, reads.num_experts, reads.top_k]
+    link.send([torch.tensor(values, dtype=torch.int64)], 0)

@@ -37,6 +37,7 @@ from graphrt.distributed.transport import (
     send_message,
     stage_name,
 )
+from graphrt.model.weight_reads import WeightReads
 from graphrt.runtime.pipeline import Pipeline, partition_layers
 from graphrt.runtime.ring import MicroBatch, Ring, RingSlot
 from graphrt.runtime.stage_builder import load_stage
@@ -47,10 +48,10 @@ EXIT_GRACE_S = 3.0  # after a failure, how long workers get to exit on their own
 MONITOR_INTERVAL_S = 0.1
 
 
-def load_first_stage(cfg, files, devices, dtype, max_position, kernels="auto") -> Pipeline:
+def load_first_stage(cfg, files, devices, dtype, max_position, kernels="auto", layers=None) -> Pipeline:
     """Pipeline.load for rank 0: stage 0 of len(devices) stages, and nothing else."""
-    layers = partition_layers(cfg, len(devices))[0]
-    return Pipeline([load_stage(cfg, 0, len(devices), layers, devices[0], dtype, max_position, kernels, files)], [])
+    first = (layers or partition_layers(cfg, len(devices)))[0]
+    return Pipeline([load_stage(cfg, 0, len(devices), first, devices[0], dtype, max_position, kernels, files)], [])
 
 
 def free_port() -> int:
@@ -106,7 +107,7 @@ class Cluster:
     def __init__(self, link: Link, children: list[subprocess.Popen], watchdog_s: float):
         self.link, self.children, self.watchdog_s = link, children, watchdog_s
         self.failure: StageFailure | None = None
-        self.remote_weight_bytes = 0
+        self.remote_weight_reads = WeightReads(0)  # the workers' stages' weight bytes, once they report ready
         self.ring: RemoteRing | None = None
         self._pending: dict[int, tuple[RemoteEvent, MicroBatch]] = {}  # micro-batch id -> (its event, it)
         self._lock = threading.Lock()
@@ -145,7 +146,7 @@ class Cluster:
     def handshake(self, plan: StagePlan) -> None:
         """Send every rank the plan rank 0 decided; on a mismatch every rank stops naming the field."""
         try:
-            self.remote_weight_bytes = engine_handshake(self.link, plan, STARTUP_TIMEOUT_S)
+            self.remote_weight_reads = engine_handshake(self.link, plan, STARTUP_TIMEOUT_S)
         except StageFailure as exc:
             self.fail(str(exc))
             self.close()

@@ -184,7 +184,8 @@ def worker_view(options: WorkerOptions, world_size: int, device: torch.device):
     def view(plan: StagePlan) -> WorkerView:
         cfg = ModelConfig.from_dir(options.model)
         dtype = str(parse_dtype(options.dtype)).removeprefix("torch.") if options.dtype else None
-        return WorkerView(model_fingerprint(options.model), partition_layers(cfg, world_size), world_size, dtype, options.buckets)
+        layers = partition_layers(cfg, world_size, plan.partition_rows)  # rank 0's rows: a MoE partition depends on them
+        return WorkerView(model_fingerprint(options.model), layers, world_size, dtype, options.buckets)
 
     return view
 
@@ -212,7 +213,7 @@ def run_worker(options: WorkerOptions) -> int:
         except Exception:
             report_ready(link, None)
             raise
-        report_ready(link, worker.stage.weight_bytes())
+        report_ready(link, worker.stage.weight_reads())
         worker.run()
     except GraphrtError as exc:
         print(f"[graphrt] {stage_name(rank)} stops: {exc}", file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from graphrt.capture.buckets import GPU_MAX_BATCH_LIMIT, BucketPlan, default_buckets, default_max_batch
+from graphrt.capture.buckets import CPU_DEFAULT_MAX_BATCH, GPU_MAX_BATCH_LIMIT, BucketPlan, default_buckets, default_max_batch
 from graphrt.capture.capture import capture_stage
 from graphrt.capture.manifest import (
     StaleCacheError,
@@ -45,10 +45,11 @@ from graphrt.kernels.cpu.openmp import LoadWatch, release_thread_pool
 from graphrt.model.config import ModelConfig
 from graphrt.model.eos import tokenizer_eos_token_id
 from graphrt.model.kv_cache import bytes_per_block
+from graphrt.model.weight_reads import WeightReads
 from graphrt.model.weights import WeightFiles
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline
-from graphrt.runtime.pipeline import Pipeline, partition_layers
+from graphrt.runtime.pipeline import Pipeline, partition_layers, stage_read_shares
 from graphrt.runtime.ring import MicroBatch, Ring, build_inputs
 from graphrt.runtime.sampler import Sampler
 from graphrt.runtime.step import ScheduledStep
@@ -98,8 +99,11 @@ class Engine:
     ) -> None:
         """Load the stages, size the KV cache, capture the graphs, and build the ring."""
         config = self.config
+        # Decided once here, before the KV cache is sized, and sent to stage processes in the plan.
+        self.partition_rows = self._partition_rows()
+        self.layers = partition_layers(self.model_config, config.pp, self.partition_rows)
         self.pipeline = (load_first_stage if self.cluster else Pipeline.load)(
-            self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels
+            self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels, self.layers
         )
         self.backend = "cuda" if config.use_graphs and all(d.type == "cuda" for d in self.devices) else "eager"
         self.ranges = Ranges()
@@ -162,7 +166,8 @@ class Engine:
                 logger.info("draft model: %s", drafter.guess_costs.describe("a round of guesses, ms by rows"))
         self._decode_busy_until = 0.0
         self.synthetic_host_s = 0.0  # host time a synthetic engine adds per micro-batch read back (graphrt.tools.synthetic)
-        self.weight_bytes = self.pipeline.weight_bytes() + (self.cluster.remote_weight_bytes if self.cluster else 0)
+        self.weight_reads = self.pipeline.weight_reads() + (self.cluster.remote_weight_reads if self.cluster else WeightReads(0))
+        self.weight_bytes = self.weight_reads.total_bytes  # all of them; a decode step reads weight_reads.at(rows)
         self.stats = EngineStats(spec=self.scheduler.spec)
         self._ids = itertools.count()
         self._undelivered: list[SequenceOutput] = []  # deltas of a step that raised before returning them
@@ -198,7 +203,8 @@ class Engine:
             fingerprint=model_fingerprint(self.model_dir),
             dtype=str(self.dtype).removeprefix("torch."),
             pp=config.pp,
-            layers=partition_layers(self.model_config, config.pp),
+            layers=self.layers,
+            partition_rows=self.partition_rows,
             buckets=list(self.plan.sizes),
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -210,6 +216,32 @@ class Engine:
             kernels=config.kernels,
             allow_eager=config.allow_eager,
         )
+
+    def _partition_rows(self) -> int:
+        """The decode rows the stage partition weighs a mixture of experts at: the largest bucket. The
+        stages load before the KV cache is sized, and on a GPU the cache's size sets the default largest
+        bucket; so where --buckets or --max-batch do not fix it (or a CPU's default, 32), the largest it
+        can be stands in: GPU_MAX_BATCH_LIMIT, or the most rows a decode step carries (max_num_seqs,
+        with speculation's drafts) where that is fewer."""
+        cfg = self.config
+        if cfg.buckets:
+            return max(cfg.buckets)
+        max_batch = cfg.max_batch or (GPU_MAX_BATCH_LIMIT if self.devices[0].type == "cuda" else CPU_DEFAULT_MAX_BATCH)
+        return min(max_batch, self._max_decode_tokens())
+
+    def stage_summary(self) -> str:
+        """The start-up banner's words on stages: each one's layers and its share of the weight bytes
+        a decode step of the largest bucket reads, as the partition weighed them (for a mixture of
+        experts, the expected experts)."""
+        cfg, rows = self.model_config, self.plan.max_batch
+        shares = stage_read_shares(cfg, self.layers, rows)
+        described = [
+            (f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}")
+            + (" + LM head" if i == len(self.layers) - 1 else "") + f" {share:.0%}"
+            for i, (r, share) in enumerate(zip(self.layers, shares))
+        ]
+        expected = " (expected experts)" if cfg.moe is not None else ""
+        return f"a {rows}-row decode step's weight bytes{expected} by stage: {', '.join(described)}"
 
     @property
     def depth(self) -> int:
@@ -269,8 +301,8 @@ class Engine:
                 prefill_chunk_size=cfg.prefill_chunk_size, num_slots=cfg.pp + cfg.depth,
                 max_tokens=max(cfg.prefill_chunk_size, max_batch), use_cuda_graphs=self.backend == "cuda",
             )
-            free = {d: torch.cuda.mem_get_info(d)[0] - reserved[d] for d in per_block}
-            fits = kv_blocks_that_fit(free, headroom, per_block)
+            free = {d: torch.cuda.mem_get_info(d)[0] for d in per_block}
+            fits = kv_blocks_that_fit(free, headroom, per_block, reserved=reserved)
             logger.info(
                 "KV cache: %d blocks; kept free besides it: %s", fits,
                 ", ".join(f"{d} {h.total / 2**20:.0f} MiB" for d, h in headroom.items()),
@@ -468,6 +500,8 @@ class Engine:
         self._decode_busy_until = now
         self.stats.decode_steps += 1
         self.stats.decode_tokens += new_tokens
+        # Host arithmetic on the step's row count, no read-back: a MoE step's expected expert bytes.
+        self.stats.decode_weight_bytes += self.weight_reads.at(mb.step.num_tokens)
 
     def run(self, step: ScheduledStep) -> torch.Tensor:
         """Push one scheduled step through every stage on this thread; return each sequence's

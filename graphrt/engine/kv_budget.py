@@ -122,14 +122,15 @@ def _prefill_peaks(pipeline: Pipeline, chunk: int, block_size: int) -> dict[torc
 
 def kv_blocks_that_fit(
     free: dict[torch.device, int], headroom: dict[torch.device, Headroom], per_block: dict[torch.device, int],
-    fraction: float = GPU_MEMORY_FRACTION,
+    fraction: float = GPU_MEMORY_FRACTION, reserved: dict[torch.device, int] | None = None,
 ) -> int:
     """The blocks every device can hold (each holds every block id for its stages' layers): of its
-    free memory, `fraction`, less its headroom, in blocks of its size. Raises GraphrtError where
-    the headroom alone takes that share, with the numbers and what to lower."""
+    free memory, `fraction`, less its headroom and the bytes `reserved` on it for other caches (a
+    draft model's), in blocks of its size. Raises GraphrtError where the headroom alone takes that
+    share, with the numbers and what to lower."""
     fits = []
     for device, size in per_block.items():
-        budget = int(free[device] * fraction) - headroom[device].total
+        budget = int(free[device] * fraction) - headroom[device].total - (reserved or {}).get(device, 0)
         if budget < 2 * size:
             room = headroom[device]
             raise GraphrtError(

@@ -62,10 +62,11 @@ def load_and_warm_up(
     its own process")."""
     start = time.perf_counter()
     engine = build_engine(**llm_kwargs, eos_token_id=eos_token_id, load_colleagues=load_colleagues)
+    stages = f", {engine.stage_summary()}" if len(engine.layers) > 1 else ""  # one stage reads everything
     echo(
         f"[graphrt] load and capture {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, {engine.describe()}, "
         f"buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "
-        f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks{where}"
+        f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks{stages}{where}"
     )
     echo(f"[graphrt] {engine.pipeline.matmul_summary()}")
     echo(f"[graphrt] {engine.kernel_summary()}")

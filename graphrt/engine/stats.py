@@ -13,14 +13,17 @@ class EngineStats:
     decode_steps: int = 0  # decode micro-batches read back
     decode_tokens: int = 0  # tokens they gave to requests (not counting a dropped one after EOS)
     decode_seconds: float = 0.0  # the union of the intervals in which a decode micro-batch was in flight
+    # Weight bytes those micro-batches read: all weights each for a dense model; for a mixture of
+    # experts the dense ones plus the experts each one's rows are expected to choose (WeightReads.at).
+    decode_weight_bytes: float = 0.0
     spec: SpecStats = field(default_factory=lambda: SpecStats())
 
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
-    def weight_gb_per_s(self, weight_bytes: int) -> float:
-        """Achieved weight bandwidth: every decode step reads all weights once."""
-        return weight_bytes * self.decode_steps / self.decode_seconds / 1e9 if self.decode_seconds else 0.0
+    def weight_gb_per_s(self) -> float:
+        """Achieved weight bandwidth: the weight bytes decode steps read, over their time."""
+        return self.decode_weight_bytes / self.decode_seconds / 1e9 if self.decode_seconds else 0.0
 
 
 @dataclass

@@ -13,25 +13,33 @@ from graphrt.model.batch import StepMetadata
 from graphrt.model.config import ModelConfig
 from graphrt.model.kv_cache import StageKVCache
 from graphrt.model.llama import Stage
+from graphrt.model.weight_reads import WeightReads, head_read_elements, layer_read_elements
 from graphrt.model.weights import WeightFiles
 from graphrt.runtime.stage_builder import StageKernels, choose_stage_kernels, load_stage
 
 
-def partition_layers(cfg: ModelConfig, pp: int) -> list[range]:
+def partition_layers(cfg: ModelConfig, pp: int, decode_rows: int = 1) -> list[range]:
     """Contiguous layer ranges that balance the weight bytes each stage reads per decode step.
 
     The LM head weighs as much as several small layers (SmolLM2: 8), so an even split by layer
     count would make the last stage the bottleneck. Minimises the heaviest stage exactly (small DP).
+    A dense layer reads all its weights every step. A sparse (MoE) layer is weighed at the expected
+    bytes of a step of `decode_rows` rows, the largest decode bucket (the engine passes it): its
+    attention, router and shared expert, plus E * (1 - (1 - k/E)^B) of its E experts, the distinct
+    experts B rows choose on average with top-k routed uniformly (graphrt/model/weight_reads.py).
+    Dense models ignore `decode_rows`.
     """
     num_layers = cfg.num_layers
     if pp > num_layers:
         raise GraphrtError(f"--pp {pp} is larger than the model's {num_layers} layers; use --pp {num_layers} or fewer")
-    layer_cost = 2 * cfg.hidden_size * cfg.num_heads * cfg.head_dim + 2 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim
-    layer_cost += 3 * cfg.hidden_size * cfg.intermediate_size
-    head_cost = cfg.vocab_size * cfg.hidden_size
+    # before[i]: what layers [0, i) read, so a stage's cost is one subtraction.
+    before = [0]
+    for layer in range(num_layers):
+        before.append(before[-1] + layer_read_elements(cfg, layer, decode_rows))
+    head_cost = head_read_elements(cfg)
 
-    def cost(first: int, end: int, last_stage: bool) -> int:
-        return (end - first) * layer_cost + (head_cost if last_stage else 0)
+    def cost(first: int, end: int, last_stage: bool) -> float:
+        return before[end] - before[first] + (head_cost if last_stage else 0)
 
     # best[s][i]: minimal max cost of splitting layers [0, i) into s stages (not the last one).
     inf = float("inf")
@@ -49,6 +57,15 @@ def partition_layers(cfg: ModelConfig, pp: int) -> list[range]:
         bounds.append(cut[s][bounds[-1]])
     bounds.reverse()
     return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+
+
+def stage_read_shares(cfg: ModelConfig, layers: list[range], decode_rows: int) -> list[float]:
+    """Each stage's share of the weight bytes a decode step of `decode_rows` rows reads, weighed as
+    `partition_layers` weighs them (the last stage holds the LM head); the shares sum to 1."""
+    costs = [sum(layer_read_elements(cfg, layer, decode_rows) for layer in stage) for stage in layers]
+    costs[-1] += head_read_elements(cfg)
+    total = sum(costs)
+    return [c / total for c in costs]
 
 
 class Pipeline:
@@ -70,11 +87,14 @@ class Pipeline:
         dtype: torch.dtype,
         max_position: int,
         kernels: str = "auto",
+        layers: list[range] | None = None,
     ) -> Pipeline:
+        """One stage per device, holding `layers` (partition_layers' ranges; None: partitioned here
+        for a batch-1 step, which only a mixture of experts would weigh differently)."""
         num_stages = len(devices)
         stages = [
-            load_stage(cfg, index, num_stages, layers, devices[index], dtype, max_position, kernels, files)
-            for index, layers in enumerate(partition_layers(cfg, num_stages))
+            load_stage(cfg, index, num_stages, stage_layers, devices[index], dtype, max_position, kernels, files)
+            for index, stage_layers in enumerate(layers or partition_layers(cfg, num_stages))
         ]
         return Pipeline(stages, [])
 
@@ -143,6 +163,10 @@ class Pipeline:
 
     def weight_bytes(self) -> int:
         return sum(s.weight_bytes() for s in self.stages)
+
+    def weight_reads(self) -> WeightReads:
+        """The stages' weight bytes, split as a decode step reads them (graphrt/model/weight_reads.py)."""
+        return sum((s.weight_reads() for s in self.stages), WeightReads(0))
 
     def forward(self, token_ids: torch.Tensor, meta: StepMetadata, graphs: list | None = None) -> torch.Tensor:
         """token_ids: (tokens,) -> logits (batch, vocab) on the last stage's device.

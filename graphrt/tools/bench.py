@@ -59,6 +59,7 @@ class BenchResult:
     ttft_s: dict[str, float] | None = None
     tpot_s: dict[str, float] | None = None
     weight_gb_s: float | None = None
+    weight_note: str = ""  # what weight_gb_s counts, where not every weight (WeightReads.counting_note)
     prefix_hit_rate: float | None = None  # prompt tokens taken from the prefix cache, of those looked up
     spec: SpecStats | None = None  # speculative decoding's counts over the run, where it was on
 
@@ -75,7 +76,7 @@ class BenchResult:
             fmt = lambda d: ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in d.items())  # noqa: E731
             out.append(f"  TTFT {fmt(self.ttft_s)}; TPOT {fmt(self.tpot_s)}")
         if self.weight_gb_s is not None:
-            out.append(f"  weight bandwidth during decode: {self.weight_gb_s:.1f} GB/s")
+            out.append(f"  weight bandwidth during decode: {self.weight_gb_s:.1f} GB/s{self.weight_note}")
         if self.prefix_hit_rate is not None:
             out.append(f"  prefix cache hit rate: {self.prefix_hit_rate:.1%} of prompt tokens")
         if self.spec is not None:
@@ -89,7 +90,8 @@ def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
     # reversed, which shares no prefix with any request.
     llm.generate([workload[0].prompt[::-1]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     allocator = engine.allocator
-    before = (engine.stats.decode_steps, engine.stats.decode_seconds, allocator.num_queried_tokens, allocator.num_hit_tokens)
+    stats = engine.stats
+    before = (stats.decode_weight_bytes, stats.decode_seconds, allocator.num_queried_tokens, allocator.num_hit_tokens)
     spec_before = engine.stats.spec.copy()
     start = time.perf_counter()
     seqs = [
@@ -104,7 +106,7 @@ def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
     seconds = time.perf_counter() - start
     ttft = [s.first_token_time - s.arrival_time for s in seqs]
     tpot = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs if len(s.output_ids) > 1]
-    steps = engine.stats.decode_steps - before[0]
+    weight_bytes = engine.stats.decode_weight_bytes - before[0]
     decode_seconds = engine.stats.decode_seconds - before[1]
     queried, hits = allocator.num_queried_tokens - before[2], allocator.num_hit_tokens - before[3]
     return BenchResult(
@@ -114,7 +116,8 @@ def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
         num_requests=len(seqs),
         ttft_s=percentiles(ttft),
         tpot_s=percentiles(tpot),
-        weight_gb_s=engine.weight_bytes * steps / decode_seconds / 1e9 if decode_seconds else None,
+        weight_gb_s=weight_bytes / decode_seconds / 1e9 if decode_seconds else None,
+        weight_note=engine.weight_reads.counting_note(),
         prefix_hit_rate=hits / queried if engine.config.prefix_caching and queried else None,
         spec=engine.stats.spec.since(spec_before) if engine.config.speculative_config is not None else None,
     )

@@ -14,6 +14,7 @@ from graphrt import LLM
 from graphrt.engine.kv_budget import GPU_MEMORY_FRACTION, Headroom, kv_blocks_that_fit
 from graphrt.errors import GraphrtError
 from graphrt.model.kv_cache import bytes_per_block
+from graphrt.speculative import SpeculativeConfig
 
 GiB, MiB = 1 << 30, 1 << 20
 GPU0, GPU1 = torch.device("cuda", 0), torch.device("cuda", 1)
@@ -59,11 +60,27 @@ def cpu_engine(tiny_model_factory):
     llm.engine.close()
 
 
-def test_the_cache_is_sized_after_measuring_what_serving_needs_besides_it(cpu_engine, monkeypatch):
+class DraftModelBytes:
+    """What the KV budget asks of a draft model: the bytes of a block of its cache."""
+
+    def __init__(self, bytes_per_block: int):
+        self.bytes_per_block = bytes_per_block
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.bytes_per_block
+
+
+@pytest.mark.parametrize("draft_bytes", [None, 512], ids=["alone", "with-a-draft-model"])
+def test_the_cache_is_sized_after_measuring_what_serving_needs_besides_it(cpu_engine, monkeypatch, draft_bytes):
     """The engine's sizing on a (pretend) GPU: a probe runs the stages, is freed, and only then is
     free memory read; the graph pools of both stages, the ring's buffers and the largest transient
-    peak are left free."""
+    peak are left free. A draft model's cache has a block for each of the target's (their bytes add
+    up) and its rows' guesses, whose blocks are left free too."""
     engine = cpu_engine
+    draft_model = DraftModelBytes(draft_bytes) if draft_bytes else None
+    if draft_model is not None:
+        spec = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=3)
+        monkeypatch.setattr(engine.config, "speculative_config", spec)
     memory = FakeCudaMemory(engine.pipeline, free=24 * MiB, peak=2 * MiB)  # sizes to suit a tiny model's blocks
     for name, fake in {
         "mem_get_info": memory.mem_get_info, "max_memory_allocated": memory.max_memory_allocated,
@@ -76,7 +93,7 @@ def test_the_cache_is_sized_after_measuring_what_serving_needs_besides_it(cpu_en
     monkeypatch.setattr(engine, "devices", [GPU0, GPU0])  # sized as on one GPU; the stages still run on the CPU
     monkeypatch.setattr(engine, "backend", "cuda")
     try:
-        num_blocks = engine._num_kv_blocks()
+        num_blocks = engine._num_kv_blocks(draft_model)
     finally:
         engine.pipeline.caches = caches
 
@@ -88,7 +105,11 @@ def test_the_cache_is_sized_after_measuring_what_serving_needs_besides_it(cpu_en
     ring = (config.pp + config.depth) * max_tokens * cfg.hidden_size * 4 + (config.pp + config.depth) * 2 * max_tokens * 8
     headroom = 2 * 2 * MiB + 2 * MiB + ring  # both stages' graph pools, one transient peak, the ring
     per_block = sum(bytes_per_block(cfg, len(s.layers), config.block_size, torch.float32) for s in engine.pipeline.stages)
-    expected = (int(24 * MiB * GPU_MEMORY_FRACTION) - headroom) // per_block
+    guesses = 0
+    if draft_model is not None:
+        per_block += draft_bytes
+        guesses = config.max_num_seqs * -(-3 // config.block_size) * draft_bytes  # a block per row for 3 guesses
+    expected = (int(24 * MiB * GPU_MEMORY_FRACTION) - headroom - guesses) // per_block
     enough = config.max_num_seqs * -(-engine.max_model_len // config.block_size) + 1
     assert expected < enough, "the test's numbers must leave memory, not max_num_seqs, deciding"
     assert num_blocks == expected

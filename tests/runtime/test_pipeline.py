@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from graphrt import LLM, SamplingParams
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.errors import GraphrtError
 from graphrt.model.config import ModelConfig
-from graphrt.runtime.pipeline import partition_layers
+from graphrt.runtime.pipeline import partition_layers, stage_read_shares
 
 SMOLLM2 = ModelConfig.from_hf(
     dict(
@@ -84,3 +86,83 @@ def test_incremental_text_equals_decoding_the_whole_output(default_model):
     sampled = SamplingParams(max_tokens=48, temperature=0.9, seed=3, ignore_eos=True)
     for output in llm.generate(prompts, sampled):
         assert output.text == llm.tokenizer.decode(output.token_ids)
+
+
+def test_a_dense_models_partition_is_what_it_always_was_at_any_decode_rows():
+    # Recorded before mixtures of experts weighed layers by decode rows: dense layers ignore them.
+    before = {
+        2: [(0, 19), (19, 30)],
+        3: [(0, 13), (13, 26), (26, 30)],
+        4: [(0, 10), (10, 20), (20, 29), (29, 30)],
+        8: [(0, 5), (5, 10), (10, 15), (15, 20), (20, 25), (25, 28), (28, 29), (29, 30)],
+    }
+    for pp, bounds in before.items():
+        for rows in (1, 32, 256):
+            assert [(r.start, r.stop) for r in partition_layers(SMOLLM2, pp, rows)] == bounds
+
+
+# Qwen3-MoE with 64 experts of 512 at top-4 over hidden 1024, its first 4 of 16 layers dense (MLP of
+# 8192): at one row a sparse layer reads 4 experts, far less than a dense layer; at 64 rows nearly all.
+MOE = ModelConfig.from_hf(
+    dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=32000, hidden_size=1024, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64,
+        num_experts_per_tok=4, moe_intermediate_size=512, mlp_only_layers=[0, 1, 2, 3],
+    )
+)
+
+
+def expected_layer_elements(layer: int, rows: int) -> float:
+    """The rule, written out: attention + (dense MLP | router + E * (1 - (1 - k/E)^B) experts)."""
+    attention = 1024 * (16 * 64) * 2 + 1024 * (4 * 64) * 2
+    if layer < 4:
+        return attention + 3 * 1024 * 8192
+    return attention + 64 * 1024 + 64 * (1 - (1 - 4 / 64) ** rows) * 3 * 1024 * 512
+
+
+def heaviest_stage(ranges: list[range], rows: int) -> float:
+    costs = [sum(expected_layer_elements(layer, rows) for layer in r) for r in ranges]
+    costs[-1] += 32000 * 1024  # the LM head
+    return max(costs)
+
+
+def every_split(num_layers: int, pp: int):
+    """All ways to cut layers [0, num_layers) into pp contiguous non-empty ranges."""
+    from itertools import combinations
+
+    for cuts in combinations(range(1, num_layers), pp - 1):
+        bounds = [0, *cuts, num_layers]
+        yield [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_a_moe_partition_balances_the_expected_bytes_at_its_decode_rows(pp, rows):
+    ranges = partition_layers(MOE, pp, rows)
+    best = min(heaviest_stage(split, rows) for split in every_split(16, pp))
+    assert heaviest_stage(ranges, rows) == pytest.approx(best, rel=1e-9)
+
+
+def test_a_moe_partition_depends_on_how_many_experts_a_step_reads():
+    one_row, many_rows = partition_layers(MOE, 2, 1), partition_layers(MOE, 2, 64)
+    # At one row the dense-first layers are the heavy ones, so stage 0 holds few layers; at 64 rows
+    # the sparse layers read nearly all their experts and outweigh them.
+    assert len(one_row[0]) < len(many_rows[0])
+    # Balanced for one row, the pipeline would be lopsided at 64.
+    assert heaviest_stage(one_row, 64) > 1.1 * heaviest_stage(many_rows, 64)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_the_banner_gives_each_stages_share_of_a_steps_bytes(tiny_model_factory, pp):
+    llm = LLM(model=tiny_model_factory("qwen3-moe-dense-first"), pp=pp, dtype="float32", kv_cache_tokens=256, max_batch=8)
+    engine = llm.engine
+    shares = stage_read_shares(engine.model_config, engine.layers, 8)
+    assert sum(shares) == pytest.approx(1.0, abs=1e-12)
+    # Against the loaded weights' bytes, read as a step of 8 rows reads them (norms aside).
+    loaded = [stage.weight_reads().at(8) for stage in engine.pipeline.stages]
+    assert shares == pytest.approx([b / sum(loaded) for b in loaded], abs=0.01)
+    summary = engine.stage_summary()
+    assert summary.startswith("a 8-row decode step's weight bytes (expected experts) by stage: ")
+    printed = [int(p) for p in re.findall(r"(\d+)%", summary)]
+    assert printed == [round(100 * s) for s in shares] and abs(sum(printed) - 100) <= pp // 2
+    assert summary.count("LM head") == 1 and summary.rstrip().endswith(f"+ LM head {printed[-1]}%")

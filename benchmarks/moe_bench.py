@@ -1,0 +1,140 @@
+"""Mixture-of-experts decode: graphrt against transformers' `generate` on the same random model (issue 32).
+
+    python benchmarks/moe_bench.py [--experts 16] [--top-k 2] [--hidden 512] [--layers 8]
+        [--expert-size 512] [--batches 1,32] [--tokens 16] [--prompt 16] [--rounds 3]
+
+The model is a random Qwen3-MoE written with graphrt.tools.synthetic.make_tiny_model (every layer
+sparse, top-k renormalized), float32 on both sides. At each batch size B both engines decode B
+prompts of --prompt random tokens greedily (EOS ignored); decode tok/s is (N - 1) * B over the time
+of an N-token generation less that of a 1-token one (the prompt's time cancels), on the wall clock
+for both. Rounds interleave the engines and batch sizes; medians with the spread (min-max) are
+reported, since other programs may share the machine. Weight GB/s counts what a decode step reads
+by graphrt/model/weight_reads.py: the dense weights plus, per layer, E * (1 - (1 - k/E)^B) experts
+(the expected distinct experts B rows choose), at the measured steps per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from graphrt import LLM, SamplingParams
+from graphrt.model.weight_reads import expected_experts_read
+from graphrt.tools.synthetic import make_tiny_model
+
+
+def write_model(folder: Path, args: argparse.Namespace) -> Path:
+    """A random Qwen3-MoE of the sizes asked for; heads of 64 (or the hidden size, if smaller)."""
+    head_dim = min(64, args.hidden)
+    overrides = dict(
+        hidden_size=args.hidden, num_hidden_layers=args.layers, num_experts=args.experts, num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.expert_size, intermediate_size=args.expert_size, vocab_size=args.vocab,
+        num_attention_heads=args.hidden // head_dim, num_key_value_heads=max(1, args.hidden // head_dim // 2),
+        head_dim=head_dim, max_position_embeddings=args.prompt + args.tokens + 8,
+    )
+    return make_tiny_model(folder, "qwen3-moe", overrides=overrides)
+
+
+def prompts(batch: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(batch)]
+
+
+def graphrt_seconds(llm: LLM, batch_prompts: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(batch_prompts, params)
+    return time.perf_counter() - start
+
+
+def transformers_seconds(model, batch_prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(batch_prompts)  # every prompt has the same length: no padding
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return time.perf_counter() - start
+
+
+def decode_rate(run, batch_prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode tok/s: the tokens after the first over the time they add to a 1-token generation."""
+    return (new_tokens - 1) * len(batch_prompts) / (run(batch_prompts, new_tokens) - run(batch_prompts, 1))
+
+
+def step_bytes(llm: LLM, batch: int) -> float:
+    """Weight bytes a decode step of `batch` rows reads, by the rule of graphrt/model/weight_reads.py
+    (transformers runs the same model, so its steps read the same)."""
+    return llm.engine.weight_reads.at(batch)
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--expert-size", type=int, default=512, help="each expert's intermediate size")
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--batches", default="1,32", help="decode batch sizes, comma-separated")
+    parser.add_argument("--tokens", type=int, default=16, help="new tokens per request in the timed generation")
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if args.tokens < 2:
+        parser.error("--tokens must be at least 2: the decode rate is the tokens after the first")
+    batches = [int(b) for b in args.batches.split(",")]
+
+    with tempfile.TemporaryDirectory() as folder:
+        model_dir = write_model(Path(folder) / "moe", args)
+        llm = LLM(model=model_dir, dtype="float32", max_num_seqs=max(batches), max_batch=max(batches))
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        try:
+            measure(args, batches, llm, model)
+        finally:
+            llm.engine.close()
+
+
+def measure(args: argparse.Namespace, batches: list[int], llm: LLM, model) -> None:
+    """Interleaved rounds of both engines at each batch size, then the table."""
+    engines = {"graphrt": lambda p, n: graphrt_seconds(llm, p, n), "transformers": lambda p, n: transformers_seconds(model, p, n)}
+    inputs = {batch: prompts(batch, args.prompt, args.vocab, seed=batch) for batch in batches}
+    for name, run in engines.items():  # warm-up: first calls, kernel choices, allocator growth
+        run(inputs[max(batches)], 2)
+    rates = {(name, batch): [] for name in engines for batch in batches}
+    for _ in range(args.rounds):
+        for batch in batches:
+            for name, run in engines.items():
+                rates[name, batch].append(decode_rate(run, inputs[batch], args.tokens))
+
+    total = llm.engine.weight_reads.total_bytes
+    print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}")
+    print(f"model: Qwen3-MoE, {args.layers} layers, hidden {args.hidden}, {args.experts} experts of {args.expert_size}, "
+          f"top-{args.top_k}, vocab {args.vocab}, float32, {total / 1e6:.1f} MB of weights")
+    print(f"decode: {args.tokens} new tokens after {args.prompt}-token prompts, {args.rounds} interleaved rounds, "
+          "median (min-max)")
+    print("| batch | expected experts per layer | MB read per step | graphrt tok/s | transformers tok/s | ratio | "
+          "graphrt GB/s | transformers GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for batch in batches:
+        ours, theirs = rates["graphrt", batch], rates["transformers", batch]
+        read = step_bytes(llm, batch)
+        experts = expected_experts_read(args.experts, args.top_k, batch)
+        gb_s = lambda rate: f"{statistics.median(rate) / batch * read / 1e9:.2f}"  # noqa: E731 - steps/s * bytes/step
+        print(f"| {batch} | {experts:.2f} of {args.experts} | {read / 1e6:.1f} | {spread(ours)} | {spread(theirs)} | "
+              f"{statistics.median(ours) / statistics.median(theirs):.2f}x | {gb_s(ours)} | {gb_s(theirs)} |")
+
+
+if __name__ == "__main__":
+    main()
