@@ -15,14 +15,10 @@ import torch.nn.functional as F
 
 
 def fused_moe_by_expert(
-    hidden: torch.Tensor,  # (tokens, hidden_size)
-    w_gate_up: torch.Tensor,  # (num_experts, 2 * inter, hidden_size): each expert's gate rows, then its up rows
-    w_down: torch.Tensor,  # (num_experts, hidden_size, inter)
-    topk_weights: torch.Tensor,  # (tokens, top_k) float
-    topk_ids: torch.Tensor,  # (tokens, top_k) int64
+    hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
-    """kernels/moe.py's `fused_moe`, summed in the same dtype (the wider of hidden's and the
-    weights'); an expert a row names twice runs on that row twice."""
+    """kernels/moe.py's `fused_moe` (the same arguments, shapes and result), summed in the same dtype
+    (the wider of hidden's and the weights'); an expert a row names twice runs on that row twice."""
     top_k = topk_ids.shape[1]
     sum_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
     pairs = topk_ids.reshape(-1)  # (tokens * top_k,): token t's k-th choice at t * top_k + k

@@ -17,7 +17,7 @@ from graphrt.engine.draft_model import DraftModelDrafter, common_prefix
 from graphrt.engine.drafter import StepCosts
 from graphrt.model.config import ModelConfig
 from graphrt.tools.synthetic import make_tiny_model
-from helpers import generate_all
+from helpers import generate_all, run_aborting_one_mid_verify
 
 
 @pytest.fixture(scope="module")
@@ -157,29 +157,14 @@ def test_preemption_and_aborts_with_a_draft_model(models, reference):
     config = {"method": "draft_model", "model": str(models["target"]), "num_speculative_tokens": 3}
     llm = LLM(model=models["target"], dtype="float64", pp=2, kv_cache_tokens=60, block_size=4, speculative_config=config)
     engine, drafter = llm.engine, llm.engine.scheduler.speculation.drafter
-    engine.scheduler.speculation.step_costs = None  # every draft, so that verify steps are in flight to abort
-    prompts, params = workload()
+
+    def only_running_rows_hold_draft_caches() -> None:
+        running = {seq.request_id for seq in engine.scheduler.running}
+        assert set(drafter.rows) <= running, "a preempted or finished row kept its draft cache"
+
     try:
-        seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
-        aborted = None
-        while engine.has_work():
-            engine.step()
-            running = {seq.request_id for seq in engine.scheduler.running}
-            assert set(drafter.rows) <= running, "a preempted or finished row kept its draft cache"
-            if aborted is None:
-                verifying = [s for s in seqs if s.draft_ids and not s.finished and len(s.output_ids) > 2]
-                if verifying:
-                    aborted = verifying[0]
-                    engine.abort(aborted)
-        assert aborted is not None, "no request was ever caught with a verify step in flight"
-        assert engine.scheduler.num_preemptions > 0
-        for seq, want in zip(seqs, reference):
-            if seq is aborted:
-                assert seq.output_ids == want[: len(seq.output_ids)]
-            else:
-                assert seq.output_ids == want
+        run_aborting_one_mid_verify(engine, *workload(), reference, after_each_step=only_running_rows_hold_draft_caches)
         assert not drafter.rows and drafter.allocator.num_free == drafter.allocator.num_blocks - 1, "draft KV leaked"
-        assert engine.allocator.num_free == engine.allocator.num_blocks - 1, "KV blocks leaked"
     finally:
         engine.close()
 

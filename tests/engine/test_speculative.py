@@ -25,6 +25,7 @@ from graphrt.speculative import SpeculativeConfig
 from graphrt.tools.synthetic import make_tiny_model
 from helpers import assert_draws_follow, reference_distribution
 from helpers import generate_all as generate
+from helpers import run_aborting_one_mid_verify
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -267,25 +268,8 @@ def test_preemption_and_aborts_with_speculation(looping_models, reference):
         model=looping_models[0.6], dtype="float64", pp=2, kv_cache_tokens=100, block_size=4, speculative_config=NGRAM,
     )
     engine = llm.engine
-    engine.scheduler.speculation.step_costs = None  # every draft, so that verify steps are in flight to abort
     try:
-        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-        aborted = None
-        while engine.has_work():
-            engine.step()
-            if aborted is None:
-                verifying = [s for s in seqs if s.draft_ids and not s.finished and len(s.output_ids) > 2]
-                if verifying:
-                    aborted = verifying[0]
-                    engine.abort(aborted)
-        assert aborted is not None, "no request was ever caught with a verify step in flight"
-        assert engine.scheduler.num_preemptions > 0
-        for seq, want in zip(seqs, reference[0.6]):
-            if seq is aborted:
-                assert seq.finish_reason is FinishReason.ABORT and seq.output_ids == want[: len(seq.output_ids)]
-            else:
-                assert seq.output_ids == want
-        assert engine.allocator.num_free == engine.allocator.num_blocks - 1
+        run_aborting_one_mid_verify(engine, prompts, params, reference[0.6])
         assert engine.stats.spec.num_accepted_tokens > 0
     finally:
         engine.close()
