@@ -17,10 +17,11 @@ if __name__ == "kernels":
     import os
     import sys
 
-    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != _checkout]
+    _checkout = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    _path = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != _checkout]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
-    if _spec is None:
+    # None, or this folder again under a spelling realpath does not undo: there is no other `kernels`.
+    if _spec is None or os.path.realpath(_spec.origin or "") == os.path.realpath(__file__):
         raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
     sys.modules["kernels"] = _installed = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_installed)

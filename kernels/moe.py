@@ -1,6 +1,7 @@
 """Mixture of experts: top-k routing and the experts' gated MLPs, as torch references.
 
-`route_topk` turns router logits into each token's chosen experts and their weights; `fused_moe`
+`route_topk` (softmax: Mixtral, Qwen) and `route_grouped_topk` (sigmoid, bias and expert groups:
+DeepSeek-V3) turn router logits into each token's chosen experts and their weights; `fused_moe`
 runs the chosen experts and sums their outputs by those weights. Both keep every shape fixed by the
 input shapes alone (no nonzero, no boolean masks, no counts read on the host), so a CUDA graph
 holds them. A Triton `fused_moe` with the same signature is the fast path (issue 32); this one
@@ -27,6 +28,42 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     return topk_weights, topk_ids
 
 
+def route_grouped_topk(
+    router_logits: torch.Tensor,  # (tokens, num_experts)
+    top_k: int,
+    e_score_correction_bias: torch.Tensor,  # (num_experts,)
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (Kimi K2's too): (tokens, num_experts) logits -> (topk_weights (tokens,
+    top_k) float32, topk_ids (tokens, top_k) int64).
+
+    Scores are sigmoid(logits) in float32. The bias (trained to balance the experts' load) steers
+    only which experts are chosen: the experts fall into `n_group` equal groups, each group is scored
+    by the sum of its two best biased scores, and only the experts of the `topk_group` best groups
+    are eligible for the top-k. The weights are the chosen experts' unbiased scores, divided by their
+    sum with `norm_topk_prob`, then times `routed_scaling_factor`. Groups are masked with a tensor
+    of the logits' shape (masked_fill), never selected by indexing, so every shape follows from the
+    number of tokens and a graph holds the routing."""
+    num_tokens, num_experts = router_logits.shape
+    scores = torch.sigmoid(router_logits.float())  # (tokens, num_experts)
+    biased = scores + e_score_correction_bias.float()
+    per_group = biased.view(num_tokens, n_group, num_experts // n_group)
+    group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)  # (tokens, n_group)
+    best_groups = group_scores.topk(topk_group, dim=-1).indices  # (tokens, topk_group)
+    group_chosen = torch.zeros_like(group_scores).scatter_(1, best_groups, 1.0)
+    expert_eligible = group_chosen.unsqueeze(-1).expand_as(per_group).reshape(num_tokens, num_experts)
+    biased = biased.masked_fill(expert_eligible == 0, float("-inf"))
+    topk_ids = biased.topk(top_k, dim=-1).indices  # (tokens, top_k)
+    topk_weights = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        # + 1e-20 as transformers and DeepSeek's own code write it: their weights to the bit
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids
+
+
 def fused_moe(
     hidden: torch.Tensor,  # (tokens, hidden_size)
     w_gate_up: torch.Tensor,  # (num_experts, 2 * inter, hidden_size): each expert's gate rows, then its up rows
@@ -47,7 +84,7 @@ def fused_moe(
       as the Triton kernel does; its cost grows with the pairs, so it stops paying at one pair per expert.
     - otherwise (prefill, large buckets): every expert on every row, multiplied by the row's weight
       for that expert, which is 0 where the row did not choose it. Each expert's weights are read
-      once; a zero weight adds exactly 0.0 to the sum (the experts' outputs are finite), so the
+      once; a zero weight adds exactly 0.0 to the sum, whatever the expert computed there, so the
       result is the chosen experts' alone.
     Both are exact to rounding against a per-token loop (tests/model/test_moe.py).
     """
@@ -83,5 +120,8 @@ def _every_expert_weighted(hidden, w_gate_up, w_down, weights, topk_ids) -> torc
     for expert in range(num_experts):
         gate, up = F.linear(hidden, w_gate_up[expert]).chunk(2, dim=-1)
         down = F.linear(F.silu(gate) * up, w_down[expert])  # (tokens, hidden_size)
-        out += per_expert[:, expert : expert + 1] * down.to(out.dtype)
+        weight = per_expert[:, expert : expert + 1]
+        # where, not a product alone: an expert a row did not choose may overflow on it in half
+        # precision, and 0 * inf is NaN.
+        out += torch.where(weight != 0, weight * down.to(out.dtype), 0.0)
     return out

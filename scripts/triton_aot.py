@@ -18,8 +18,8 @@ unpacks the archive into its TRITON_CACHE_DIR and reports how many kernels it st
    kernels_gpu.py's cases, and the engines that `graphrt capture` / `generate` / `serve`,
    graph_replay_gpu.py and pp_throughput_gpu.py build (their own build functions, on the CPU with
    kernels="triton"; a launch is recorded, not run, and the torch reference computes the result),
-   and, until an engine runs MoE, the fused-MoE kernels at each decode bucket for each MoE family's
-   routing (record_moe_layers).
+   and, as the check's engines run no MoE model, the fused-MoE kernels at each decode bucket for each
+   MoE family's routing (record_moe_layers).
    Decode attention's split count is what `default_num_splits` gives on an H200 (132 SMs).
 3. `compile` runs each recorded launch through triton 3.6's own JIT path (`JITFunction.run(...,
    warmup=True)`, which compiles without launching) against a compile-only driver whose target is
@@ -314,7 +314,7 @@ MOE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode buckets, up to the la
 
 def record_moe_layers(recorder: LaunchRecorder) -> None:
     """kernels/moe_triton.py's fused MoE in bfloat16 at each decode bucket for each family's routing.
-    No engine runs MoE yet, so these stand in for its layers: what the JIT specializes on is the
+    The check's engines run no MoE model, so these stand in for its layers: what the JIT specializes on is the
     routing's shape (experts, top-k), the block size that the bucket picks and whether counts are 1 or
     multiples of 16; of the widths only whether they are multiples of 16 and, for the sum over top-k,
     whether hidden reaches 1024 (its tile). So hidden 1024 and inter 256 compile what 7168 and 2048 would."""

@@ -71,7 +71,8 @@ class DraftModelDrafter:
         self.num_tokens = num_tokens
         self.cfg, self.dtype = cfg, dtype
         self.pipeline = Pipeline.load(cfg, WeightFiles(model_dir), [device], dtype, max_position)
-        self.allocator: BlockAllocator | None = None  # allocate() makes it
+        self.allocator: BlockAllocator | None = None  # allocate() makes it, and sets block_size
+        self.block_size: int | None = None
         self.rows: dict[int, DraftRow] = {}
         self.guess_costs: StepCosts | None = None  # measure_guess_costs sets it, before any request
         self.ranges = ranges or Ranges()  # NVTX: a `draft` range around each step's guesses

@@ -33,8 +33,9 @@ class Drafter(Protocol):
 
     def propose_batch(self, requests: list[tuple[int, list[int], int]]) -> list[list[int]]:
         """For each (request id, tokens so far, limit): up to `limit` guesses of the tokens that
-        follow; [] where it has none. The scheduler sets the limits: at most num_tokens, and one
-        more for a row whose newest token is still being sampled (its first guess is of that token)."""
+        follow; [] where it has none. The caller (graphrt.engine.speculation) sets the limits: at
+        most num_tokens, and one more for a row whose newest token is still being sampled (its
+        first guess is of that token)."""
 
     def release(self, request_id: int) -> None:
         """The request has ended or was preempted: whatever the drafter keeps for it goes."""

@@ -37,7 +37,7 @@ from graphrt.engine.kv_budget import kv_blocks_that_fit, measure_headroom
 from graphrt.engine.scheduler import Scheduler
 from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
 from graphrt.engine.stats import EngineStats
-from graphrt.errors import ModelLoadError, RequestError, StageError
+from graphrt.errors import GraphrtError, ModelLoadError, RequestError, StageError
 from graphrt.kernels import argmax
 from graphrt.kernels.cpu.kernel_choice import argmax_path, choose_greedy_argmax
 from graphrt.kernels.cpu.kernel_choice import mode_from_env as cpu_kernel_mode_from_env
@@ -231,9 +231,9 @@ class Engine:
 
     def stage_summary(self) -> str:
         """The start-up banner's words on stages: each one's layers and its share of the weight bytes
-        a decode step of the largest bucket reads, as the partition weighed them (for a mixture of
-        experts, the expected experts)."""
-        cfg, rows = self.model_config, self.plan.max_batch
+        a decode step reads at the rows the partition weighed them at (for a mixture of experts, the
+        expected experts)."""
+        cfg, rows = self.model_config, self.partition_rows
         shares = stage_read_shares(cfg, self.layers, rows)
         described = [
             (f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}")
@@ -295,7 +295,7 @@ class Engine:
             reserved[device] += self._draft_guess_blocks() * draft_bytes
         if self.devices[0].type == "cuda":
             # The plan's largest bucket depends on the cache's size: measure at the most it can be.
-            max_batch = max(cfg.buckets) if cfg.buckets else min(cfg.max_batch or GPU_MAX_BATCH_LIMIT, self._max_decode_tokens())
+            max_batch = self.partition_rows
             headroom = measure_headroom(
                 self.pipeline, block_size=block_size, max_model_len=self.max_model_len, max_batch=max_batch,
                 prefill_chunk_size=cfg.prefill_chunk_size, num_slots=cfg.pp + cfg.depth,
@@ -309,6 +309,12 @@ class Engine:
             )
         else:
             fits = (CPU_KV_CACHE_BYTES - sum(reserved.values())) // sum(per_block.values())
+            if fits < 2:
+                raise GraphrtError(
+                    f"the CPU's KV budget of {CPU_KV_CACHE_BYTES / 2**30:.1f} GiB holds no cache: the draft model's "
+                    f"guesses take {sum(reserved.values()) / 2**30:.2f} GiB of it; lower max_num_seqs or "
+                    "num_speculative_tokens, or give kv_cache_tokens"
+                )
         # No need for more than every sequence at full context.
         enough = self.config.max_num_seqs * -(-self.max_model_len // block_size) + 1
         return max(2, min(fits, enough))

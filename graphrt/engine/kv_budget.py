@@ -132,13 +132,15 @@ def kv_blocks_that_fit(
     for device, size in per_block.items():
         budget = int(free[device] * fraction) - headroom[device].total - (reserved or {}).get(device, 0)
         if budget < 2 * size:
-            room = headroom[device]
+            room, draft = headroom[device], (reserved or {}).get(device, 0)
+            drafts = f", a draft model's guesses {draft / 2**30:.2f}" if draft else ""
             raise GraphrtError(
                 f"{device}: {free[device] / 2**30:.2f} GiB free after the weights, {fraction:.0%} of it is "
-                f"{free[device] * fraction / 2**30:.2f} GiB, and serving needs {room.total / 2**30:.2f} GiB of it besides "
+                f"{free[device] * fraction / 2**30:.2f} GiB, and serving needs {(room.total + draft) / 2**30:.2f} GiB of it besides "
                 f"the KV cache (graph pools {room.graph_pools / 2**30:.2f}, ring buffers {room.ring_buffers / 2**30:.2f}, "
-                f"activations {room.transient / 2**30:.2f}): no room for a KV cache. Lower --max-batch, "
-                "--prefill-chunk-size or --max-model-len, or spread the stages over more GPUs"
+                f"activations {room.transient / 2**30:.2f}{drafts}): no room for a KV cache. Lower --max-batch, "
+                "--prefill-chunk-size or --max-model-len"
+                + (", max_num_seqs or num_speculative_tokens" if draft else "") + ", or spread the stages over more GPUs"
             )
         fits.append(budget // size)
     return min(fits)

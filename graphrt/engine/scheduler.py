@@ -383,8 +383,8 @@ class Scheduler:
         """A verify row is back: keep what `Speculation.keep` keeps (None: the step ran for its
         logits only, nothing is kept), and let go of what the row computed and allocated past that."""
         drafts, seq.draft_ids = seq.draft_ids, []
-        kept = self.speculation.keep(seq, drafts, sampled)
-        seq.num_computed -= len(drafts) - max(0, len(kept) - 1)  # the rejected drafts' K/V is never read
+        kept, num_accepted = self.speculation.keep(seq, drafts, sampled)
+        seq.num_computed -= len(drafts) - num_accepted  # the rejected drafts' K/V is never read
         if seq.block_ids:  # blocks past the next position go back (a finished row frees them all below)
             keep = self.allocator.blocks_for(seq.num_computed + 1)
             surplus, seq.block_ids = seq.block_ids[keep:], seq.block_ids[:keep]

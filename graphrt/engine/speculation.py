@@ -31,6 +31,10 @@ def accept_drafts(drafts: list[int], sampled: list[int]) -> list[int]:
 
 
 class Speculation:
+    """The scheduler's own part for speculative decoding (it makes one, and calls it only from its
+    schedule and update): it writes a row's draft pause, backoff and acceptance, which the scheduler
+    never reads; everything else of the row stays the scheduler's."""
+
     def __init__(self, drafter: Drafter, stats: SpecStats):
         self.drafter = drafter
         # What a decode step of each bucket costs, which drafts must pay for; None: every draft goes
@@ -64,10 +68,10 @@ class Speculation:
         guessed = self._propose([seq for seq, _ in chosen], [length for _, length in chosen])
         return [(seq, proposed) for (seq, _), proposed in zip(chosen, guessed) if proposed]
 
-    def keep(self, seq: Sequence, drafts: list[int], sampled: list[int] | None) -> list[int]:
-        """What a verify row keeps of its `drafts`, given the tokens `sampled` at its positions
-        (None, or a row that finished meanwhile: nothing), counted in the stats and the row's
-        acceptance; a row that kept no draft pauses before drafting again."""
+    def keep(self, seq: Sequence, drafts: list[int], sampled: list[int] | None) -> tuple[list[int], int]:
+        """What a verify row keeps, given the tokens `sampled` at its positions (None, or a row that
+        finished meanwhile: nothing): its tokens, and how many of its `drafts` they accept; counted
+        in the stats and the row's acceptance. A row that kept no draft pauses before drafting again."""
         kept = accept_drafts(drafts, sampled) if sampled is not None and not seq.finished else []
         num_accepted = max(0, len(kept) - 1)
         self.stats.record(len(drafts), num_accepted)
@@ -77,7 +81,7 @@ class Speculation:
         else:  # try again after 1, 3, 7, ... decode steps, so what can't be guessed costs little
             seq.draft_backoff = min(2 * seq.draft_backoff + 1, MAX_DRAFT_PAUSE)
             seq.draft_pause = seq.draft_backoff
-        return kept
+        return kept, num_accepted
 
     def release(self, seq: Sequence) -> None:
         """`seq` ended or was preempted: what the drafter keeps for it goes."""

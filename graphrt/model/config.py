@@ -24,6 +24,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": {"moe": "qwen3_moe", "qk_norm": True},
 }
 
+# architectures value -> what graphrt lacks to serve it. Its MoE config is read (moe_from_hf) and its
+# sparse block built (SparseMoE), but the model as a whole is refused until the rest exists.
+NOT_YET_SUPPORTED = {
+    "DeepseekV3ForCausalLM": (
+        "its attention is MLA (multi-head latent attention, with a latent paged KV cache), which graphrt "
+        "does not build yet; its mixture of experts (sigmoid routing with expert groups) is built"
+    ),
+}
+
 
 @dataclass(frozen=True)
 class MoeConfig:
@@ -37,11 +46,36 @@ class MoeConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token runs, gated by sigmoid; 0 = none
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # DeepSeek-V3: sigmoid scores with e_score_correction_bias steering the choice among the experts
+    # of the `topk_group` best of `n_group` groups (kernels/moe.py route_grouped_topk); "softmax" is
+    # Mixtral's and Qwen's plain top-k.
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0  # DeepSeek-V3: an ungated shared MLP of n_shared_experts * moe_intermediate_size
+    first_k_dense_replace: int = 0  # DeepSeek-V3: layers below this one are dense
+
+    @property
+    def shared_expert_size(self) -> int:
+        """The intermediate size of the expert every token runs (0: none)."""
+        return self.shared_expert_intermediate_size or self.n_shared_experts * self.moe_intermediate_size
+
+    @property
+    def shared_expert_gated(self) -> bool:
+        """Whether the shared expert's output is scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)."""
+        return self.shared_expert_intermediate_size > 0
 
     def is_sparse(self, layer: int) -> bool:
         """Whether `layer` has the sparse MLP: transformers' rule for Qwen2-MoE and Qwen3-MoE (Mixtral,
-        with a step of 1 and no MLP-only layers, is sparse everywhere)."""
-        return layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
+        with a step of 1 and no MLP-only layers, is sparse everywhere), and DeepSeek-V3's dense-first
+        layers."""
+        return (
+            layer >= self.first_k_dense_replace
+            and layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
 
 @dataclass(frozen=True)
@@ -83,6 +117,8 @@ class ModelConfig:
     def from_hf(raw: dict) -> ModelConfig:
         architectures = raw.get("architectures") or []
         arch = architectures[0] if architectures else None
+        if arch in NOT_YET_SUPPORTED:
+            raise ModelLoadError(f"{arch} is not supported yet: {NOT_YET_SUPPORTED[arch]}")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"architectures {architectures!r} is not supported; graphrt serves "
@@ -146,9 +182,11 @@ def _refuse_unimplemented(arch: str, raw: dict) -> None:
 
 
 def moe_from_hf(family: str, raw: dict) -> MoeConfig:
-    """The sparse MLP of a `family` (mixtral, qwen2_moe, qwen3_moe) config.json, with the names and
-    defaults of transformers' configuration classes. Fields only training reads (router_aux_loss_coef,
-    output_router_logits, Mixtral's router_jitter_noise) are ignored."""
+    """The sparse MLP of a `family` (mixtral, qwen2_moe, qwen3_moe, deepseek_v3) config.json, with the
+    names and defaults of transformers' configuration classes. Fields only training reads
+    (router_aux_loss_coef, output_router_logits, Mixtral's router_jitter_noise) are ignored."""
+    if family == "deepseek_v3":
+        return _deepseek_moe_from_hf(raw)
     # Mixtral calls it num_local_experts, Qwen2-MoE num_experts; transformers writes Qwen3-MoE's under
     # the first name (an attribute_map), while Qwen's own configs use the second.
     num_experts_field = "num_local_experts" if "num_local_experts" in raw else "num_experts"
@@ -173,10 +211,58 @@ def moe_from_hf(family: str, raw: dict) -> MoeConfig:
             decoder_sparse_step=step,
             mlp_only_layers=tuple(int(layer) for layer in raw.get("mlp_only_layers") or ()),
         )
+    _check_top_k(moe, num_experts_field)
+    return moe
+
+
+def _check_top_k(moe: MoeConfig, num_experts_field: str) -> None:
     if moe.num_experts > 0 and not 1 <= moe.num_experts_per_tok <= moe.num_experts:
         raise ModelLoadError(
             f"num_experts_per_tok {moe.num_experts_per_tok} is not valid with {num_experts_field} "
             f"{moe.num_experts}; each token chooses 1 to {moe.num_experts} experts"
+        )
+
+
+def _deepseek_moe_from_hf(raw: dict) -> MoeConfig:
+    """DeepSeek-V3's (and Kimi K2's) sparse MLP, under DeepseekV3Config's names and defaults.
+
+    transformers implements only DeepSeek-V3's routing (sigmoid scores, "noaux_tc" grouped top-k) and
+    a sparse MLP in every layer from first_k_dense_replace on; the original configs also write
+    scoring_func, topk_method and moe_layer_freq, so other values of those are refused rather than
+    served with V3's semantics."""
+    for field, expected in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if raw.get(field, expected) != expected:
+            raise ModelLoadError(
+                f"{field} {raw[field]!r} is not supported; graphrt computes DeepSeek-V3's routing and layout "
+                f"({field} {expected!r})"
+            )
+    # transformers writes n_routed_experts (num_local_experts is its attribute_map alias)
+    num_experts_field = "n_routed_experts" if "n_routed_experts" in raw else "num_local_experts"
+    moe = MoeConfig(
+        num_experts=int(raw.get(num_experts_field, 256)),
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 8),
+        moe_intermediate_size=int(raw.get("moe_intermediate_size", 2048)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        scoring="sigmoid",
+        n_group=int(raw.get("n_group") or 1),
+        topk_group=int(raw.get("topk_group") or 1),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5)),
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+    )
+    _check_top_k(moe, num_experts_field)
+    if moe.n_group < 1 or moe.num_experts % moe.n_group or moe.num_experts // moe.n_group < 2:
+        raise ModelLoadError(
+            f"n_group {moe.n_group} is not valid with {num_experts_field} {moe.num_experts}; the experts "
+            "split into n_group equal groups of at least 2 (a group is scored by its two best experts)"
+        )
+    if not 1 <= moe.topk_group <= moe.n_group:
+        raise ModelLoadError(f"topk_group {moe.topk_group} is not valid with n_group {moe.n_group}; it is 1 to {moe.n_group}")
+    eligible = moe.topk_group * (moe.num_experts // moe.n_group)
+    if moe.num_experts_per_tok > eligible:
+        raise ModelLoadError(
+            f"num_experts_per_tok {moe.num_experts_per_tok} is more than the {eligible} experts of topk_group "
+            f"{moe.topk_group} groups; each token chooses among those"
         )
     return moe
 

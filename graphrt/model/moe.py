@@ -1,9 +1,11 @@
-"""The sparse MLP of a mixture-of-experts layer (Mixtral, Qwen2-MoE, Qwen3-MoE), pure torch over a KernelSet.
+"""The sparse MLP of a mixture-of-experts layer (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3), pure torch
+over a KernelSet.
 
-A router picks each token's top-k experts (`route_topk`, softmax in float32); the set's `fused_moe`
-runs them and sums their outputs by the routing weights. Qwen2-MoE adds a shared expert that every
-token runs, scaled by sigmoid(shared_expert_gate(x)). Every shape follows from the number of tokens
-alone, so a decode step's graph holds the whole block.
+A router picks each token's top-k experts (`route_topk`, softmax in float32; DeepSeek-V3's
+`route_grouped_topk`, sigmoid with a bias and expert groups); the set's `fused_moe` runs them and
+sums their outputs by the routing weights. Qwen2-MoE adds a shared expert that every token runs,
+scaled by sigmoid(shared_expert_gate(x)); DeepSeek-V3's shared experts (one MLP) are not gated.
+Every shape follows from the number of tokens alone, so a decode step's graph holds the whole block.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 from graphrt.kernels import KernelSet
-from graphrt.kernels.moe import route_topk
+from graphrt.kernels.moe import route_grouped_topk, route_topk
 from graphrt.model.config import ModelConfig
 
 
@@ -20,17 +22,18 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         moe = cfg.moe
-        self.top_k = moe.num_experts_per_tok
-        self.renormalize = moe.norm_topk_prob
+        self.moe_cfg = moe
         empty = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
-        inter, shared = moe.moe_intermediate_size, moe.shared_expert_intermediate_size
+        inter, shared = moe.moe_intermediate_size, moe.shared_expert_size
         self.router = empty(moe.num_experts, cfg.hidden_size)
+        # DeepSeek-V3: added to the scores to choose experts, never to the weights
+        self.e_score_correction_bias = empty(moe.num_experts) if moe.scoring == "sigmoid" else None
         # Experts stacked as fused_moe reads them: each expert's gate rows, then its up rows.
         self.experts_gate_up = empty(moe.num_experts, 2 * inter, cfg.hidden_size)
         self.experts_down = empty(moe.num_experts, cfg.hidden_size, inter)
         self.shared_gate_up_proj = empty(2 * shared, cfg.hidden_size) if shared else None
         self.shared_down_proj = empty(cfg.hidden_size, shared) if shared else None
-        self.shared_expert_gate = empty(1, cfg.hidden_size) if shared else None
+        self.shared_expert_gate = empty(1, cfg.hidden_size) if moe.shared_expert_gated else None
 
     @staticmethod
     def hf_names(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
@@ -50,9 +53,13 @@ class SparseMoE(nn.Module):
             "experts_gate_up": [expert(e, proj) for e in range(num_experts) for proj in (gate, up)],
             "experts_down": [expert(e, down) for e in range(num_experts)],
         }
-        if cfg.moe.shared_expert_intermediate_size:
-            names["shared_gate_up_proj"] = [p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight"]
-            names["shared_down_proj"] = [p + "shared_expert.down_proj.weight"]
+        if cfg.moe.scoring == "sigmoid":
+            names["e_score_correction_bias"] = [p + "gate.e_score_correction_bias"]
+        if cfg.moe.shared_expert_size:
+            shared = "shared_expert." if cfg.moe.shared_expert_gated else "shared_experts."  # Qwen2-MoE / DeepSeek-V3
+            names["shared_gate_up_proj"] = [p + shared + "gate_proj.weight", p + shared + "up_proj.weight"]
+            names["shared_down_proj"] = [p + shared + "down_proj.weight"]
+        if cfg.moe.shared_expert_gated:
             names["shared_expert_gate"] = [p + "shared_expert_gate.weight"]
         return names
 
@@ -66,10 +73,25 @@ class SparseMoE(nn.Module):
         }
 
     def forward(self, hidden: torch.Tensor, ops: KernelSet) -> torch.Tensor:  # (tokens, hidden_size)
-        router_logits = ops.linear(hidden, self.router)  # (tokens, num_experts)
-        topk_weights, topk_ids = route_topk(router_logits, self.top_k, self.renormalize)  # (tokens, top_k) each
+        topk_weights, topk_ids = self.route(hidden, ops)  # (tokens, top_k) each
         out = ops.fused_moe(hidden, self.experts_gate_up, self.experts_down, topk_weights, topk_ids)
         if self.shared_gate_up_proj is not None:
             shared = ops.linear(ops.gate_up_silu(hidden, self.shared_gate_up_proj), self.shared_down_proj)
-            out = out + torch.sigmoid(ops.linear(hidden, self.shared_expert_gate)) * shared
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(ops.linear(hidden, self.shared_expert_gate)) * shared
+            out = out + shared
         return out
+
+    def route(self, hidden: torch.Tensor, ops: KernelSet) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, hidden_size) -> (topk_weights (tokens, top_k) float32, topk_ids (tokens, top_k) int64)."""
+        moe = self.moe_cfg
+        if moe.scoring == "softmax":
+            router_logits = ops.linear(hidden, self.router)  # (tokens, num_experts), in the model's dtype
+            return route_topk(router_logits, moe.num_experts_per_tok, moe.norm_topk_prob)
+        # DeepSeek-V3's router multiplies in float32 whatever the model's dtype, as transformers' and
+        # DeepSeek's own code do: a bfloat16 logit would move experts across the top-k boundary.
+        router_logits = ops.linear(hidden.float(), self.router.float())
+        return route_grouped_topk(
+            router_logits, moe.num_experts_per_tok, self.e_score_correction_bias, moe.n_group, moe.topk_group,
+            moe.norm_topk_prob, moe.routed_scaling_factor,
+        )  # fmt: skip

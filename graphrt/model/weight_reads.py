@@ -34,8 +34,8 @@ def layer_read_elements(cfg: ModelConfig, layer: int, num_rows: int) -> float:
     expert = 3 * cfg.hidden_size * moe.moe_intermediate_size
     experts = expected_experts_read(moe.num_experts, moe.num_experts_per_tok, num_rows) * expert
     router = moe.num_experts * cfg.hidden_size
-    shared = 3 * cfg.hidden_size * moe.shared_expert_intermediate_size
-    shared_gate = cfg.hidden_size if moe.shared_expert_intermediate_size else 0
+    shared = 3 * cfg.hidden_size * moe.shared_expert_size
+    shared_gate = cfg.hidden_size if moe.shared_expert_gated else 0
     return attention + router + shared + shared_gate + experts
 
 

@@ -70,6 +70,26 @@ def test_stage_processes_give_the_single_process_tokens(tiny_model_factory, pp):
     assert codes == [0] * (pp - 1)  # a normal close: every worker exits cleanly
 
 
+def test_a_mixture_of_experts_over_stage_processes_gives_the_single_process_tokens(tiny_model_factory):
+    """The partition weighed at the largest bucket travels in the plan, and each worker reports its
+    weights split into dense and expert bytes: the same layers, the same weight reads, the same tokens."""
+    model = tiny_model_factory("qwen3-moe-dense-first")  # layers 0 and 2 dense, 1 and 3 sparse
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = LLM(model=model, pp=2, **OPTIONS)
+    expected = outputs(alone, greedy)
+    alone.engine.close()
+    llm = LLM(model=model, pp=2, procs=True, watchdog_s=30, **OPTIONS)
+    children = llm.engine.cluster.children
+    try:
+        assert outputs(llm, greedy) == expected
+        assert llm.engine.layers == alone.engine.layers and llm.engine.partition_rows == alone.engine.partition_rows == 4
+        assert llm.engine.weight_reads == alone.engine.weight_reads and llm.engine.weight_reads.expert_bytes > 0
+    finally:
+        llm.engine.close()
+        codes = wait_all_exited(children, within_s=10)
+    assert codes == [0]
+
+
 def test_rank_zero_opens_nothing_on_the_devices_of_other_ranks(tiny_model_factory, monkeypatch):
     """The last rank samples and keeps the seeded generators; rank 0 makes no sampler (on GPUs it
     would open a CUDA context, some 500 MiB, on the last GPU) and times only its own stage."""

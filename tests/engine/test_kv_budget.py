@@ -34,6 +34,13 @@ def test_no_room_for_a_cache_says_what_took_it():
         kv_blocks_that_fit({GPU0: 4 * GiB}, {GPU0: Headroom(graph_pools=3 * GiB, transient=GiB)}, {GPU0: 1 << 20})
 
 
+def test_no_room_because_of_a_draft_models_guesses_says_so():
+    with pytest.raises(GraphrtError, match=r"a draft model's guesses 3\.00.*num_speculative_tokens"):
+        kv_blocks_that_fit(
+            {GPU0: 4 * GiB}, {GPU0: Headroom(transient=GiB)}, {GPU0: 1 << 20}, reserved={GPU0: 3 * GiB},
+        )
+
+
 class FakeCudaMemory:
     """Every probe run peaks at `peak` bytes; `free` bytes are free once the probe's cache is gone."""
 
