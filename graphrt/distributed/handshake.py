@@ -10,6 +10,7 @@ stage, captures its graphs and reports ready with its weight bytes (graphrt/mode
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ MAX_STAGES = 64
 FIELDS = ("ok", "model_fingerprint", "dtype", "pp", "stages", "buckets", "model folder")
 DTYPE_CODES = sorted({str(d).removeprefix("torch.") for d in DTYPES.values()})
 KERNEL_CODES = ("auto", "torch", "triton")
-READS_SIZE = 4  # a WeightReads' fields, as a worker reports them ready
+READS_SIZE = len(dataclasses.fields(WeightReads))  # a worker reports ready with one of these, field by field
 
 
 @dataclass
@@ -147,6 +148,5 @@ def worker_handshake(link: Link, view_of, timeout_s: float) -> StagePlan:
 
 def report_ready(link: Link, weight_reads: WeightReads | None) -> None:
     """A worker: its stage is loaded and captured (its weight bytes, as a decode step reads them), or failed to (None)."""
-    reads = weight_reads or WeightReads(0)
-    values = [int(weight_reads is None), reads.dense_bytes, reads.expert_bytes, reads.num_experts, reads.top_k]
+    values = [int(weight_reads is None), *dataclasses.astuple(weight_reads or WeightReads(0))]
     link.send([torch.tensor(values, dtype=torch.int64)], 0)

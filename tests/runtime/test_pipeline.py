@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from graphrt import LLM, SamplingParams
+from graphrt.config import EngineConfig
+from graphrt.engine.engine import Engine
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.errors import GraphrtError
 from graphrt.model.config import ModelConfig
@@ -166,3 +170,24 @@ def test_the_banner_gives_each_stages_share_of_a_steps_bytes(tiny_model_factory,
     printed = [int(p) for p in re.findall(r"(\d+)%", summary)]
     assert printed == [round(100 * s) for s in shares] and abs(sum(printed) - 100) <= pp // 2
     assert summary.count("LM head") == 1 and summary.rstrip().endswith(f"+ LM head {printed[-1]}%")
+
+
+@pytest.mark.parametrize(
+    "device, options, rows",
+    [
+        ("cpu", {}, 32),  # a CPU's default largest bucket
+        ("cuda", {}, 64),  # on a GPU the cache sets the largest bucket later: the most a step carries stands in
+        ("cuda", {"max_num_seqs": 512}, 256),  # ... up to GPU_MAX_BATCH_LIMIT
+        ("cuda", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}, 256),  # 64 rows x (1 + 3)
+        ("cuda", {"max_batch": 16}, 16),
+        ("cpu", {"buckets": [1, 4, 12]}, 12),
+    ],
+)
+def test_the_partition_weighs_a_step_at_the_largest_bucket_it_can_have(device, options, rows):
+    """Both branches of the device type, by parameter: the rows `partition_layers` weighs a mixture
+    of experts at, decided before any device memory is read."""
+    config = EngineConfig(**options)
+    engine = SimpleNamespace(config=config, devices=[torch.device(device)])
+    engine._max_decode_tokens = lambda: Engine._max_decode_tokens(engine)
+    assert config.max_num_seqs == options.get("max_num_seqs", 64)
+    assert Engine._partition_rows(engine) == rows
