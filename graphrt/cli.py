@@ -253,7 +253,7 @@ def build_manifest(engine) -> dict:
         "graphrt": __version__,
         "model_dir": str(engine.model_dir),
         "kv_cache_blocks": engine.allocator.num_blocks,
-        "kv_cache_bytes": sum(c.k.nbytes + c.v.nbytes for c in engine.pipeline.caches),
+        "kv_cache_bytes": sum(c.nbytes for c in engine.pipeline.caches),
         "null_reasons": null_reasons,
         "matmuls": [plan.to_json() for plan in engine.pipeline.matmul_plans()],  # a start with --cache reuses them
     }

@@ -21,6 +21,9 @@ class KernelSet:
     # (hidden (T, H), w_gate_up (E, 2I, H), w_down (E, H, I), topk_weights (T, K) float, topk_ids (T, K) int64)
     # -> (T, H): each token's chosen experts' gated MLPs, summed by their weights (kernels/moe.py)
     fused_moe: Callable
+    # (q (B, heads, latent + rope), cache (blocks, block_size, 1, latent + rope), block_tables, seq_lens, scale,
+    # latent_dim, max_seq_len=None) -> (B, heads, latent): MLA's decode attention in the absorbed form (kernels/mla.py)
+    paged_latent_decode_attention: Callable
     # (stage) -> a function running a decode step through all of the stage's layers in one call,
     # (hidden, meta, cos, sin, kv) -> (hidden, residual), or None where it can't run that stage.
     decode_layers: Callable | None = None

@@ -62,7 +62,7 @@ def paged_decode_attention(
         attn_mask=visible[:, None, None, :],
         scale=scale,
     )
-    return out.reshape(batch, num_heads, head_dim)
+    return out.reshape(batch, num_heads, -1)  # values may be narrower than keys (MLA: kernels/mla.py)
 
 
 def paged_prefill_attention(

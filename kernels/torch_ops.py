@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from graphrt.kernels import activation, moe, paged_attention, rmsnorm, rotary
+from graphrt.kernels import activation, mla, moe, paged_attention, rmsnorm, rotary
 from graphrt.kernels.kernel_set import KernelSet
 
 TORCH = KernelSet(
@@ -17,5 +17,6 @@ TORCH = KernelSet(
     paged_prefill_attention=paged_attention.paged_prefill_attention,
     linear=F.linear,
     gate_up_silu=activation.gate_up_silu,
+    paged_latent_decode_attention=mla.paged_latent_decode_attention,
     fused_moe=moe.fused_moe,
 )

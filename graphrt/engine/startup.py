@@ -13,6 +13,7 @@ from graphrt.capture.manifest import read_manifest
 from graphrt.config import EngineConfig
 from graphrt.engine.engine import Engine
 from graphrt.model.default_model import default_model_dir
+from graphrt.model.kv_cache import describe_token_bytes
 from graphrt.sampling_params import SamplingParams
 
 # Options a graph cache supplies when the caller leaves them unset; set differently, they make it stale.
@@ -66,7 +67,8 @@ def load_and_warm_up(
     echo(
         f"[graphrt] load and capture {time.perf_counter() - start:.1f} s: {engine.model_dir.name}, {engine.describe()}, "
         f"buckets up to {engine.plan.max_batch}, {engine.config.max_num_seqs} sequences at once, "
-        f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks{stages}{where}"
+        f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks of "
+        f"{describe_token_bytes(engine.model_config, engine.dtype)}{stages}{where}"
     )
     echo(f"[graphrt] {engine.pipeline.matmul_summary()}")
     echo(f"[graphrt] {engine.kernel_summary()}")

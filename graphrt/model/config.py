@@ -6,6 +6,7 @@ would be right.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,15 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": {"moe": "mixtral"},
     "Qwen2MoeForCausalLM": {"moe": "qwen2_moe"},  # q/k/v bias per its `qkv_bias` field (True by default)
     "Qwen3MoeForCausalLM": {"moe": "qwen3_moe", "qk_norm": True},
-}
-
-# architectures value -> what graphrt lacks to serve it. Its MoE config is read (moe_from_hf) and its
-# sparse block built (SparseMoE), but the model as a whole is refused until the rest exists.
-NOT_YET_SUPPORTED = {
-    "DeepseekV3ForCausalLM": (
-        "its attention is MLA (multi-head latent attention, with a latent paged KV cache), which graphrt "
-        "does not build yet; its mixture of experts (sigmoid routing with expert groups) is built"
-    ),
+    "DeepseekV3ForCausalLM": {"moe": "deepseek_v3", "mla": True},  # DeepSeek-V3/R1, Kimi K2
 }
 
 
@@ -79,6 +72,30 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values are decompressed per head
+    from one `kv_lora_rank` latent per token (which, with the shared `qk_rope_head_dim` rotary key, is
+    all the KV cache holds: graphrt/model/mla.py)."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: queries straight from the hidden state (q_proj), else through a low-rank q_a / q_b pair
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint's rotary dimensions come in (even, odd) pairs, not two halves
+    softmax_scale: float  # qk_head_dim ** -0.5, times yarn's mscale squared where the rope is scaled
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Values the cache holds per token per layer: the latent, then the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -95,6 +112,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     moe: MoeConfig | None = None
+    mla: MlaConfig | None = None  # then head_dim is the rotary key's, and num_kv_heads unused
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str | None = None
@@ -117,8 +135,6 @@ class ModelConfig:
     def from_hf(raw: dict) -> ModelConfig:
         architectures = raw.get("architectures") or []
         arch = architectures[0] if architectures else None
-        if arch in NOT_YET_SUPPORTED:
-            raise ModelLoadError(f"{arch} is not supported yet: {NOT_YET_SUPPORTED[arch]}")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"architectures {architectures!r} is not supported; graphrt serves "
@@ -132,6 +148,8 @@ class ModelConfig:
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             moe = moe_from_hf(extras["moe"], raw) if "moe" in extras else None
+            rope = rope_from_hf(raw)
+            mla = mla_from_hf(raw, rope) if extras.get("mla") else None
             return ModelConfig(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -140,14 +158,15 @@ class ModelConfig:
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=num_heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-                head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+                head_dim=mla.qk_rope_head_dim if mla else int(raw.get("head_dim") or hidden_size // num_heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 max_position=_context_limit(raw),
-                rope=rope_from_hf(raw),
+                rope=rope,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=_qkv_bias(arch, raw),
                 qk_norm=bool(extras.get("qk_norm", False)),
                 moe=moe,
+                mla=mla,
                 eos_token_ids=eos_ids,
                 bos_token_id=raw.get("bos_token_id"),
                 torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
@@ -175,10 +194,26 @@ def _refuse_unimplemented(arch: str, raw: dict) -> None:
             f"quantization_config ({method}) is not supported; graphrt reads unquantized float weights, "
             "so use the model's bfloat16 or float16 release"
         )
-    if arch == "Qwen3MoeForCausalLM" and raw.get("attention_bias"):
+    if arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM") and raw.get("attention_bias"):
         raise ModelLoadError(
-            "attention_bias true is not supported for Qwen3MoeForCausalLM (it adds a bias to o_proj, which graphrt lacks)"
+            f"attention_bias true is not supported for {arch} (it adds a bias to o_proj, which graphrt lacks)"
         )
+
+
+def mla_from_hf(raw: dict, rope: RopeConfig) -> MlaConfig:
+    """DeepSeek-V3's attention, under DeepseekV3Config's names and defaults."""
+    mla = MlaConfig(
+        kv_lora_rank=int(raw.get("kv_lora_rank", 512)),
+        q_lora_rank=None if raw.get("q_lora_rank", 1536) is None else int(raw.get("q_lora_rank", 1536)),
+        qk_nope_head_dim=int(raw.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=int(raw.get("qk_rope_head_dim", 64)),
+        v_head_dim=int(raw.get("v_head_dim") or 128),
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+        softmax_scale=0.0,
+    )
+    if mla.qk_rope_head_dim % 2 or mla.qk_rope_head_dim <= 0:
+        raise ModelLoadError(f"qk_rope_head_dim {mla.qk_rope_head_dim} is not valid; the rotary key has an even number of dimensions")
+    return dataclasses.replace(mla, softmax_scale=mla.qk_head_dim**-0.5 * rope.yarn_softmax_mscale())
 
 
 def moe_from_hf(family: str, raw: dict) -> MoeConfig:
@@ -286,15 +321,28 @@ def rope_from_hf(raw: dict) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "linear", "llama3"):
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise ModelLoadError(
-            f"rope_type {rope_type!r} is not supported; graphrt supports default, linear and llama3"
+            f"rope_type {rope_type!r} is not supported; graphrt supports default, linear, llama3 and yarn"
         )
+    # transformers' rule: a scaled rope's pre-training context defaults to max_position_embeddings,
+    # and yarn's factor, when not given, is the ratio of the two
+    original = int(params.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 4096))
+    factor = params.get("factor")
+    if factor is None:
+        factor = raw.get("max_position_embeddings", original) / original if rope_type == "yarn" else 1.0
+    optional = lambda name: None if params.get(name) is None else float(params[name])  # noqa: E731
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        attention_factor=optional("attention_factor"),
     )

@@ -4,7 +4,9 @@ One `Stage` owns a contiguous range of layers; stage 0 also owns the embedding, 
 final norm and the LM head. Llama 2/3, SmolLM2 and Mistral are plain Llama; Qwen2 adds a bias to
 q/k/v, Qwen3 an RMSNorm on each head of q and k. q/k/v and gate/up are fused into one matmul each.
 Mixtral, Qwen2-MoE and Qwen3-MoE replace the MLP of their sparse layers with a mixture of experts
-(graphrt/model/moe.py); the rest of a layer is the same.
+(graphrt/model/moe.py); the rest of a layer is the same. DeepSeek-V3 (and Kimi K2) has such experts
+and replaces the attention with multi-head latent attention (graphrt/model/mla.py), whose cache
+holds one latent row per token instead of keys and values per head.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from graphrt.kernels.rotary import rotary_cos_sin
 from graphrt.model.batch import StepMetadata
 from graphrt.model.config import ModelConfig
 from graphrt.model.kv_cache import StageKVCache
+from graphrt.model.mla import LatentAttention
 from graphrt.model.moe import SparseMoE
 from graphrt.model.weight_reads import WeightReads
 from graphrt.model.weights import WeightFiles
@@ -36,11 +39,14 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim**-0.5
         empty = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         self.input_norm = empty(cfg.hidden_size)
-        self.qkv_proj = empty(self.q_size + 2 * self.kv_size, cfg.hidden_size)
+        # A latent attention layer's q/k/v weights are its own (graphrt/model/mla.py); o_proj is shared.
+        self.mla = LatentAttention(cfg) if cfg.mla is not None else None
+        dense_attention = self.mla is None
+        self.qkv_proj = empty(self.q_size + 2 * self.kv_size, cfg.hidden_size) if dense_attention else None
         self.qkv_bias = empty(self.q_size + 2 * self.kv_size) if cfg.qkv_bias else None
         self.q_norm = empty(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = empty(cfg.head_dim) if cfg.qk_norm else None
-        self.o_proj = empty(cfg.hidden_size, self.q_size)
+        self.o_proj = empty(cfg.hidden_size, self.q_size if dense_attention else self.mla.output_size)
         self.post_attention_norm = empty(cfg.hidden_size)
         # A sparse layer's MLP is its mixture of experts; a dense layer's, the gated MLP.
         sparse = cfg.moe is not None and cfg.moe.is_sparse(layer)
@@ -54,10 +60,13 @@ class DecoderLayer(nn.Module):
         p = f"model.layers.{layer}."
         names = {
             "input_norm": [p + "input_layernorm.weight"],
-            "qkv_proj": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
             "o_proj": [p + "self_attn.o_proj.weight"],
             "post_attention_norm": [p + "post_attention_layernorm.weight"],
         }
+        if cfg.mla is not None:
+            names.update({f"mla.{ours}": theirs for ours, theirs in LatentAttention.hf_names(cfg, p + "self_attn.").items()})
+        else:
+            names["qkv_proj"] = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
         if cfg.moe is not None and cfg.moe.is_sparse(layer):
             names.update({f"moe.{ours}": theirs for ours, theirs in SparseMoE.hf_names(cfg, layer).items()})
         else:
@@ -85,6 +94,8 @@ class DecoderLayer(nn.Module):
         cfg, ops = self.cfg, self.ops
         eps = cfg.rms_norm_eps
         hidden, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
+        if self.mla is not None:
+            return self._mlp(ops.linear(self.mla(hidden, meta, cos, sin, k_cache, ops), self.o_proj), residual)
         qkv = ops.linear(hidden, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
@@ -106,8 +117,12 @@ class DecoderLayer(nn.Module):
             attn = ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.max_seq_len
             )
-        hidden = ops.linear(attn.reshape(-1, self.q_size), self.o_proj)
-        hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, eps, residual)
+        return self._mlp(ops.linear(attn.reshape(-1, self.q_size), self.o_proj), residual)
+
+    def _mlp(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The second half of the layer, from the attention's output projected by o_proj."""
+        ops = self.ops
+        hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, self.cfg.rms_norm_eps, residual)
         if self.moe is not None:
             hidden = self.moe(hidden, ops)
         else:
@@ -183,6 +198,9 @@ class Stage(nn.Module):
         shapes = {name: p.shape for name, p in self.named_parameters()}
         state = {name: t if t.dim() == len(shapes[name]) else t.view(shapes[name]) for name, t in state.items()}
         self.load_state_dict(state, strict=True, assign=True)
+        for layer in self.layers:
+            if layer.mla is not None:
+                layer.mla.loaded()
         # Weights stay dense until the stage's kernels are chosen (graphrt.runtime.stage_builder),
         # which may keep them in forms of their own and needs the largest decode bucket.
 
@@ -194,6 +212,10 @@ class Stage(nn.Module):
             name: [(layer, name) for layer in self.layers if getattr(layer, name) is not None]
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a sparse layer has no dense gate/up, down
         }
+        # Latent attention's first projections (kv_b_proj is read per head, by bmm: it stays dense).
+        for name in ("qkv_a_proj", "q_b_proj"):
+            latent = [layer.mla for layer in self.layers if layer.mla is not None]
+            owners[name] = [(mla, name) for mla in latent if getattr(mla, name) is not None]
         # A shared expert is a dense gated MLP; the router and the shared expert's gate (a few
         # columns) stay dense, and the stacked experts are read by the set's fused_moe as they are.
         for name in ("shared_gate_up_proj", "shared_down_proj"):

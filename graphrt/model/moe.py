@@ -88,9 +88,12 @@ class SparseMoE(nn.Module):
         if moe.scoring == "softmax":
             router_logits = ops.linear(hidden, self.router)  # (tokens, num_experts), in the model's dtype
             return route_topk(router_logits, moe.num_experts_per_tok, moe.norm_topk_prob)
-        # DeepSeek-V3's router multiplies in float32 whatever the model's dtype, as transformers' and
-        # DeepSeek's own code do: a bfloat16 logit would move experts across the top-k boundary.
-        router_logits = ops.linear(hidden.float(), self.router.float())
+        # DeepSeek-V3's router multiplies in float32 at least, as transformers' and DeepSeek's own code
+        # do: a bfloat16 logit would move experts across the top-k boundary. A float64 model keeps
+        # float64, whose rows round alike in any batch (a float32 GEMM's rounding can depend on the
+        # row count, which a float64 model's padded and unpadded steps would show).
+        wide = torch.promote_types(hidden.dtype, torch.float32)
+        router_logits = ops.linear(hidden.to(wide), self.router.to(wide))
         return route_grouped_topk(
             router_logits, moe.num_experts_per_tok, self.e_score_correction_bias, moe.n_group, moe.topk_group,
             moe.norm_topk_prob, moe.routed_scaling_factor,

@@ -27,7 +27,7 @@ def layer_read_elements(cfg: ModelConfig, layer: int, num_rows: int) -> float:
     """Weight elements layer `layer` reads in a decode step of `num_rows` rows: its projections,
     and a sparse layer's router, shared expert and expected experts (norms and biases are too small
     to count). An int for a dense layer, so dense models partition exactly as they always did."""
-    attention = 2 * cfg.hidden_size * cfg.num_heads * cfg.head_dim + 2 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim
+    attention = attention_elements(cfg)
     moe = cfg.moe
     if moe is None or not moe.is_sparse(layer):
         return attention + 3 * cfg.hidden_size * cfg.intermediate_size
@@ -37,6 +37,17 @@ def layer_read_elements(cfg: ModelConfig, layer: int, num_rows: int) -> float:
     shared = 3 * cfg.hidden_size * moe.shared_expert_size
     shared_gate = cfg.hidden_size if moe.shared_expert_gated else 0
     return attention + router + shared + shared_gate + experts
+
+
+def attention_elements(cfg: ModelConfig) -> int:
+    """A layer's attention projections: q, k, v and o, or latent attention's (graphrt/model/mla.py)."""
+    mla = cfg.mla
+    if mla is None:
+        return 2 * cfg.hidden_size * cfg.num_heads * cfg.head_dim + 2 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim
+    q_first = mla.q_lora_rank or cfg.num_heads * mla.qk_head_dim
+    q_second = mla.q_lora_rank * cfg.num_heads * mla.qk_head_dim if mla.q_lora_rank else 0
+    kv_b = mla.kv_lora_rank * cfg.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return cfg.hidden_size * (q_first + mla.cache_dim) + q_second + kv_b + cfg.num_heads * mla.v_head_dim * cfg.hidden_size
 
 
 def head_read_elements(cfg: ModelConfig) -> int:

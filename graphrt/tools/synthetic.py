@@ -101,6 +101,32 @@ TINY_VARIANTS = {
             moe_intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[0], decoder_sparse_step=2,
         ),
     ),
+    # DeepSeek-V3 / Kimi K2: latent attention and grouped sigmoid routing. The first has V3's layout
+    # (a low-rank query, rotary pairs interleaved, yarn with its softmax mscale, 16 experts in 4
+    # groups, a dense first layer, a shared expert); the second DeepSeek-V2-Lite's query (straight
+    # from the hidden state), one expert group as Kimi K2 has, plain rope in halves, every layer sparse.
+    "deepseek-v3": (
+        "deepseek_v3",
+        dict(
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+            moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
+            routed_scaling_factor=2.5, rope_interleave=True,
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+            ),
+        ),
+    ),
+    "deepseek-kimi-layout": (
+        "deepseek_v3",
+        dict(
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+            moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=False,
+            routed_scaling_factor=1.0, rope_interleave=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
 }
 
 
@@ -112,6 +138,8 @@ TINY_VARIANTS = {
 # the embedding / LM head set a logit span of about 6. Only weights: biases stay small.
 TINY_INIT_STD = {
     "embed_tokens": 0.15, "lm_head": 0.15, "q_proj": 0.3, "k_proj": 0.3, "v_proj": 0.16, "o_proj": 0.16, "mlp": 0.12,
+    # latent attention's: the query's low-rank pair, the latent and rotary key, the latent's way out
+    "q_a_proj": 0.3, "q_b_proj": 0.3, "kv_a_proj": 0.3, "kv_b_proj": 0.3,
 }
 # Qwen3 normalises each head of q and k, so there the norm weights set the scale of the scores.
 TINY_QK_NORM_GAIN = 3.0
@@ -135,6 +163,7 @@ def make_tiny_model(
         "mixtral": transformers.MixtralConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "deepseek_v3": transformers.DeepseekV3Config,
     }[family]
     options = {**TINY_COMMON, **extra, **(overrides or {})}
     if num_layers is not None:
@@ -154,5 +183,8 @@ def make_tiny_model(
             for part, std in TINY_INIT_STD.items():
                 if part in name and is_matrix:
                     param.mul_(weight_scale * std / config.initializer_range)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's router steering: zeros would test nothing
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -101,11 +101,12 @@ def cpu_kernel_set(ops: KernelSet, choice: CpuKernelChoice) -> KernelSet:
 def bind_decode_layers(stage: Stage) -> Callable | None:
     """graphrt::decode_layers bound to the stage's weights: a decode step's layers in one call,
     bitwise the Python loop of DecoderLayer.forward. None where a layer's matmul weights are not all
-    in panels (or gate/up's not in whole panels of up columns), or a layer is a mixture of experts:
-    the loop runs those."""
+    in panels (or gate/up's not in whole panels of up columns), or a layer is a mixture of experts
+    or has latent attention: the loop runs those."""
     layers = stage.layers
-    # The compiled loop knows one MLP, the dense gated one: a stage with a sparse (MoE) layer runs the loop.
-    if any(layer.moe is not None for layer in layers):
+    # The compiled loop knows one MLP, the dense gated one, and one attention, over keys and values
+    # per head: a stage with a sparse (MoE) or latent attention layer runs the loop.
+    if any(layer.moe is not None or layer.mla is not None for layer in layers):
         return None
     if not layers or not all(
         all(getattr(layer, name).dim() == 4 for name in DECODE_LAYER_MATMULS) and layer.gate_up_proj.shape[0] % 2 == 0

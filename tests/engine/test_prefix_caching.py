@@ -47,10 +47,13 @@ def assert_cache_at_rest(engine) -> None:
     assert len(allocator._free) + allocator.num_cached == allocator.num_blocks - 1
 
 
-@pytest.mark.parametrize("pp", [1, 2, 3])
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_cached_prefixes_give_exactly_the_uncached_tokens(tiny_model_factory, pp, async_scheduling):
-    model_dir = tiny_model_factory("llama3-rope")
+@pytest.mark.parametrize(
+    ("variant", "pp", "async_scheduling"),
+    [("llama3-rope", pp, async_scheduling) for pp in (1, 2, 3) for async_scheduling in (True, False)]
+    + [("deepseek-v3", pp, True) for pp in (1, 2, 3)],  # a mixture of experts with a latent cache
+)
+def test_cached_prefixes_give_exactly_the_uncached_tokens(tiny_model_factory, variant, pp, async_scheduling):
+    model_dir = tiny_model_factory(variant)
     options = dict(
         pp=pp, dtype="float64", block_size=BLOCK, kv_cache_tokens=1024, prefill_chunk_size=8, async_scheduling=async_scheduling,
     )

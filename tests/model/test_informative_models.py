@@ -54,6 +54,15 @@ def kv_heads_swapped(llm: LLM) -> None:
             layer.ops = dataclasses.replace(layer.ops, write_kv=write_swapped)
 
 
+def latent_heads_swapped(llm: LLM) -> None:
+    """Latent attention's heads 0 and 1 trade their W_UK and W_UV (kv_b_proj), so each head reads the
+    latent through the other's keys and values (graphrt/model/mla.py)."""
+    for stage in llm.engine.pipeline.stages:
+        for layer in stage.layers:
+            per_head = layer.mla.kv_b_proj.data.view(stage.cfg.num_heads, -1, stage.cfg.mla.kv_lora_rank)
+            per_head[[0, 1]] = per_head[[1, 0]].clone()
+
+
 def tiny_llm(tiny_model_factory, variant: str) -> LLM:
     return LLM(model=tiny_model_factory(variant), dtype="float32", kv_cache_tokens=256)
 
@@ -76,10 +85,15 @@ def test_a_position_bug_changes_every_greedy_output(tiny_model_factory, variant,
 
 
 # llama3-rope has a single K/V head (multi-query attention): there is no other head to read.
-@pytest.mark.parametrize("variant", sorted(v for v, (_, extra) in TINY_VARIANTS.items() if extra["num_key_value_heads"] > 1))
+LATENT = sorted(v for v, (_, extra) in TINY_VARIANTS.items() if "kv_lora_rank" in extra)
+SEVERAL_KV_HEADS = sorted(v for v, (_, extra) in TINY_VARIANTS.items() if extra["num_key_value_heads"] > 1 and v not in LATENT)
+
+
+@pytest.mark.parametrize("variant", SEVERAL_KV_HEADS + LATENT)
 def test_reading_the_wrong_kv_head_changes_every_greedy_output(tiny_model_factory, variant):
+    """A latent attention model caches no heads: there each head decompresses the latent wrongly."""
     healthy = greedy_outputs(tiny_llm(tiny_model_factory, variant))
     broken_llm = tiny_llm(tiny_model_factory, variant)
-    kv_heads_swapped(broken_llm)
+    (latent_heads_swapped if variant in LATENT else kv_heads_swapped)(broken_llm)
     for prompt, good, bad in zip(PROMPTS, healthy, greedy_outputs(broken_llm)):
         assert bad != good, f"prompt {prompt}: swapping K/V heads left the greedy tokens {good} unchanged"

@@ -49,16 +49,30 @@ def run_arrivals(llm: LLM, workload) -> list[list[int]]:
 VARIED = "llama3-rope"
 
 
-@pytest.fixture(scope="module")
-def alone(tiny_model_factory):
+def run_alone(model_dir, workload) -> list[list[int]]:
     """Each request's tokens when it runs by itself: one stage, nothing else in the batch."""
-    llm = LLM(model=tiny_model_factory(VARIED), dtype="float64", kv_cache_tokens=4096, depth=0, async_scheduling=False)
-    workload = make_workload(seed=7)
-    reference = [
+    llm = LLM(model=model_dir, dtype="float64", kv_cache_tokens=4096, depth=0, async_scheduling=False)
+    return [
         llm.generate(r["prompt"], SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True))[0].token_ids
         for r in workload
     ]
-    return workload, reference
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model_factory):
+    workload = make_workload(seed=7)
+    return workload, run_alone(tiny_model_factory(VARIED), workload)
+
+
+# A mixture of experts with latent attention: the experts a row reads depend on the other rows of its
+# micro-batch in no way, and the latent cache goes through the same blocks.
+MOE_MLA = "deepseek-v3"
+
+
+@pytest.fixture(scope="module")
+def alone_moe_mla(tiny_model_factory):
+    workload = make_workload(seed=7)[:16]
+    return workload, run_alone(tiny_model_factory(MOE_MLA), workload)
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
@@ -73,6 +87,19 @@ def test_concurrent_requests_get_the_tokens_they_get_alone(tiny_model_factory, a
     assert run_arrivals(llm, workload) == reference
     allocator = llm.engine.allocator
     assert allocator.num_free == allocator.num_blocks - 1
+    llm.engine.close()
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_a_moe_model_with_latent_attention_gets_the_tokens_it_gets_alone(tiny_model_factory, alone_moe_mla, pp, depth):
+    workload, reference = alone_moe_mla
+    llm = LLM(
+        model=tiny_model_factory(MOE_MLA), pp=pp, depth=depth, dtype="float64",
+        kv_cache_tokens=2048, prefill_chunk_size=24, buckets=[1, 2, 4, 8],
+    )
+    assert run_arrivals(llm, workload) == reference
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks - 1
     llm.engine.close()
 
 
