@@ -188,8 +188,13 @@ class Stage(nn.Module):
                 for ours, stacked in SparseMoE.stacked_hf_names(self.layer_ids[i]).items():
                     if stacked in files:
                         names[f"layers.{i}.moe.{ours}"] = [stacked]
-        wanted = sorted({n for group in names.values() for n in group})
-        tensors = files.load(wanted, self.device, self.dtype)
+        wide = {  # checkpoint names read in float32 at least (a bfloat16 model's DeepSeek router)
+            n for i, layer in enumerate(self.layers) if layer.moe is not None
+            for ours in layer.moe.float32_at_least() for n in names[f"layers.{i}.moe.{ours}"]
+        }
+        wanted = {n for group in names.values() for n in group} - wide
+        tensors = files.load(sorted(wanted), self.device, self.dtype)
+        tensors.update(files.load(sorted(wide), self.device, torch.promote_types(self.dtype, torch.float32)))
         state = {
             ours: tensors[theirs[0]] if len(theirs) == 1 else torch.cat([tensors[n] for n in theirs])
             for ours, theirs in names.items()

@@ -63,6 +63,11 @@ class SparseMoE(nn.Module):
             names["shared_expert_gate"] = [p + "shared_expert_gate.weight"]
         return names
 
+    def float32_at_least(self) -> tuple[str, ...]:
+        """Parameters loaded in float32 when the model's dtype is narrower: DeepSeek-V3's router and
+        bias, which transformers keeps in float32 (`_keep_in_fp32_modules_strict`) and routes with."""
+        return ("router", "e_score_correction_bias") if self.moe_cfg.scoring == "sigmoid" else ()
+
     @staticmethod
     def stacked_hf_names(layer: int) -> dict[str, str]:
         """Our parameter -> its name in a checkpoint saved with transformers' in-memory names, where

@@ -246,3 +246,24 @@ def test_rehearsal_accepts_the_grouped_routing_in_a_stage(tiny_model_factory, mo
     monkeypatch.setattr("graphrt.model.moe.route_grouped_topk", boolean_mask_routing)
     with pytest.raises(RehearsalError, match=r"^stage 1, bucket 4: aten\.index"):
         rehearse_stage(stage, cache, inputs())
+
+
+def test_a_bfloat16_model_keeps_the_router_and_its_bias_in_float32(tiny_model_factory):
+    """As transformers' from_pretrained does: a bfloat16 router logit would move experts across the
+    top-k boundary. The experts themselves are bfloat16."""
+    from safetensors.torch import load_file
+
+    model_dir = tiny_model_factory("deepseek-v3")
+    checkpoint = {}
+    for shard in model_dir.glob("*.safetensors"):
+        checkpoint.update(load_file(str(shard)))
+    cfg = ModelConfig.from_dir(model_dir)
+    pipeline = Pipeline.load(cfg, WeightFiles(model_dir), [torch.device("cpu")] * 2, torch.bfloat16, cfg.max_position, "torch")
+    sparse = [(stage, i, layer.moe) for stage in pipeline.stages for i, layer in enumerate(stage.layers) if layer.moe is not None]
+    assert len(sparse) == 3  # layer 0 is dense (first_k_dense_replace 1)
+    for stage, i, moe in sparse:
+        prefix = f"model.layers.{stage.layer_ids[i]}.mlp.gate."
+        assert moe.router.dtype == moe.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(moe.router, checkpoint[prefix + "weight"])
+        assert torch.equal(moe.e_score_correction_bias, checkpoint[prefix + "e_score_correction_bias"])
+        assert moe.experts_gate_up.dtype == torch.bfloat16
