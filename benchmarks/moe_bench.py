@@ -1,10 +1,12 @@
 """Mixture-of-experts decode: graphrt against transformers' `generate` on the same random model (issue 32).
 
-    python benchmarks/moe_bench.py [--experts 16] [--top-k 2] [--hidden 512] [--layers 8]
-        [--expert-size 512] [--batches 1,32] [--tokens 16] [--prompt 16] [--rounds 3]
+    python benchmarks/moe_bench.py [--family qwen3-moe|deepseek-v3] [--experts 16] [--top-k 2]
+        [--hidden 512] [--layers 8] [--expert-size 512] [--batches 1,32] [--tokens 16] [--prompt 16] [--rounds 3]
 
-The model is a random Qwen3-MoE written with graphrt.tools.synthetic.make_tiny_model (every layer
-sparse, top-k renormalized), float32 on both sides. At each batch size B both engines decode B
+The model is random, written with graphrt.tools.synthetic.make_tiny_model, float32 on both sides:
+a Qwen3-MoE (every layer sparse, top-k renormalized), or a DeepSeek-V3 (latent attention with a
+low-rank query, kv_lora_rank hidden / 4, heads of 64 + 32 rotary dimensions, the experts in 4 groups
+of which tokens choose among the best 2 (one group where the experts are too few), one shared expert, every layer sparse). At each batch size B both engines decode B
 prompts of --prompt random tokens greedily (EOS ignored); decode tok/s is (N - 1) * B over the time
 of an N-token generation less that of a 1-token one (the prompt's time cancels), on the wall clock
 for both. Rounds interleave the engines and batch sizes; medians with the spread (min-max) are
@@ -27,20 +29,41 @@ import torch
 import transformers
 
 from graphrt import LLM, SamplingParams
+from graphrt.model.kv_cache import values_per_token
 from graphrt.model.weight_reads import expected_experts_read
 from graphrt.tools.synthetic import make_tiny_model
 
 
 def write_model(folder: Path, args: argparse.Namespace) -> Path:
-    """A random Qwen3-MoE of the sizes asked for; heads of 64 (or the hidden size, if smaller)."""
+    """A random model of `args.family` and the sizes asked for; heads of 64 (or the hidden size, if smaller)."""
     head_dim = min(64, args.hidden)
     overrides = dict(
-        hidden_size=args.hidden, num_hidden_layers=args.layers, num_experts=args.experts, num_experts_per_tok=args.top_k,
+        hidden_size=args.hidden, num_hidden_layers=args.layers, num_experts_per_tok=args.top_k,
         moe_intermediate_size=args.expert_size, intermediate_size=args.expert_size, vocab_size=args.vocab,
-        num_attention_heads=args.hidden // head_dim, num_key_value_heads=max(1, args.hidden // head_dim // 2),
-        head_dim=head_dim, max_position_embeddings=args.prompt + args.tokens + 8,
+        num_attention_heads=args.hidden // head_dim, max_position_embeddings=args.prompt + args.tokens + 8,
     )
-    return make_tiny_model(folder, "qwen3-moe", overrides=overrides)
+    if args.family == "deepseek-v3":
+        grouped = args.experts % 4 == 0 and args.experts >= 8 and args.top_k <= args.experts // 2
+        overrides.update(
+            n_routed_experts=args.experts, n_group=4 if grouped else 1, topk_group=2 if grouped else 1, first_k_dense_replace=0, n_shared_experts=1,
+            num_key_value_heads=args.hidden // head_dim, q_lora_rank=args.hidden // 2, kv_lora_rank=args.hidden // 4,
+            qk_nope_head_dim=head_dim, qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        )
+    else:
+        overrides.update(num_experts=args.experts, num_key_value_heads=max(1, args.hidden // head_dim // 2), head_dim=head_dim)
+    return make_tiny_model(folder, args.family, overrides=overrides)
+
+
+def kv_values_per_token(llm: LLM) -> str:
+    """What one layer caches per token, and for latent attention what its heads' keys and values would take."""
+    cfg = llm.engine.model_config
+    cached = values_per_token(cfg)
+    if cfg.mla is None:
+        return f"{cached} values a token a layer (K and V)"
+    plain = cfg.num_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim)
+    return (f"{cached} values a token a layer (MLA latent), against {plain} for its heads' keys and values "
+            f"uncompressed ({plain / cached:.1f}x)")
 
 
 def prompts(batch: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -80,6 +103,7 @@ def spread(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=["qwen3-moe", "deepseek-v3"], default="qwen3-moe")
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=512)
@@ -120,8 +144,8 @@ def measure(args: argparse.Namespace, batches: list[int], llm: LLM, model) -> No
     total = llm.engine.weight_reads.total_bytes
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"transformers {transformers.__version__}")
-    print(f"model: Qwen3-MoE, {args.layers} layers, hidden {args.hidden}, {args.experts} experts of {args.expert_size}, "
-          f"top-{args.top_k}, vocab {args.vocab}, float32, {total / 1e6:.1f} MB of weights")
+    print(f"model: {args.family}, {args.layers} layers, hidden {args.hidden}, {args.experts} experts of {args.expert_size}, "
+          f"top-{args.top_k}, vocab {args.vocab}, float32, {total / 1e6:.1f} MB of weights; KV cache: {kv_values_per_token(llm)}")
     print(f"decode: {args.tokens} new tokens after {args.prompt}-token prompts, {args.rounds} interleaved rounds, "
           "median (min-max)")
     print("| batch | expected experts per layer | MB read per step | graphrt tok/s | transformers tok/s | ratio | "

@@ -259,11 +259,15 @@ def test_decode_batch1(talking_tiny):
 covers("moe_bench")
 
 
-def test_moe_bench():
+@pytest.mark.parametrize(("family", "kv"), [
+    ("qwen3-moe", r"128 values a token a layer \(K and V\)"),  # a key and a value of 64 for its one KV head
+    ("deepseek-v3", r"48 values a token a layer \(MLA latent\), against 160 for its heads' keys and values uncompressed \(3\.3x\)"),
+])
+def test_moe_bench(family, kv):
     # A MoE of 4 experts, hidden 64, 2 layers: seconds, not the default's minute.
-    out = run("moe_bench", "--experts", 4, "--top-k", 2, "--hidden", 64, "--layers", 2, "--expert-size", 32, "--vocab", 128,
-              "--batches", "1,4", "--tokens", 3, "--prompt", 4, "--rounds", 1)
-    has(out, r"^model: Qwen3-MoE, 2 layers, hidden 64, 4 experts of 32, top-2, vocab 128, float32, # MB of weights$",
+    out = run("moe_bench", "--family", family, "--experts", 4, "--top-k", 2, "--hidden", 64, "--layers", 2, "--expert-size", 32,
+              "--vocab", 128, "--batches", "1,4", "--tokens", 3, "--prompt", 4, "--rounds", 1)
+    has(out, rf"^model: {family}, 2 layers, hidden 64, 4 experts of 32, top-2, vocab 128, float32, # MB of weights; KV cache: {kv}$",
         r"^\| 1 \| 2\.00 of 4 \| # \| # \(#-#\) \| # \(#-#\) \| #x \| # \| # \|$",
         r"^\| 4 \| 3\.75 of 4 \| # \| # \(#-#\) \| # \(#-#\) \| #x \| # \| # \|$")
 
