@@ -167,6 +167,7 @@ def capture_stage(
     # (masked) by attention, and leftovers there could be NaN or slow denormals.
     cache.k.zero_()
     cache.v.zero_()
+    stage.zero_expert_tokens()  # nor are its rows tokens any expert served
     records.sort(key=lambda r: r.bucket)
     return StageGraphs(stage, plan, graphs), records
 

@@ -31,6 +31,7 @@ from graphrt.distributed.transport import (
     Message,
     Sampling,
     StageFailure,
+    counter_width,
     cpu_threads_per_stage,
     open_group,
     recv_reply,
@@ -199,8 +200,8 @@ class Cluster:
                 return
             if reply.kind == HEARTBEAT:
                 continue
-            if reply.busy_us:
-                self.ring.remote_busy_s = [us / 1e6 for us in reply.busy_us[1:]]
+            if reply.counters:
+                self.ring.read_counters(reply.counters)
             with self._lock:
                 event, mb = self._pending.pop(reply.micro_batch, (None, None))
             if event is not None:
@@ -328,6 +329,7 @@ class RemoteRing(Ring):
     last_sent: float = field(init=False, default_factory=time.monotonic)
     heartbeat_queued: bool = field(init=False, default=False)
     remote_busy_s: list[float] = field(init=False, default_factory=list)  # stages 1.., as of the last reply
+    remote_expert_tokens: list[list[int]] = field(init=False, default_factory=list)  # likewise
     _seeded: dict = field(init=False, default_factory=dict)  # request id -> Sequence with a generator on the last rank
 
     def __post_init__(self) -> None:
@@ -341,6 +343,19 @@ class RemoteRing(Ring):
         """Stage 0's busy seconds, measured here, then the other stages' from the last reply."""
         remote = self.remote_busy_s or [0.0] * (self.cluster.link.world_size - 1)
         return [self.busy_s[0], *remote]
+
+    def read_counters(self, counters: list[int]) -> None:
+        """The stage counters of a reply: stages 1..'s busy seconds and expert load."""
+        width = len(counters) // self.cluster.link.world_size
+        records = [counters[rank * width : (rank + 1) * width] for rank in range(1, self.cluster.link.world_size)]
+        self.remote_busy_s = [record[0] / 1e6 for record in records]
+        self.remote_expert_tokens = [record[1:] for record in records]
+
+    @property
+    def stage_expert_tokens(self) -> list[list[int]]:
+        """Stage 0's tokens per expert, read here, then the other stages' from the last reply."""
+        remote = self.remote_expert_tokens or [[] for _ in range(self.cluster.link.world_size - 1)]
+        return [self.pipeline.stages[0].seen_expert_tokens(), *remote]
 
     def _make_feed(self) -> torch.Tensor:
         return self.host_tokens  # the receive thread writes the tokens there; stage 0 reads them on the host
@@ -383,7 +398,8 @@ class RemoteRing(Ring):
 
     def _send(self, message: Message, slot: RingSlot, num_tokens: int) -> None:
         message.hidden = slot.recv[1][:num_tokens]
-        message.busy_us = [0] * self.cluster.link.world_size  # each rank writes its own as it passes
+        # each rank writes its own as it passes
+        message.counters = [0] * self.cluster.link.world_size * counter_width(self.pipeline.stages[0].cfg)
         self.cluster.send(message)
         self.last_sent = time.monotonic()
 

@@ -2,17 +2,18 @@
 
 A micro-batch travels from rank k to rank k+1 as
   header    int64 (HEADER_SIZE,): kind, micro-batch id, slot, rows, tokens, bucket, block-table
-            width, sampled rows, released request ids, busy counters, logits rows, scored sampled
+            width, sampled rows, released request ids, stage counters, logits rows, scored sampled
             rows, scored prompt rows, logprob alternatives + 1 (0: no logprobs)
   ints      int64: positions, slot mapping, block tables, seq lens, logits rows, query lens
             (prefill), then for sampling: sampled rows, request ids, top_k, seeds, has-seed,
-            then the request ids whose generators can go, then one busy counter per rank (the
-            microseconds each stage so far has worked in all, filled in as the micro-batch passes),
+            then the request ids whose generators can go, then each rank's stage counters (`counter_width`
+            of them: the microseconds the stage so far has worked in all, then for a mixture of
+            experts the tokens it routed to each expert; filled in as the micro-batch passes),
             then for logprobs (graphrt.runtime.logprobs): the scored sampled rows, the scored prompt tokens
   floats    float64 (2 * sampled rows): temperature, top_p      (only when rows are sampled)
   hidden    (tokens, hidden_size) in the stage dtype, into the receiver's per-slot buffer (k > 0)
 and the last rank answers rank 0 with a reply header (REPLY_SIZE,) followed by the token ids, the
-busy counters, from which rank 0 reports every stage's busy time, and any logprobs (float32
+stage counters, from which rank 0 reports every stage's busy time and expert load, and any logprobs (float32
 values, int64 alternatives' ids).
 Nothing is pickled, so every rank reads the same bytes the same way, and gloo (CPU) and NCCL (GPU,
 device tensors) carry it alike. Every wait is bounded by the watchdog, so a dead or silent peer
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from graphrt.errors import GraphrtError
 from graphrt.kernels.cpu.placement import usable_cores
 from graphrt.model.batch import StepMetadata
+from graphrt.model.config import ModelConfig
 from graphrt.sampling_params import SamplingParams
 
 HEADER_SIZE = 16
@@ -46,6 +48,11 @@ def cpu_threads_per_stage(world_size: int, num_cores: int | None = None) -> int:
     taskset mask or a pinned engine process, not the machine's); more threads than cores make
     every op wait on the others."""
     return max(1, (num_cores or len(usable_cores())) // world_size)
+
+
+def counter_width(cfg: ModelConfig) -> int:
+    """Each rank's stage counters: its busy microseconds, then a mixture of experts' tokens per expert."""
+    return 1 + (cfg.moe.num_experts if cfg.moe is not None else 0)
 
 
 def stage_name(rank: int) -> str:
@@ -78,7 +85,7 @@ class Message:
     bucket: int | None = None
     sampling: Sampling | None = None
     hidden: torch.Tensor | None = None  # (tokens, hidden_size), a view into the slot's buffer
-    busy_us: list[int] | None = None  # per rank: microseconds of stage work so far (see the module docstring)
+    counters: list[int] | None = None  # per rank, `counter_width` of them (see the module docstring)
 
 
 class Link:
@@ -131,7 +138,7 @@ def encode(message: Message) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     num_tokens = meta.positions.shape[0]
     num_sampled = len(sampling.rows) if sampling else 0
     released = sampling.released if sampling else []
-    busy = message.busy_us or []
+    busy = message.counters or []
     scored, prompt_targets = (sampling.scored, sampling.prompt_targets) if sampling else ([], [])
     logprobs_width = sampling.num_top + 1 if sampling else 0
     header[3:14] = torch.tensor([
@@ -196,7 +203,7 @@ def decode(header: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor | None
             sample_rows, request_ids, params, [s if h else None for s, h in zip(seeds, has_seed)], released,
             scored.tolist(), prompt_targets.tolist(), logprobs_width - 1,
         )
-    return Message(kind, micro_batch, slot, meta, bucket or None, sampling, busy_us=busy.tolist())
+    return Message(kind, micro_batch, slot, meta, bucket or None, sampling, counters=busy.tolist())
 
 
 def send_message(link: Link, message: Message, dst: int) -> None:
@@ -232,7 +239,7 @@ class Reply:
     micro_batch: int
     slot: int
     token_ids: torch.Tensor | None = None  # None without sampled rows
-    busy_us: list[int] = field(default_factory=list)
+    counters: list[int] = field(default_factory=list)
     logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # values, alternatives' ids (graphrt.runtime.logprobs)
 
 
@@ -240,10 +247,10 @@ def send_reply(link: Link, reply: Reply) -> None:
     count = 0 if reply.token_ids is None else reply.token_ids.shape[0]
     values, top_ids = reply.logprobs if reply.logprobs is not None else (torch.zeros(0, 0), torch.zeros(0, 0))
     header = torch.tensor(
-        [reply.kind, reply.micro_batch, reply.slot, count, len(reply.busy_us), values.shape[0], values.shape[1]], dtype=torch.int64
+        [reply.kind, reply.micro_batch, reply.slot, count, len(reply.counters), values.shape[0], values.shape[1]], dtype=torch.int64
     )
     tensors = [header] + ([reply.token_ids.to(torch.int64)] if count else [])
-    tensors += [torch.tensor(reply.busy_us, dtype=torch.int64)] if reply.busy_us else []
+    tensors += [torch.tensor(reply.counters, dtype=torch.int64)] if reply.counters else []
     tensors += [values.float()] if values.numel() else []
     tensors += [top_ids.to(torch.int64)] if top_ids.numel() else []  # none with 0 alternatives
     link.send(tensors, 0, reply=True)
@@ -257,7 +264,7 @@ def recv_reply(link: Link, src: int) -> Reply:
     if count:
         reply.token_ids = link.recv(torch.empty(count, dtype=torch.int64), src, reply=True)
     if num_busy:
-        reply.busy_us = link.recv(torch.empty(num_busy, dtype=torch.int64), src, reply=True).tolist()
+        reply.counters = link.recv(torch.empty(num_busy, dtype=torch.int64), src, reply=True).tolist()
     if lp_rows * lp_width:
         values = link.recv(torch.empty(lp_rows, lp_width, dtype=torch.float32), src, reply=True)
         top_ids = torch.empty(lp_rows, lp_width - 1, dtype=torch.int64)

@@ -136,8 +136,12 @@ class StageWorker:
                 out = self.graphs.run(message.hidden, meta)
             reply = self._sample(message, out) if self.stage.is_last else None
             self.busy_s += time.perf_counter() - started
-            if message.busy_us:  # rank 0 reports every stage's busy time from these (/metrics)
-                message.busy_us[self.rank] = int(self.busy_s * 1e6)
+            if message.counters:  # rank 0 reports every stage's busy time and expert load from these (/metrics)
+                self.stage.publish_expert_tokens()
+                record = [int(self.busy_s * 1e6), *self.stage.seen_expert_tokens()]
+                width = len(message.counters) // self.link.world_size
+                record += [0] * (width - len(record))  # a dense stage of a mixture of experts routes nothing
+                message.counters[self.rank * width : (self.rank + 1) * width] = record
             self._pass_on(message, out if not self.stage.is_last else None, reply)
 
     def _sample(self, message: Message, out: torch.Tensor) -> Reply:
@@ -167,7 +171,7 @@ class StageWorker:
     def _pass_on(self, message: Message, out: torch.Tensor | None, reply: Reply | None = None) -> None:
         if self.stage.is_last:
             reply = reply or Reply(message.kind, message.micro_batch, message.slot)
-            reply.busy_us = message.busy_us or []
+            reply.counters = message.counters or []
             send_reply(self.link, reply)
         else:
             message.hidden = out

@@ -67,6 +67,9 @@ class EngineSnapshot:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # A mixture of experts: per stage, the tokens its sparse layers routed to each expert (() for a
+    # dense stage; stage processes: as of their last reply)
+    stage_expert_tokens: tuple[tuple[int, ...], ...] = ()
 
 
 def prompt_of(choice: int, num_prompts: int, num_choices: int) -> int:
@@ -184,6 +187,7 @@ class EngineCore:
             spec_num_draft_tokens=engine.stats.spec.num_draft_tokens,
             spec_num_accepted_tokens=engine.stats.spec.num_accepted_tokens,
             spec_accepted_per_position=tuple(engine.stats.spec.accepted_per_position),
+            stage_expert_tokens=tuple(map(tuple, engine.ring.stage_expert_tokens)),
         )
 
 

@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
         eps = cfg.rms_norm_eps
         hidden, residual = ops.rms_norm(hidden, self.input_norm, eps, residual)
         if self.mla is not None:
-            return self._mlp(ops.linear(self.mla(hidden, meta, cos, sin, k_cache, ops), self.o_proj), residual)
+            return self._mlp(ops.linear(self.mla(hidden, meta, cos, sin, k_cache, ops), self.o_proj), residual, meta, k_cache)
         qkv = ops.linear(hidden, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
@@ -117,14 +117,17 @@ class DecoderLayer(nn.Module):
             attn = ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, meta.max_seq_len
             )
-        return self._mlp(ops.linear(attn.reshape(-1, self.q_size), self.o_proj), residual)
+        return self._mlp(ops.linear(attn.reshape(-1, self.q_size), self.o_proj), residual, meta, k_cache)
 
-    def _mlp(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _mlp(
+        self, hidden: torch.Tensor, residual: torch.Tensor, meta: StepMetadata, k_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The second half of the layer, from the attention's output projected by o_proj."""
         ops = self.ops
         hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, self.cfg.rms_norm_eps, residual)
         if self.moe is not None:
-            hidden = self.moe(hidden, ops)
+            real_tokens = meta.slot_mapping >= k_cache.shape[1]  # padding rows write to block 0, the scratch block
+            hidden = self.moe(hidden, ops, real_tokens)
         else:
             hidden = ops.linear(ops.gate_up_silu(hidden, self.gate_up_proj), self.down_proj)
         return hidden, residual
@@ -154,6 +157,10 @@ class Stage(nn.Module):
         self.device = device
         self.dtype = dtype
         self._decode_step: Callable | None = None  # what ops.decode_layers made for this stage: see use_kernels
+        # A mixture of experts' tokens routed to each expert by this stage's sparse layers (Stage.load),
+        # a buffer of the stage: a graph writes only into tensors the stage owns (capture/rehearsal.py)
+        self.register_buffer("expert_tokens", None, persistent=False)
+        self._expert_tokens_seen: torch.Tensor | None = None
         # A synthetic stage (graphrt.tools.synthetic) also sleeps this long per forward, as a GPU
         # kernel would free the host; on CUDA only eager forwards sleep, a replayed graph does not.
         self.synthetic_delay_s = 0.0
@@ -206,6 +213,14 @@ class Stage(nn.Module):
         for layer in self.layers:
             if layer.mla is not None:
                 layer.mla.loaded()
+        sparse = [layer.moe for layer in self.layers if layer.moe is not None]
+        if sparse:
+            self.expert_tokens = torch.zeros(self.cfg.moe.num_experts, dtype=torch.int64, device=self.device)
+            # what the host reads: on a GPU a pinned copy the stage's stream refreshes without waiting
+            on_gpu = self.device.type == "cuda"
+            self._expert_tokens_seen = torch.zeros_like(self.expert_tokens, device="cpu").pin_memory() if on_gpu else self.expert_tokens
+            for moe in sparse:
+                moe.expert_tokens = self.expert_tokens
         # Weights stay dense until the stage's kernels are chosen (graphrt.runtime.stage_builder),
         # which may keep them in forms of their own and needs the largest decode bucket.
 
@@ -258,6 +273,22 @@ class Stage(nn.Module):
             return WeightReads(self.weight_bytes())
         moe = self.cfg.moe
         return WeightReads(self.weight_bytes() - expert_bytes, expert_bytes, moe.num_experts, moe.num_experts_per_tok)
+
+    def publish_expert_tokens(self) -> None:
+        """After a micro-batch, on the stage's stream: refresh the copy `seen_expert_tokens` reads
+        (on a GPU without waiting for it; on a CPU the counts are read where they are)."""
+        if self._expert_tokens_seen is not None and self._expert_tokens_seen is not self.expert_tokens:
+            self._expert_tokens_seen.copy_(self.expert_tokens, non_blocking=True)
+
+    def seen_expert_tokens(self) -> list[int]:
+        """Tokens routed to each expert by this stage's sparse layers since the counts were last
+        zeroed (padding rows not counted), as of the last publish: [] for a dense stage."""
+        return [] if self._expert_tokens_seen is None else self._expert_tokens_seen.tolist()
+
+    def zero_expert_tokens(self) -> None:
+        if self.expert_tokens is not None:
+            self.expert_tokens.zero_()
+            self.publish_expert_tokens()
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, meta: StepMetadata, kv: StageKVCache) -> torch.Tensor:

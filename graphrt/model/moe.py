@@ -34,6 +34,9 @@ class SparseMoE(nn.Module):
         self.shared_gate_up_proj = empty(2 * shared, cfg.hidden_size) if shared else None
         self.shared_down_proj = empty(cfg.hidden_size, shared) if shared else None
         self.shared_expert_gate = empty(1, cfg.hidden_size) if moe.shared_expert_gated else None
+        # (num_experts,) int64 on the device, shared by the stage's sparse layers (Stage.load): the
+        # tokens routed to each expert, for /metrics. None counts nothing (a layer built alone).
+        self.expert_tokens: torch.Tensor | None = None
 
     @staticmethod
     def hf_names(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
@@ -77,8 +80,14 @@ class SparseMoE(nn.Module):
             "router": p + "gate.weight", "experts_gate_up": p + "experts.gate_up_proj", "experts_down": p + "experts.down_proj",
         }
 
-    def forward(self, hidden: torch.Tensor, ops: KernelSet) -> torch.Tensor:  # (tokens, hidden_size)
+    def forward(self, hidden: torch.Tensor, ops: KernelSet, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: (tokens, hidden_size); real_tokens: (tokens,) bool, False for a graph's padding
+        rows, which are routed like any other but not counted in expert_tokens."""
         topk_weights, topk_ids = self.route(hidden, ops)  # (tokens, top_k) each
+        if self.expert_tokens is not None and real_tokens is not None:
+            # index_add_ of a static shape: a graph holds it, and nothing is read back here
+            per_choice = real_tokens.to(torch.int64)[:, None].expand(topk_ids.shape).reshape(-1)
+            self.expert_tokens.index_add_(0, topk_ids.reshape(-1), per_choice)
         out = ops.fused_moe(hidden, self.experts_gate_up, self.experts_down, topk_weights, topk_ids)
         if self.shared_gate_up_proj is not None:
             shared = ops.linear(ops.gate_up_silu(hidden, self.shared_gate_up_proj), self.shared_down_proj)

@@ -309,6 +309,7 @@ class Ring:
                 out = stage(x, stage_meta, cache)
             else:
                 out = self.graphs[index].run(x, stage_meta)
+            stage.publish_expert_tokens()
             if not stage.is_last:
                 with self.ranges.transfer(index):
                     slot.recv[index + 1][:num_tokens].copy_(out, non_blocking=True)
@@ -387,6 +388,11 @@ class Ring:
     def stage_busy_s(self) -> list[float]:
         """Seconds each stage has spent on micro-batches (all stages are local here)."""
         return list(self.busy_s)
+
+    @property
+    def stage_expert_tokens(self) -> list[list[int]]:
+        """Each stage's tokens per expert ([] for a dense stage), as of its last micro-batch."""
+        return [stage.seen_expert_tokens() for stage in self.pipeline.stages]
 
     def collect_busy(self, mb: MicroBatch) -> None:
         """Add a finished micro-batch's CUDA-timed stage work to `busy_s`."""

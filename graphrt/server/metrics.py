@@ -74,6 +74,29 @@ class EngineCollector(Collector):
         for position, count in enumerate(snap.spec_accepted_per_position):
             per_position.add_metric([str(position)], count)
         yield per_position
+        if any(snap.stage_expert_tokens):
+            yield from expert_load(snap.stage_expert_tokens)
+
+
+def expert_load(stage_expert_tokens: tuple[tuple[int, ...], ...]):
+    """A mixture of experts' load: each stage's tokens per expert (summed over its sparse layers, a
+    graph's padding rows not counted), the histogram over experts a dashboard draws, and how far
+    its busiest expert is above the mean (1 is perfectly even; expert parallelism waits on the busiest)."""
+    tokens = CounterMetricFamily(
+        "graphrt_moe_expert_tokens", "Tokens a stage's sparse layers routed to each expert (one per layer and choice)",
+        labels=["stage", "expert"],
+    )
+    imbalance = GaugeMetricFamily(
+        "graphrt_moe_expert_load_imbalance", "A stage's busiest expert's tokens over the mean expert's, since start",
+        labels=["stage"],
+    )
+    for stage, counts in enumerate(stage_expert_tokens):
+        for expert, count in enumerate(counts):
+            tokens.add_metric([str(stage), str(expert)], count)
+        if counts and sum(counts):
+            imbalance.add_metric([str(stage)], max(counts) * len(counts) / sum(counts))
+    yield tokens
+    yield imbalance
 
 
 class ServerMetrics:

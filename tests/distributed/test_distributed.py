@@ -77,6 +77,7 @@ def test_a_mixture_of_experts_over_stage_processes_gives_the_single_process_toke
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = LLM(model=model, pp=2, **OPTIONS)
     expected = outputs(alone, greedy)
+    expert_tokens = alone.engine.ring.stage_expert_tokens
     alone.engine.close()
     llm = LLM(model=model, pp=2, procs=True, watchdog_s=30, **OPTIONS)
     children = llm.engine.cluster.children
@@ -84,6 +85,8 @@ def test_a_mixture_of_experts_over_stage_processes_gives_the_single_process_toke
         assert outputs(llm, greedy) == expected
         assert llm.engine.layers == alone.engine.layers and llm.engine.partition_rows == alone.engine.partition_rows == 4
         assert llm.engine.weight_reads == alone.engine.weight_reads and llm.engine.weight_reads.expert_bytes > 0
+        # the worker's expert load reaches rank 0 with each reply: each stage holds one sparse layer
+        assert llm.engine.ring.stage_expert_tokens == expert_tokens and all(sum(t) > 0 for t in expert_tokens)
     finally:
         llm.engine.close()
         codes = wait_all_exited(children, within_s=10)

@@ -33,7 +33,7 @@ def micro_batch(kind: int, with_sampling: bool, released: list[int], with_logpro
             sampling.scored = [1] if with_sampling else []
             sampling.prompt_targets = [99, 98, 97] if query_lens else []
             sampling.num_top = 5
-    return Message(kind, micro_batch=17, slot=2, meta=meta, bucket=4 if kind == DECODE else None, sampling=sampling, busy_us=[0, 5, 123456789])
+    return Message(kind, micro_batch=17, slot=2, meta=meta, bucket=4 if kind == DECODE else None, sampling=sampling, counters=[0, 5, 123456789])
 
 
 @pytest.mark.parametrize("kind", [PREFILL, DECODE])
@@ -50,7 +50,7 @@ def test_a_micro_batch_round_trips(kind, with_sampling, released, with_logprobs)
     for field in ("positions", "slot_mapping", "block_tables", "seq_lens", "logits_indices"):
         assert torch.equal(getattr(got.meta, field), getattr(sent.meta, field)), field
     assert got.meta.seq_lens_host == sent.meta.seq_lens_host and got.meta.query_lens == sent.meta.query_lens
-    assert got.busy_us == sent.busy_us
+    assert got.counters == sent.counters
     if sent.sampling is None:
         assert got.sampling is None
         return

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
-from graphrt import LLM
+from graphrt import LLM, SamplingParams
 from graphrt.capture.graphs import StaticInputs
 from graphrt.capture.rehearsal import RehearsalError, rehearse_stage
 from graphrt.errors import ModelLoadError
@@ -264,3 +264,27 @@ def test_rehearsal_names_a_data_dependent_experts_loop(tiny_model_factory):
     sparse[0].ops = dataclasses.replace(stage.ops, fused_moe=transformers_style_experts)
     with pytest.raises(RehearsalError, match=r"^stage 1, bucket 4: aten\.nonzero"):
         rehearse_stage(stage, cache, inputs())
+
+
+def test_expert_load_counts_each_token_the_experts_transformers_routes_it_to(tiny_model_factory):
+    """Each stage's tokens per expert: every prompt token and every token fed back, once per sparse
+    layer and choice, none of a graph's padding rows (5 requests over 2 ring slots ride buckets of 4
+    rows with 1 or 2 rows) nor of the capture's verification. transformers' router logits for the
+    same tokens give the same experts."""
+    model_dir = tiny_model_factory("mixtral")
+    prompts = [[5, 9, 13], list(range(20, 45)), [1, 2], [7, 8, 9, 10], [3]]
+    llm = LLM(model=model_dir, pp=2, depth=0, dtype="float64", kv_cache_tokens=512, buckets=[1, 4], prefix_caching=False)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+    hf = hf_model(model_dir, torch.float64)
+    cfg, layers = llm.engine.model_config, llm.engine.layers
+    expected = [[0] * cfg.moe.num_experts for _ in layers]
+    for prompt, output in zip(prompts, outputs):
+        fed = torch.tensor([prompt + output.token_ids[:-1]])  # the last token is never fed back
+        with torch.no_grad():
+            router_logits = hf(fed, output_router_logits=True).router_logits  # per layer: (tokens, experts)
+        for stage, layer_ids in enumerate(layers):
+            for layer in layer_ids:
+                for expert in router_logits[layer].topk(cfg.moe.num_experts_per_tok, dim=-1).indices.flatten().tolist():
+                    expected[stage][expert] += 1
+    assert llm.engine.ring.stage_expert_tokens == expected
+    assert min(min(counts) for counts in expected) < max(max(counts) for counts in expected)  # an uneven load
