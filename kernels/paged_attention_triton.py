@@ -68,6 +68,47 @@ def write_kv(
 
 
 @triton.jit
+def _split_bounds(seq_len, split, NUM_SPLITS: tl.constexpr, TILE: tl.constexpr):
+    """[start, end) of this split's tokens. Each sequence's own context is cut into NUM_SPLITS parts
+    (whole tiles), read here from the device: a split count chosen from the table's width
+    (max_model_len in a graph) would leave all but the first splits idle on a short context."""
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
+    start = split * tokens_per_split
+    return start, tl.minimum(start + tokens_per_split, seq_len)
+
+
+@triton.jit
+def _context_tile(block_tables_ptr, table_row, tile_start, end, block_size, cache_block_stride, cache_token_stride,
+                  TILE: tl.constexpr):
+    """The TILE tokens from tile_start: (which are before end, where each one's row starts in the cache
+    through the block table row at `table_row`)."""
+    tokens = tile_start + tl.arange(0, TILE)
+    live = tokens < end
+    block_ids = tl.load(block_tables_ptr + table_row + tokens // block_size, mask=live, other=0).to(tl.int64)
+    return live, block_ids * cache_block_stride + (tokens % block_size) * cache_token_stride
+
+
+@triton.jit
+def _online_softmax(scores, running_max, running_sum):
+    """One tile of (rows, TILE) scores into the running max and sum: (probs, correction for what
+    was accumulated, new max, new sum). Masked scores are -inf; every tile has a live one."""
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    probs = tl.exp(scores - new_max[:, None])
+    correction = tl.exp(running_max - new_max)
+    return probs, correction, new_max, running_sum * correction + tl.sum(probs, axis=1)
+
+
+@triton.jit
+def _store_split(partial_out_ptr, partial_max_ptr, partial_sum_ptr, stat_offset, row_ok, dims, dim_ok, head_dim,
+                 running_max, running_sum, acc):
+    """A split's partial result in the layout `_decode_merge_kernel` reads. An empty split (past
+    the end of a short sequence) records max -inf and sum 0: it weighs nothing."""
+    tl.store(partial_max_ptr + stat_offset, running_max, mask=row_ok)
+    tl.store(partial_sum_ptr + stat_offset, running_sum, mask=row_ok)
+    tl.store(partial_out_ptr + stat_offset[:, None] * head_dim + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
@@ -80,13 +121,7 @@ def _decode_split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    # Each sequence's own context is cut into NUM_SPLITS parts (whole tiles), read here from the
-    # device: a split count chosen from the table's width (max_model_len in a graph) would leave
-    # all but the first splits idle on a short context.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE) * TILE
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    start, end = _split_bounds(tl.load(seq_lens_ptr + seq).to(tl.int32), split, NUM_SPLITS, TILE)
 
     group = tl.arange(0, GROUP_PAD)  # query heads sharing this kv head, padded for tl.dot
     dims = tl.arange(0, HEAD_DIM)
@@ -102,36 +137,27 @@ def _decode_split_kernel(
     running_sum = tl.zeros([GROUP_PAD], COMPUTE_DTYPE)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], COMPUTE_DTYPE)
     for tile_start in range(start, end, TILE):
-        tokens = tile_start + tl.arange(0, TILE)
-        live = tokens < end
-        block_ids = tl.load(block_tables_ptr + seq.to(tl.int64) * table_stride + tokens // block_size, mask=live,
-                            other=0).to(tl.int64)
-        rows = block_ids * cache_block_stride + (tokens % block_size) * cache_token_stride + kv_head * cache_head_stride
+        live, rows = _context_tile(block_tables_ptr, seq.to(tl.int64) * table_stride, tile_start, end, block_size,
+                                   cache_block_stride, cache_token_stride, TILE)
+        rows += kv_head * cache_head_stride
         kv_mask = live[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (TILE, HEAD_DIM)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=COMPUTE_DTYPE) * scale
         scores = tl.where(live[None, :], scores, float("-inf"))  # (GROUP_PAD, TILE)
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: every tile has a live token
-        probs = tl.exp(scores - new_max[:, None])
-        correction = tl.exp(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        probs, correction, running_max, running_sum = _online_softmax(scores, running_max, running_sum)
         v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * correction[:, None] + tl.dot(
             probs.to(v.dtype), v, input_precision=DOT_PRECISION, out_dtype=COMPUTE_DTYPE
         )
-        running_max = new_max
 
-    out_mask = head_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
         out = acc / running_sum[:, None]
         out_offset = seq.to(tl.int64) * num_heads * head_dim + heads[:, None] * head_dim + dims[None, :]
-        tl.store(out_ptr + out_offset, out.to(q.dtype), mask=out_mask)
+        tl.store(out_ptr + out_offset, out.to(q.dtype), mask=head_ok[:, None] & dim_ok[None, :])
     else:
-        # An empty split (past the end of a short sequence) records max -inf and sum 0: it weighs nothing.
         stat_offset = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
-        tl.store(partial_max_ptr + stat_offset, running_max, mask=head_ok)
-        tl.store(partial_sum_ptr + stat_offset, running_sum, mask=head_ok)
-        tl.store(partial_out_ptr + stat_offset[:, None] * head_dim + dims[None, :], acc, mask=out_mask)
+        _store_split(partial_out_ptr, partial_max_ptr, partial_sum_ptr, stat_offset, head_ok, dims, dim_ok, head_dim,
+                     running_max, running_sum, acc)
 
 
 @triton.jit

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from graphrt.kernels import activation_triton, mla, moe_triton, paged_attention_triton, rmsnorm_triton, rotary_triton
+from graphrt.kernels import activation_triton, mla_triton, moe_triton, paged_attention_triton, rmsnorm_triton, rotary_triton
 from graphrt.kernels.kernel_set import KernelSet
 
 TRITON = KernelSet(
@@ -21,6 +21,6 @@ TRITON = KernelSet(
     paged_prefill_attention=paged_attention_triton.paged_prefill_attention,  # the torch reference: prefill is eager
     linear=F.linear,  # cuBLAS
     gate_up_silu=activation_triton.gate_up_silu,
-    paged_latent_decode_attention=mla.paged_latent_decode_attention,  # the torch reference until its kernel lands
+    paged_latent_decode_attention=mla_triton.paged_latent_decode_attention,
     fused_moe=moe_triton.fused_moe,
 )

@@ -13,7 +13,8 @@
 #   smoke              scripts/gpu_smoke.py: graphrt imports, a tiny model captured and replayed, greedy = eager
 #   write_model        a random Llama-3.2-1B-shaped bfloat16 model, made on the GPU (no download)
 #   capture            `graphrt capture --pp 2` of the 1B-shaped model, every default bucket
-#   pytest_cuda        tests/kernels/test_kernels.py and test_moe_triton.py whole (their Triton tests, bfloat16 too), then pytest -m cuda
+#   pytest_cuda        tests/kernels/test_kernels.py, test_moe_triton.py and test_mla_triton.py whole (their Triton tests,
+#                      bfloat16 too), then pytest -m cuda
 #                      (the server tests skip where fastapi, uvicorn or openai are missing)
 #   graph_replay_gpu   decode step per bucket, graph replay against eager; capture per (stage, bucket)
 #   pp_throughput_gpu  pp 1, 2, 4 on the one GPU at batch 1 and 64; share of the HBM peak
@@ -54,7 +55,7 @@ TOTAL_SECONDS=${TOTAL_SECONDS:-350}  # the device tool's lease is counted in min
 DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
 SELF_CHECK=${GPU_CHECK_SELF_CHECK:-0}
 # Each step's limit in seconds, in the order the steps run. Sized for a warm Triton cache: compiling
-# all 114 variants there would take about 20-30 s more, spread over the steps.
+# all 227 variants there would take about 20-30 s more, spread over the steps.
 STEP_LIMITS=(setup:20 smoke:60 write_model:15 capture:30 pytest_cuda:60 graph_replay_gpu:25 pp_throughput_gpu:30
     kernels_gpu:10 generate:20 serve:20 doctor:10)
 REPORT_SECONDS=20   # the machine report and the CUDA probe, outside any step
@@ -361,8 +362,8 @@ else
     run_step capture "$(limit_of capture)" "$capture"
 
     # The Triton kernel files whole: `-m cuda` alone would deselect all but a few of their Triton tests.
-    run_step pytest_cuda "$(limit_of pytest_cuda)" "'$PY' -m pytest -v -rfEs -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_moe_triton.py; kernels=\$?; \
-        '$PY' -m pytest -m cuda -v -rfEs --continue-on-collection-errors -p no:cacheprovider --ignore=tests/kernels/test_kernels.py --ignore=tests/kernels/test_moe_triton.py tests; \
+    run_step pytest_cuda "$(limit_of pytest_cuda)" "'$PY' -m pytest -v -rfEs -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_moe_triton.py tests/kernels/test_mla_triton.py; kernels=\$?; \
+        '$PY' -m pytest -m cuda -v -rfEs --continue-on-collection-errors -p no:cacheprovider --ignore=tests/kernels/test_kernels.py --ignore=tests/kernels/test_moe_triton.py --ignore=tests/kernels/test_mla_triton.py tests; \
         marked=\$?; exit \$(( kernels != 0 ? kernels : marked ))"
 
     run_step graph_replay_gpu "$(limit_of graph_replay_gpu)" "$(cpu_first 'benchmarks/graph_replay_gpu.py --device cpu --buckets 1,2 --repeats 2')\

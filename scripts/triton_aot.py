@@ -13,13 +13,14 @@ unpacks the archive into its TRITON_CACHE_DIR and reports how many kernels it st
 1. `record` finds the variants from the code, not from a list: every `@triton.jit` kernel launch in
    graphrt.kernels is intercepted (KernelInterface.__getitem__) and described as the JIT specializes
    it (tensor dtypes and 16-byte alignment, ints as 1 / multiple of 16 / other, constexprs, options)
-   while the check's workloads run on the CPU: tests/kernels/test_kernels.py through Triton's interpreter
-   (with a bfloat16 twin of each float16 launch: the tests add bfloat16 on CUDA), benchmarks/
-   kernels_gpu.py's cases, and the engines that `graphrt capture` / `generate` / `serve`,
-   graph_replay_gpu.py and pp_throughput_gpu.py build (their own build functions, on the CPU with
-   kernels="triton"; a launch is recorded, not run, and the torch reference computes the result),
-   and, as the check's engines run no MoE model, the fused-MoE kernels at each decode bucket for each
-   MoE family's routing (record_moe_layers).
+   while the check's workloads run on the CPU: tests/kernels/test_kernels.py and test_mla_triton.py
+   through Triton's interpreter (with a bfloat16 twin of each float16 launch: the tests add bfloat16
+   on CUDA), benchmarks/kernels_gpu.py's cases, and the engines that `graphrt capture` / `generate` /
+   `serve`, graph_replay_gpu.py and pp_throughput_gpu.py build (their own build functions, on the CPU
+   with kernels="triton"; a launch is recorded, not run, and the torch reference computes the
+   result), and, as the check's engines run no MoE or MLA model, the fused-MoE kernels at each decode
+   bucket for each MoE family's routing (record_moe_layers) and MLA's latent decode attention at each
+   decode bucket at DeepSeek-V3's widths (record_mla_layers).
    Decode attention's split count is what `default_num_splits` gives on an H200 (132 SMs).
 3. `compile` runs each recorded launch through triton 3.6's own JIT path (`JITFunction.run(...,
    warmup=True)`, which compiles without launching) against a compile-only driver whose target is
@@ -208,21 +209,25 @@ def record_only_kernel_set() -> None:
     })
 
 
+# Test files that gpu_check.sh's pytest_cuda step runs whole, within its minute.
+KERNEL_TESTS = "tests/kernels/test_kernels.py tests/kernels/test_mla_triton.py"
+
+
 def record_kernel_tests(path: Path) -> None:
-    """tests/kernels/test_kernels.py through the interpreter, this file as a pytest plugin that records."""
+    """KERNEL_TESTS through the interpreter, this file as a pytest plugin that records."""
     env = dict(os.environ, TRITON_INTERPRET="1", TRITON_AOT_RECORD=str(path), PYTHONPATH=f"{ROOT / 'scripts'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "triton_aot", str(ROOT / "tests" / "kernels" / "test_kernels.py")]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "triton_aot", *KERNEL_TESTS.split()]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     tail = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
     # The tests run with the GPU's split counts, so a CPU-only assertion may fail; the launches are what count.
-    print(f"  tests/kernels/test_kernels.py (interpreter, exit {result.returncode}): {tail}")
+    print(f"  {KERNEL_TESTS} (interpreter, exit {result.returncode}): {tail}")
     if not path.exists():
-        raise SystemExit(f"tests/kernels/test_kernels.py recorded nothing:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+        raise SystemExit(f"{KERNEL_TESTS} recorded nothing:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
 
 
 def pytest_configure(config):  # noqa: ARG001 - this file as the plugin of record_kernel_tests
     recorder = LaunchRecorder(launch=True)
-    recorder.source = "tests/kernels/test_kernels.py"
+    recorder.source = KERNEL_TESTS
     recorder.install()
     split_counts_as_on_the_gpu()
     config._triton_aot_recorder = recorder
@@ -305,11 +310,12 @@ def record_workloads(recorder: LaunchRecorder, scratch: Path) -> None:
                 case.triton(*case.inputs)
 
     record_moe_layers(recorder)
+    record_mla_layers(recorder)
 
 
 # (experts, top-k) of the MoE families of issue 32: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 / Kimi K2.
 MOE_ROUTINGS = ((8, 2), (60, 4), (128, 8), (256, 8))
-MOE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode buckets, up to the largest KV memory gives on the GPU
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # decode buckets, up to the largest KV memory gives on the GPU
 
 
 def record_moe_layers(recorder: LaunchRecorder) -> None:
@@ -327,10 +333,39 @@ def record_moe_layers(recorder: LaunchRecorder) -> None:
     for num_experts, top_k in MOE_ROUTINGS:
         w_gate_up = torch.empty(num_experts, 2 * inter_size, hidden_size, dtype=torch.bfloat16)
         w_down = torch.empty(num_experts, hidden_size, inter_size, dtype=torch.bfloat16)
-        for bucket in MOE_BUCKETS:
+        for bucket in DECODE_BUCKETS:
             topk_ids = torch.zeros(bucket, top_k, dtype=torch.int64)  # recorded, not run: the routing is never read
             hidden = torch.empty(bucket, hidden_size, dtype=torch.bfloat16)
             moe_triton.fused_moe(hidden, w_gate_up, w_down, torch.empty(bucket, top_k), topk_ids)
+
+
+# DeepSeek-V3's MLA: kv_lora_rank 512 + qk_rope_head_dim 64 per cache row, 163840 positions (the
+# graphs' block tables are max_model_len wide); 128 heads on one device, 16 on each of eight.
+MLA_LATENT_DIM, MLA_ROPE_DIM, MLA_MAX_MODEL_LEN = 512, 64, 163840
+MLA_HEADS = (16, 128)
+
+
+def record_mla_layers(recorder: LaunchRecorder) -> None:
+    """kernels/mla_triton.py's latent decode attention at each decode bucket, as a captured graph
+    launches it (int64 block tables max_model_len wide, block size 16), in bfloat16 and float16.
+    The check's engines run no MLA model. What the JIT specializes on besides the dtypes is the head
+    tile (16 or 32, from the head count) and the split count, which the bucket and the head tiles pick
+    on an H200; the rest (widths, strides, head counts: all multiples of 16) is alike at every bucket."""
+    import torch
+
+    from graphrt.kernels import mla_triton
+
+    recorder.source = "MLA decode attention at decode buckets 1-256 (DeepSeek-V3's widths, 16 and 128 heads; no MLA engine yet)"
+    block_size, row_dim = 16, MLA_LATENT_DIM + MLA_ROPE_DIM
+    table_width = -(-MLA_MAX_MODEL_LEN // block_size)
+    for dtype in (torch.bfloat16, torch.float16):
+        cache = torch.empty(2, block_size, 1, row_dim, dtype=dtype)  # recorded, not run: no row is read
+        for num_heads in MLA_HEADS:
+            for bucket in DECODE_BUCKETS:
+                q = torch.empty(bucket, num_heads, row_dim, dtype=dtype)
+                tables = torch.zeros(bucket, table_width, dtype=torch.int64)
+                seq_lens = torch.ones(bucket, dtype=torch.int64)
+                mla_triton.paged_latent_decode_attention(q, cache, tables, seq_lens, row_dim**-0.5, MLA_LATENT_DIM)
 
 
 def record(out_dir: Path) -> list[dict]:
@@ -399,10 +434,16 @@ class _Stub(types.ModuleType):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, prefixes):
+    """A stub for every module under `prefixes` but `files` ({name: path}), which load from their
+    files: a kernel file importing another (its merge kernel, a shared @triton.jit helper) gets it."""
+
+    def __init__(self, prefixes, files):
         self.prefixes = prefixes
+        self.files = files
 
     def find_spec(self, name, path=None, target=None):
+        if name in self.files:
+            return importlib.util.spec_from_file_location(name, self.files[name])
         if any(name == p or name.startswith(p + ".") for p in self.prefixes):
             return importlib.util.spec_from_loader(name, self)
         return None
@@ -426,16 +467,11 @@ def load_kernels() -> dict:
         modules = [importlib.import_module(f"{KERNEL_PACKAGE}.{p.stem}") for p in kernel_files()]
     except ImportError:
         before = set(sys.modules)
-        finder = _StubFinder(["torch", "graphrt"])
+        files = {f"{KERNEL_PACKAGE}.{path.stem}": path for path in kernel_files()}
+        finder = _StubFinder(["torch", "graphrt"], files)
         sys.meta_path.insert(0, finder)
         try:
-            modules = []
-            for path in kernel_files():
-                spec = importlib.util.spec_from_file_location(f"{KERNEL_PACKAGE}.{path.stem}", path)
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[spec.name] = module
-                spec.loader.exec_module(module)
-                modules.append(module)
+            modules = [importlib.import_module(name) for name in files]
         finally:
             sys.meta_path.remove(finder)
             for name in set(sys.modules) - before:  # triton must not take the stubs for torch later

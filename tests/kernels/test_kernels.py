@@ -250,7 +250,7 @@ def test_paged_decode_attention_replays_in_a_cuda_graph_with_new_lengths():
     assert_matches(out, expected)
 
 
-@pytest.mark.parametrize("variant", ["qwen3-qk-norm", "llama-gqa-tied"])
+@pytest.mark.parametrize("variant", ["qwen3-qk-norm", "llama-gqa-tied", "deepseek-v3", "deepseek-kimi-layout"])
 def test_model_with_triton_kernels_matches_torch_kernels(tiny_model_factory, variant):
     """Prefill logits and greedy decode across block boundaries, GQA, q/k norm or strided rotary."""
     model_dir = tiny_model_factory(variant, num_layers=2)
