@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.model.weight_reads import WeightReads, expected_experts_read
+from graphrt.model.weight_reads import WeightReads, expected_experts_read, head_read_elements, layer_read_elements
 
 
 def distinct_experts_sampled(num_experts: int, top_k: int, num_rows: int, num_trials: int, seed: int) -> torch.Tensor:
@@ -72,3 +72,16 @@ def test_a_dense_models_bandwidth_counts_every_weight_every_step(tiny_model_fact
     assert engine.weight_reads == WeightReads(engine.weight_bytes)
     assert stats.decode_steps > 0 and stats.decode_weight_bytes == engine.weight_bytes * stats.decode_steps
     assert stats.weight_gb_per_s() == engine.weight_bytes * stats.decode_steps / stats.decode_seconds / 1e9
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2-moe", "deepseek-v3", "deepseek-kimi-layout"])
+def test_the_partition_weighs_the_weights_the_stages_load(tiny_model_factory, variant):
+    """The partition weighs layers from the config before anything loads (layer_read_elements); those
+    are the stages' loaded weights as a step of 8 rows reads them, less the norms and biases it leaves
+    out, for every attention (latent attention's projections too) and mixture of experts."""
+    llm = LLM(model=tiny_model_factory(variant), pp=2, dtype="float32", kv_cache_tokens=256)
+    engine, cfg = llm.engine, llm.engine.model_config
+    for stage, layers in zip(engine.pipeline.stages, engine.layers):
+        left_out = sum(p.numel() for name, p in stage.named_parameters() if "norm" in name or name.endswith("bias"))
+        weighed = sum(layer_read_elements(cfg, layer, 8) for layer in layers) + (head_read_elements(cfg) if stage.is_last else 0)
+        assert stage.weight_reads().at(8) / 4 - left_out == pytest.approx(weighed, rel=1e-12)
