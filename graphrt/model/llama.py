@@ -237,7 +237,8 @@ class Stage(nn.Module):
             latent = [layer.mla for layer in self.layers if layer.mla is not None]
             owners[name] = [(mla, name) for mla in latent if getattr(mla, name) is not None]
         # A shared expert is a dense gated MLP; the router and the shared expert's gate (a few
-        # columns) stay dense, and the stacked experts are read by the set's fused_moe as they are.
+        # columns) stay dense. The routed experts are the set's fused_moe's to read, stacked: a CPU
+        # stage chooses their form apart (graphrt.kernels.cpu.stage_kernels.choose_experts).
         for name in ("shared_gate_up_proj", "shared_down_proj"):
             sparse = [layer.moe for layer in self.layers if layer.moe is not None]
             owners[name] = [(moe, name) for moe in sparse if getattr(moe, name) is not None]
@@ -268,7 +269,9 @@ class Stage(nn.Module):
         """weight_bytes, with the routed experts' bytes apart: a decode step reads only the experts
         its rows chose (graphrt/model/weight_reads.py)."""
         sparse = [layer.moe for layer in self.layers if layer.moe is not None]
-        expert_bytes = sum(t.numel() * t.element_size() for moe in sparse for t in (moe.experts_gate_up, moe.experts_down))
+        # expert by expert, whether stacked or kept one weight per expert (a CPU stage's packed experts)
+        experts = [expert for moe in sparse for stacked in (moe.experts_gate_up, moe.experts_down) for expert in stacked]
+        expert_bytes = sum(expert.numel() * expert.element_size() for expert in experts)
         if not expert_bytes:
             return WeightReads(self.weight_bytes())
         moe = self.cfg.moe

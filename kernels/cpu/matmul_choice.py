@@ -9,6 +9,9 @@ F.linear on every float32 shape by 1.1 to 2.5x and panel beats packed by 1.15 to
 while on an Intel machine plain `F.linear` streams float32 faster at one row than packed. So a
 stage times every path it has on its own weights, at one row and at its largest decode bucket, and
 keeps the fastest for each weight shape (each layer's q/k/v, o, gate/up and down, and the LM head).
+A mixture of experts' routed experts are two shapes more (each expert's gate/up and down), timed at
+one row and at the rows one expert gets on average in the largest bucket (32 rows at top-2 of 16
+experts: 4), since each expert runs on the rows that chose it (kernels/cpu/moe.py).
 
 What keeps the timing honest:
 - Each timing run sweeps several layers' weights, at least the L3 cache's size in all, and the
@@ -45,6 +48,9 @@ PATH_NAMES = {"dense": "F.linear", "packed": "packed oneDNN", "panel": "compiled
 MODES = ("auto", *PATH_NAMES)
 MODE_ENV = "GRAPHRT_MATMUL"  # forces paths, for every shape or by name (tests, benchmarks); auto (measure) by default
 SHAPE_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")  # a stage's weight shapes
+# A sparse layer's routed experts, one weight of each shape per expert (kernels/cpu/moe.py), timed
+# at the rows an expert gets rather than the batch's.
+EXPERT_NAMES = ("experts_gate_up", "experts_down")
 
 # Timing one weight shape: rounds until SHAPE_BUDGET_S is spent and every path and row count has
 # MIN_SAMPLES calls timed, never past SHAPE_LIMIT_S. For the default model 0.45 to 0.95 s in all,
@@ -61,7 +67,7 @@ FAR_BEHIND = 2.0
 def mode_from_env(environ: Mapping[str, str] = os.environ) -> ForcedModes:
     """GRAPHRT_MATMUL: a path for every shape (`packed`), or by shape name (`o_proj=panel,packed`:
     o_proj in panels, the others packed; `o_proj=panel`: the others measured)."""
-    return env_mode(MODE_ENV, MODES, environ, {name: MODES for name in SHAPE_NAMES})
+    return env_mode(MODE_ENV, MODES, environ, {name: MODES for name in (*SHAPE_NAMES, *EXPERT_NAMES)})
 
 
 @dataclass(frozen=True)
@@ -104,11 +110,13 @@ class MatmulChoice:
 
 @dataclass(frozen=True)
 class MatmulPlan:
-    """One stage's choices, the row counts they were timed at, and the seconds measuring took."""
+    """One stage's choices, the row counts they were timed at (the routed experts' apart), and the
+    seconds measuring took."""
 
     choices: tuple[MatmulChoice, ...]
     rows: tuple[int, ...]
     measure_s: float = 0.0
+    expert_rows: tuple[int, ...] = ()  # empty for a stage without routed experts
 
     def path(self, name: str) -> str:
         return next(c.path for c in self.choices if c.name == name)
@@ -117,12 +125,18 @@ class MatmulPlan:
         return {c.name: c for c in self.choices}
 
     def to_json(self) -> dict:
-        return {"rows": list(self.rows), "measure_s": round(self.measure_s, 4), "choices": [c.to_json() for c in self.choices]}
+        return {
+            "rows": list(self.rows), "expert_rows": list(self.expert_rows), "measure_s": round(self.measure_s, 4),
+            "choices": [c.to_json() for c in self.choices],
+        }
 
     @staticmethod
     def from_json(raw: dict) -> MatmulPlan:
         try:
-            return MatmulPlan(tuple(MatmulChoice.from_json(c) for c in raw["choices"]), tuple(int(r) for r in raw["rows"]))
+            choices = tuple(MatmulChoice.from_json(c) for c in raw["choices"])
+            rows = tuple(int(r) for r in raw["rows"])
+            expert_rows = tuple(int(r) for r in raw.get("expert_rows", []))  # none in a cache from before the experts were chosen
+            return MatmulPlan(choices, rows, expert_rows=expert_rows)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"the graph cache's matmul plan is malformed ({exc})") from None
 
@@ -132,7 +146,8 @@ class MatmulPlan:
 
 def summarize(plans: list[MatmulPlan]) -> str:
     """One line for a start-up banner, e.g. "matmuls: packed oneDNN for qkv_proj, gate_up_proj;
-    F.linear for o_proj, down_proj, lm_head (measured at 1 and 32 rows in 0.41 s)".
+    F.linear for o_proj, down_proj, lm_head (measured at 1 and 32 rows in 0.41 s)"; a stage with
+    routed experts adds the rows they were timed at ("1 and 32 rows, experts at 1 and 4,").
 
     A shape whose path differs between stages is named once per stage (o_proj@1)."""
     paths_of: dict[str, set[str]] = {}
@@ -152,7 +167,9 @@ def summarize(plans: list[MatmulPlan]) -> str:
     why = []
     if "measured" in sources:
         rows = sorted({r for plan in plans for r in plan.rows})
-        why.append(f"measured at {' and '.join(map(str, rows))} rows in {sum(p.measure_s for p in plans):.2f} s")
+        expert_rows = sorted({r for plan in plans for r in plan.expert_rows})
+        experts = f", experts at {' and '.join(map(str, expert_rows))}," if expert_rows else ""
+        why.append(f"measured at {' and '.join(map(str, rows))} rows{experts} in {sum(p.measure_s for p in plans):.2f} s")
     if "cached" in sources:
         why.append("from the graph cache")
     if "forced" in sources:

@@ -6,19 +6,42 @@ expert's weights (few rows) or every expert on every row (many). A CPU stage rep
 (it runs the same code eagerly), so here the host may read the routing: the (token, k) pairs are
 grouped by expert, and each expert that some row chose runs one pair of matmuls on its rows, as
 transformers' experts loop does. Same definition, fewer bytes and FLOPs.
+
+Each expert's matmul is an ordinary skinny one (a few rows at a decode step), so a CPU stage may keep
+its experts one weight per expert (`ExpertWeights`) in the form its matmuls run fastest in (packed
+for oneDNN, or in panels: kernels/cpu/linear.py), chosen by timing at load (kernels/cpu/stage_kernels.py).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from graphrt.kernels.cpu.linear import linear
+
+
+class ExpertWeights(nn.ParameterList):
+    """One sparse layer's routed experts of one projection kept one weight per expert, each in a
+    form `linear` reads (packed for oneDNN, panels), read as the stacked tensor they replace is:
+    experts[e] is expert e's weight, and `shape` (num_experts, out_features, in_features) and
+    `dtype` are the stack's."""
+
+    def __init__(self, weights: list[torch.Tensor], shape: torch.Size, dtype: torch.dtype):
+        super().__init__(nn.Parameter(w, requires_grad=False) for w in weights)
+        self.shape, self.dtype = torch.Size(shape), dtype
 
 
 def fused_moe_by_expert(
-    hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor | ExpertWeights,
+    w_down: torch.Tensor | ExpertWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """kernels/moe.py's `fused_moe` (the same arguments, shapes and result), summed in the same dtype
-    (the wider of hidden's and the weights'); an expert a row names twice runs on that row twice."""
+    (the wider of hidden's and the weights'); an expert a row names twice runs on that row twice.
+    Experts kept one weight per expert in another form give the same result to that form's rounding."""
     top_k = topk_ids.shape[1]
     sum_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
     pairs = topk_ids.reshape(-1)  # (tokens * top_k,): token t's k-th choice at t * top_k + k
@@ -31,8 +54,8 @@ def fused_moe_by_expert(
         if count == 0:
             continue  # no row chose it: its weights are never read
         rows = rows_of[start : start + count]
-        gate, up = F.linear(hidden.index_select(0, rows), w_gate_up[expert]).chunk(2, dim=-1)
-        down = F.linear(F.silu(gate) * up, w_down[expert])  # (count, hidden_size)
+        gate, up = linear(hidden.index_select(0, rows), w_gate_up[expert]).chunk(2, dim=-1)
+        down = linear(F.silu(gate) * up, w_down[expert])  # (count, hidden_size)
         out.index_add_(0, rows, down.to(sum_dtype) * weight_of[start : start + count, None])
         start += count
     return out.to(hidden.dtype)

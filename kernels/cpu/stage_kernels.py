@@ -2,8 +2,9 @@
 
 `choose_matmuls` converts each weight shape of a stage to the form this machine runs fastest
 (F.linear on the dense weight, packed oneDNN, or compiled panels: matmul_choice.py), or the one
-forced or cached; `cpu_kernel_set` makes the `KernelSet` the stage then runs: each op compiled or
-its torch reference (kernel_choice.py), a `linear` for whichever form a weight is in, the gate/up
+forced or cached, a mixture of experts' routed experts included (kept one weight per expert where
+not dense); `cpu_kernel_set` makes the `KernelSet` the stage then runs: each op compiled or its
+torch reference (kernel_choice.py), a `linear` for whichever form a weight is in, the gate/up
 matmul ending in silu_and_mul in one pass where that is compiled and the weight is in panels, a
 mixture of experts' experts grouped by expert (moe.py), and,
 where every op a decode step's layers call is compiled, a `decode_layers` that runs those layers
@@ -24,12 +25,13 @@ from graphrt.kernels import KernelSet
 from graphrt.kernels.cpu.forcing import ForcedModes, as_forced
 from graphrt.kernels.cpu.kernel_choice import DECODE_LAYER_OPS, CpuKernelChoice
 from graphrt.kernels.cpu.linear import convert, linear, panel_linear_silu_and_mul
-from graphrt.kernels.cpu.matmul_choice import MatmulChoice, MatmulPlan, available_paths, choose_path
-from graphrt.kernels.cpu.moe import fused_moe_by_expert
+from graphrt.kernels.cpu.matmul_choice import EXPERT_NAMES, MatmulChoice, MatmulPlan, available_paths, choose_path
+from graphrt.kernels.cpu.moe import ExpertWeights, fused_moe_by_expert
 from graphrt.kernels.cpu.openmp import TeamSizer, openmp_available
 
 # A stage here is a graphrt.model.llama.Stage, read by its attributes (the kernels sit below the
-# model and do not import it): its layers, their weights by name, matmul_owners() and use_kernels().
+# model and do not import it): its layers, their weights by name, matmul_owners() and use_kernels(),
+# and a sparse layer's `moe` (graphrt.model.moe.SparseMoE) with its stacked experts by name.
 Stage = nn.Module
 
 # What graphrt::decode_layers (csrc/decode_layers_cpu.cpp) runs a decode step's layers with: the
@@ -48,22 +50,24 @@ def choose_matmuls(
 ) -> MatmulPlan:
     """Run each weight shape of `stage` on F.linear, packed oneDNN or the compiled panel kernel,
     whichever this machine runs fastest at one row and at `max_rows` (matmul_choice.py), or the path
-    `mode` forces for it, and convert the stage's weights of each shape to its path's form.
+    `mode` forces for it, and convert the stage's weights of each shape to its path's form. A CPU
+    stage's routed experts are chosen the same way at the rows one expert gets (`choose_experts`).
     `previous`: choices to reuse by shape name (the graph cache's, or another stage's on the same
     device). Call it once per stage, then `stage.use_kernels` with the set that reads those forms."""
     owners_of = stage.matmul_owners()
-    modes = as_forced(mode)
+    modes, previous = as_forced(mode), previous or {}
+    # Only the CPU's fused_moe (moe.py) reads experts one by one; a CUDA set's reads them stacked.
+    sparse = [layer.moe for layer in stage.layers if layer.moe is not None] if stage.device.type == "cpu" else []
+    shapes = {name: tuple(getattr(*owners[0]).shape) for name, owners in owners_of.items()}
+    shapes.update({name: tuple(getattr(sparse[0], name).shape[1:]) for name in EXPERT_NAMES if sparse})
     # Before the clock starts: finding out whether the panel kernel runs may mean building it.
-    paths_of = {
-        name: available_paths(stage.device, stage.dtype, tuple(getattr(*owners[0]).shape), modes.of(name))
-        for name, owners in owners_of.items()
-    }
+    paths_of = {name: available_paths(stage.device, stage.dtype, shape, modes.of(name)) for name, shape in shapes.items()}
     start = timer()
     rows = tuple(sorted({1, max_rows}))
     choices = []
     for name, owners in owners_of.items():
         weights = [getattr(o, a) for o, a in owners]
-        choice, trial = choose_path(name, weights, rows, modes.of(name), paths_of[name], (previous or {}).get(name), timer)
+        choice, trial = choose_path(name, weights, rows, modes.of(name), paths_of[name], previous.get(name), timer)
         del weights
         if choice.path != "dense":
             for index, (owner, attr) in enumerate(owners):
@@ -72,8 +76,49 @@ def choose_matmuls(
                 setattr(owner, attr, nn.Parameter(converted, requires_grad=False))
         del trial
         choices.append(choice)
+    expert_rows = ()
+    if sparse:
+        moe_cfg = stage.cfg.moe
+        expert_rows = tuple(sorted({1, rows_per_expert(max_rows, moe_cfg.num_experts_per_tok, moe_cfg.num_experts)}))
+        for name in EXPERT_NAMES:
+            choices.append(choose_experts(sparse, name, expert_rows, modes.of(name), paths_of[name], previous.get(name), timer))
     measured = any(c.source == "measured" and c.seconds for c in choices)
-    return MatmulPlan(tuple(choices), rows, timer() - start if measured else 0.0)
+    return MatmulPlan(tuple(choices), rows, timer() - start if measured else 0.0, expert_rows)
+
+
+def rows_per_expert(num_rows: int, top_k: int, num_experts: int) -> int:
+    """The rows one expert runs on in a step of `num_rows` rows that each choose `top_k` of
+    `num_experts`, on average (a router spreads them unevenly): at least one."""
+    return max(1, round(num_rows * top_k / num_experts))
+
+
+def choose_experts(
+    sparse: list[nn.Module],
+    name: str,
+    rows: tuple[int, ...],
+    mode: str,
+    paths: tuple[str, ...],
+    previous: MatmulChoice | None,
+    timer: Callable[[], float],
+) -> MatmulChoice:
+    """choose_path for the routed experts `name` (experts_gate_up or experts_down) of the sparse
+    layers `sparse` (SparseMoE), one weight per expert. Where a path other than dense wins, each
+    layer's stacked experts are replaced by one weight per expert in that form (`ExpertWeights`,
+    which fused_moe_by_expert reads as it reads the stack), and the stack is freed."""
+    experts = [expert for moe in sparse for expert in getattr(moe, name)]  # (out_features, in_features) views
+    choice, trial = choose_path(name, experts, rows, mode, paths, previous, timer)
+    del experts
+    if choice.path == "dense":
+        return choice
+    first = 0  # the index of this layer's first expert among all layers'
+    for moe in sparse:
+        stacked = getattr(moe, name)
+        converted = [trial[i] if i < len(trial) else convert(choice.path, w) for i, w in enumerate(stacked, first)]
+        first += len(converted)
+        delattr(moe, name)  # a Parameter's name takes only a Parameter
+        setattr(moe, name, ExpertWeights(converted, stacked.shape, stacked.dtype))
+        del stacked, converted  # the stack's last reference: it is freed before the next layer's is converted
+    return choice
 
 
 def cpu_kernel_set(ops: KernelSet, choice: CpuKernelChoice) -> KernelSet:

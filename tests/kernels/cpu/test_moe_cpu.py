@@ -1,17 +1,23 @@
 """Mixture-of-experts models on the CPU wing: their dense projections take the chosen matmul forms,
-the compiled ops run them, the experts run grouped by expert, and the one-call decode step declines
-stages with sparse layers."""
+the compiled ops run them, the experts run grouped by expert, each stage's routed experts are kept
+in the form chosen for them (dense, packed or panels), and the one-call decode step declines stages
+with sparse layers."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 import torch
 from torch import nn
 
 from graphrt import LLM
-from graphrt.kernels.cpu import stage_kernels
-from graphrt.kernels.cpu.linear import can_pack, pack_panels, weight_form
-from graphrt.kernels.cpu.moe import fused_moe_by_expert
+from graphrt.kernels.cpu import matmul_choice, stage_kernels
+from graphrt.kernels.cpu.forcing import ForcedModes
+from graphrt.kernels.cpu.linear import can_pack, convert, dense_weight, pack_panels, weight_form
+from graphrt.kernels.cpu.matmul_choice import EXPERT_NAMES, available_paths, summarize
+from graphrt.kernels.cpu.moe import ExpertWeights, fused_moe_by_expert
 from graphrt.kernels.moe import fused_moe
 from graphrt.model.config import ModelConfig
 from graphrt.model.weights import WeightFiles
@@ -19,6 +25,8 @@ from graphrt.runtime.stage_builder import load_stage
 from helpers import prompt_logits
 
 CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(not can_pack(CPU, torch.float32), reason="this torch has no oneDNN packed matmuls")
+EXPERTS_ONLY = "experts_gate_up={0},experts_down={0},dense"  # GRAPHRT_MATMUL: the experts in {0}, every other shape dense
 
 
 def stage_in_panels(model_dir, layers: range):
@@ -55,6 +63,8 @@ def test_moe_models_run_on_compiled_ops_and_packed_weights(tiny_model_factory, m
     assert all(weight_form(layer.qkv_proj) == "packed" for layer in layers)
     if variant == "qwen2-moe":  # its shared expert is a dense MLP, in the form chosen for its shape
         assert all(weight_form(layer.moe.shared_gate_up_proj) == "packed" for layer in layers)
+    sparse = [layer.moe for layer in layers if layer.moe is not None]
+    assert all(weight_form(expert) == "packed" for moe in sparse for expert in moe.experts_gate_up)  # the experts too
     assert not any(stage.decode_layers_in_one_call() for stage in llm.engine.pipeline.stages)
     torch.testing.assert_close(prompt_logits(llm.engine, prompt), reference, atol=1e-4, rtol=0)
 
@@ -77,3 +87,110 @@ def test_the_cpu_experts_read_only_the_experts_some_row_chose():
 def test_a_cpu_stage_runs_the_experts_grouped_by_expert(tiny_model_factory):
     llm = LLM(model=tiny_model_factory("mixtral"), pp=2, dtype="float32", kv_cache_tokens=128)
     assert all(stage.ops.fused_moe is fused_moe_by_expert for stage in llm.engine.pipeline.stages)
+
+
+# (tokens, top_k, experts), as tests/model/test_moe.py's SHAPES: experts that divide neither tokens
+# nor sizes, top-k 1 and 8 (rows naming an expert twice), one row (packed pads it to two) to 64.
+SHAPES = [(1, 1, 13), (1, 8, 13), (3, 2, 13), (1, 8, 3), (5, 8, 3), (17, 1, 13), (33, 2, 7), (64, 8, 13), (64, 1, 5)]
+
+
+@pytest.mark.parametrize("path", ["packed", "panel"])
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts"), SHAPES)
+def test_experts_kept_one_weight_per_expert_give_the_reference_to_float32_rounding(num_tokens, top_k, num_experts, path):
+    hidden_size, inter = 48, 40  # gate/up (80, 48) and down (48, 40): whole panels of 16 columns
+    if path not in available_paths(CPU, torch.float32, (hidden_size, inter), path):
+        pytest.skip(f"no {path} matmuls on this CPU and torch")
+    gen = torch.Generator().manual_seed(num_tokens * 100 + top_k * 10 + num_experts)
+    hidden = torch.randn(num_tokens, hidden_size, generator=gen)
+    w_gate_up = torch.randn(num_experts, 2 * inter, hidden_size, generator=gen) * 0.2
+    w_down = torch.randn(num_experts, hidden_size, inter, generator=gen) * 0.2
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    topk_ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
+    if top_k > 1:
+        topk_ids[0, 1] = topk_ids[0, 0]  # a row that names one expert twice
+    per_expert = lambda stacked: ExpertWeights([convert(path, w) for w in stacked], stacked.shape, stacked.dtype)  # noqa: E731
+    out = fused_moe_by_expert(hidden, per_expert(w_gate_up), per_expert(w_down), topk_weights, topk_ids)
+    assert out.shape == (num_tokens, hidden_size) and out.dtype == torch.float32
+    # The definition in float64 (tests/model/test_moe.py holds the reference to a per-token loop).
+    expected = fused_moe(hidden.double(), w_gate_up.double(), w_down.double(), topk_weights, topk_ids)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
+
+
+def moe_stage(model_dir, dtype: torch.dtype = torch.float32):
+    """The whole of a model as one stage, its weights dense as loaded."""
+    cfg = ModelConfig.from_dir(model_dir)
+    return load_stage(cfg, 0, 1, range(cfg.num_layers), CPU, dtype, 64, "torch", WeightFiles(model_dir))
+
+
+def sparse_layers(stage) -> list[nn.Module]:
+    return [layer.moe for layer in stage.layers if layer.moe is not None]
+
+
+@needs_onednn
+@pytest.mark.parametrize("winner", ["dense", "packed"])
+def test_the_experts_take_the_form_their_timing_chose(tiny_model_factory, monkeypatch, winner):
+    """Which form is faster is this machine's business: the timing is made to pick `winner`, and the
+    experts of both sparse layers are then in that form, each expert the weight it was."""
+    monkeypatch.setattr(matmul_choice, "pick_path", lambda seconds: winner)
+    stage = moe_stage(tiny_model_factory("qwen3-moe-dense-first"))  # layers 1 and 3 sparse, 6 experts at top-3
+    loaded = {name: [getattr(moe, name).clone() for moe in sparse_layers(stage)] for name in EXPERT_NAMES}
+    plan = stage_kernels.choose_matmuls(stage, 8, ForcedModes("dense", {name: "auto" for name in EXPERT_NAMES}))
+    assert plan.expert_rows == (1, 4)  # 8 rows choosing 3 of 6 experts: 4 rows an expert
+    assert "experts at 1 and 4" in summarize([plan]) and plan.measure_s > 0
+    for name in EXPERT_NAMES:
+        choice = plan.by_name()[name]
+        assert (choice.path, choice.source) == (winner, "measured")
+        assert {"dense", "packed"} <= set(choice.seconds) and all(set(by_rows) == {1, 4} for by_rows in choice.seconds.values())
+        for moe, stacked in zip(sparse_layers(stage), loaded[name]):
+            experts = getattr(moe, name)
+            assert (experts.shape, experts.dtype) == (stacked.shape, stacked.dtype)  # read as the stack is
+            assert [weight_form(expert) for expert in experts] == [winner] * len(stacked)
+            assert torch.equal(torch.stack([dense_weight(expert) for expert in experts]), stacked)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mode", "path", "source"),
+    [
+        (torch.float32, "dense", "dense", "forced"),
+        (torch.float32, "packed", "packed", "forced"),
+        (torch.float64, "packed", "dense", "unavailable"),  # oneDNN packs float32 and bfloat16 only
+        (torch.float64, "auto", "dense", "only"),
+    ],
+)
+def test_graphrt_matmul_forces_the_experts_form(tiny_model_factory, dtype, mode, path, source):
+    if path == "packed" and not can_pack(CPU, dtype):
+        pytest.skip("this torch has no oneDNN packed matmuls")
+    stage = moe_stage(tiny_model_factory("qwen3-moe-dense-first"), dtype)
+    plan = stage_kernels.choose_matmuls(stage, 8, matmul_choice.mode_from_env({"GRAPHRT_MATMUL": EXPERTS_ONLY.format(mode)}))
+    for name in EXPERT_NAMES:
+        assert (plan.by_name()[name].path, plan.by_name()[name].source) == (path, source)
+        assert {weight_form(expert) for moe in sparse_layers(stage) for expert in getattr(moe, name)} == {path}
+    assert plan.by_name()["qkv_proj"].path == "dense"  # forced dense with the other shapes
+
+
+@needs_onednn
+def test_the_stacked_experts_are_freed_once_packed_and_their_bytes_still_counted(tiny_model_factory):
+    stage = moe_stage(tiny_model_factory("qwen3-moe-dense-first"))
+    stacks = [weakref.ref(getattr(moe, name)) for moe in sparse_layers(stage) for name in EXPERT_NAMES]
+    reads = stage.weight_reads()
+    stage_kernels.choose_matmuls(stage, 8, matmul_choice.mode_from_env({"GRAPHRT_MATMUL": EXPERTS_ONLY.format("packed")}))
+    gc.collect()
+    assert all(stack() is None for stack in stacks)
+    assert stage.weight_reads() == reads  # 2 sparse layers of 6 experts of (80 + 40) x 64 floats
+    assert reads.expert_bytes == 2 * 6 * 3 * 40 * 64 * 4 and stage.weight_bytes() == reads.total_bytes
+
+
+@needs_onednn
+def test_a_model_with_packed_experts_gives_the_dense_models_logits(tiny_model_factory, monkeypatch):
+    model_dir, prompt = tiny_model_factory("qwen2-moe"), list(range(5, 30))  # its shared expert stays dense
+    engines = {}
+    for path in ("dense", "packed"):
+        monkeypatch.setenv("GRAPHRT_MATMUL", EXPERTS_ONLY.format(path))
+        engines[path] = LLM(model=model_dir, pp=2, dtype="float32", kv_cache_tokens=128).engine
+    packed = [moe for stage in engines["packed"].pipeline.stages for moe in sparse_layers(stage)]
+    assert packed and all(weight_form(expert) == "packed" for moe in packed for expert in moe.experts_down)
+    summary = engines["packed"].pipeline.matmul_summary()
+    assert "packed oneDNN for experts_gate_up, experts_down (forced by GRAPHRT_MATMUL)" in summary
+    assert engines["packed"].weight_reads == engines["dense"].weight_reads
+    logits = {path: prompt_logits(engine, prompt) for path, engine in engines.items()}
+    torch.testing.assert_close(logits["packed"], logits["dense"], atol=1e-4, rtol=0)
