@@ -237,8 +237,8 @@ class Stage(nn.Module):
             latent = [layer.mla for layer in self.layers if layer.mla is not None]
             owners[name] = [(mla, name) for mla in latent if getattr(mla, name) is not None]
         # A shared expert is a dense gated MLP; the router and the shared expert's gate (a few
-        # columns) stay dense. The routed experts are the set's fused_moe's to read, stacked: a CPU
-        # stage chooses their form apart (graphrt.kernels.cpu.stage_kernels.choose_experts).
+        # columns) stay dense. The routed experts are the set's fused_moe's to read, stacked; a kernel
+        # set may keep them in a form of its own, chosen apart from these.
         for name in ("shared_gate_up_proj", "shared_down_proj"):
             sparse = [layer.moe for layer in self.layers if layer.moe is not None]
             owners[name] = [(moe, name) for moe in sparse if getattr(moe, name) is not None]

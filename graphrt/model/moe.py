@@ -28,9 +28,9 @@ class SparseMoE(nn.Module):
         self.router = empty(moe.num_experts, cfg.hidden_size)
         # DeepSeek-V3: added to the scores to choose experts, never to the weights
         self.e_score_correction_bias = empty(moe.num_experts) if moe.scoring == "sigmoid" else None
-        # Experts stacked as fused_moe reads them: each expert's gate rows, then its up rows. A CPU
-        # stage may keep them one weight per expert instead, in the matmul form it runs fastest
-        # (graphrt.kernels.cpu.moe.ExpertWeights, indexed and shaped as the stack).
+        # Experts stacked as fused_moe reads them: each expert's gate rows, then its up rows. A kernel
+        # set may keep them one weight per expert instead, in a form of its own, indexed and shaped as
+        # the stack (what its fused_moe reads).
         self.experts_gate_up = empty(moe.num_experts, 2 * inter, cfg.hidden_size)
         self.experts_down = empty(moe.num_experts, cfg.hidden_size, inter)
         self.shared_gate_up_proj = empty(2 * shared, cfg.hidden_size) if shared else None
