@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -71,23 +71,26 @@ class LLM:
         return self.tokenizer.encode_chat([{"role": "user", "content": user_message}])
 
     def generate(
-        self, prompts: str | list[int] | list[str | list[int]], params: SamplingParams | None = None
+        self, prompts: str | list[int] | list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids); outputs keep the prompts' order.
+        `params`: one SamplingParams for every prompt, or a list of one per prompt (as vLLM's).
 
         Every prompt is validated before any runs: a bad one raises RequestError naming it.
         """
-        params = params or SamplingParams()
-        if params.stop and self.tokenizer_skipped:
-            raise RequestError("stop strings need the tokenizer, which this LLM was built without (load_tokenizer=False)")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
+        else:
+            params = [params or SamplingParams()] * len(prompts)
         engine = self.engine
         seqs = []
         try:
-            for index, prompt in enumerate(prompts):
+            for index, (prompt, prompt_params) in enumerate(zip(prompts, params)):
                 try:
-                    seqs.append(engine.add_request(self._prompt_ids(prompt), params))
+                    seqs.append(engine.add_request(self._prompt_ids(prompt), self._for_engine(prompt_params)))
                 except RequestError as exc:
                     raise RequestError(f"prompt {index}: {exc}") from None
         except RequestError:
@@ -112,11 +115,22 @@ class LLM:
                 text=texts.get(seq.request_id, ""),
                 token_ids=seq.output_ids,
                 finish_reason=seq.finish_reason.value,
-                logprobs=seq.logprobs if params.logprobs is not None else None,
-                prompt_logprobs=seq.prompt_logprobs if params.prompt_logprobs is not None else None,
+                logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
             )
             for prompt, seq in zip(prompts, seqs)
         ]
+
+    def _for_engine(self, params: SamplingParams) -> SamplingParams:
+        """`params` as the engine takes them: bad words as token ids. Raises RequestError."""
+        needs_text = [name for name, value in (("stop strings", params.stop), ("bad_words", params.bad_words)) if value]
+        if needs_text and self.tokenizer_skipped:
+            raise RequestError(f"{needs_text[0]} need the tokenizer, which this LLM was built without (load_tokenizer=False)")
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        if self.tokenizer is None:
+            raise RequestError(f"{self.model_dir} has no tokenizer to spell bad_words with; give bad_words_token_ids")
+        return replace(params, bad_words_token_ids=self.tokenizer.bad_words_token_ids(params.bad_words))
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):

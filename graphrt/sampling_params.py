@@ -14,6 +14,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # top_k and seeds travel between sta
 # a subnormal (on GPUs possibly flushed to 0), and logits / temperature overflows to inf or NaN.
 MIN_TEMPERATURE = 2.0**-126  # torch.finfo(torch.float32).tiny
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token, as OpenAI allows
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY], as OpenAI allows
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI allows
+MAX_BAD_WORDS = 128  # bad words per request, tokenized (each word counts once per way it tokenizes)
 
 
 @dataclass
@@ -27,14 +30,36 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    # Log-probabilities from the model's raw logits (log_softmax before temperature, top-k and
-    # top-p): None asks for none; k >= 0 gives each token's own and its k most likely alternatives.
+    # Log-probabilities from the model's raw logits (log_softmax before penalties, bias, temperature,
+    # top-k and top-p, vLLM's default): None asks for none; k >= 0 gives each token's own and its k
+    # most likely alternatives.
     logprobs: int | None = None  # of each generated token
     prompt_logprobs: int | None = None  # of each prompt token after the first
+    # What is done to the logits before the temperature, in vLLM's order (graphrt.runtime.logits_processors);
+    # every default leaves them as they are. Penalties count the request's tokens so far: OpenAI's
+    # presence and frequency penalties subtract `presence_penalty` from the logit of every token that
+    # has been output and `frequency_penalty` times how often; the repetition penalty (transformers,
+    # vLLM) divides a positive logit of a token in the prompt or the output by `repetition_penalty`
+    # and multiplies a negative one.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # after the temperature: drop tokens less likely than min_p times the most likely
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    stop_token_ids: list[int] = field(default_factory=list)  # end the request (finish reason "stop"), as EOS does
+    # A word (a token sequence) is banned: its last token is masked where the tokens before it were
+    # just output (a one-token word always). `bad_words` are texts, which the front tokenizes into
+    # `bad_words_token_ids` as vLLM does (the word alone and after a space); the engine reads the ids.
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -51,10 +76,86 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        self._check_logit_processing()
+        # Read for every sampled row of every micro-batch, so worked out once (params are not changed after).
+        self.uses_penalties = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        self.bad_word_prefix_len = max((len(word) - 1 for word in self.bad_words_token_ids or ()), default=0)
+        # A token history on the sampler's device: counts for penalties, recent tokens for bad words.
+        self.tracks_history = self.uses_penalties or self.bad_word_prefix_len > 0
+        self.processes_logits = bool(
+            self.tracks_history or self.min_p or self.min_tokens or self.logit_bias or self.bad_words_token_ids
+            or self.allowed_token_ids is not None
+        )
+
+    def _check_logit_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 is off), got {value!r}")
+        if not _is_number(self.repetition_penalty) or not (0 < self.repetition_penalty < math.inf):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 is off), got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1] (0 is off), got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                _check_token_id("logit_bias", token, "a key")
+                if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise ValueError(
+                        f"logit_bias[{token}] must be a number in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}"
+                    )
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if ids is None and name == "allowed_token_ids":
+                continue
+            if not isinstance(ids, list) or (name == "allowed_token_ids" and not ids):
+                what = "a non-empty list" if name == "allowed_token_ids" else "a list"
+                raise ValueError(f"{name} must be {what} of token ids, got {ids!r}")
+            for token in ids:
+                _check_token_id(name, token, "an element")
+        if not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of words (non-blank strings), got {self.bad_words!r}")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words holds {len(self.bad_words)} words; at most {MAX_BAD_WORDS}")
+        if self.bad_words_token_ids is not None:
+            words = self.bad_words_token_ids
+            if not isinstance(words, list) or any(not isinstance(w, list) or not w for w in words):
+                raise ValueError(f"bad_words_token_ids must be a list of non-empty lists of token ids, got {words!r}")
+            if len(words) > 2 * MAX_BAD_WORDS:
+                raise ValueError(f"bad_words_token_ids holds {len(words)} words; at most {2 * MAX_BAD_WORDS}")
+            for word in words:
+                for token in word:
+                    _check_token_id("bad_words_token_ids", token, "a token")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    def token_ids_named(self) -> list[tuple[str, int]]:
+        """Every token id the request names, with the parameter naming it: the engine checks them
+        against the model's vocabulary."""
+        named = [("logit_bias", t) for t in self.logit_bias or ()] + [("stop_token_ids", t) for t in self.stop_token_ids]
+        named += [("allowed_token_ids", t) for t in self.allowed_token_ids or ()]
+        named += [("bad_words", t) for word in self.bad_words_token_ids or () for t in word]
+        return named
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_token_id(name: str, token, what: str) -> None:
+    if not _is_int(token) or not 0 <= token <= INT64_MAX:
+        raise ValueError(f"{name}: {what} is {token!r}, which is not a token id (an integer >= 0)")
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,35 @@ def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int,
     return kept / kept.sum()
 
 
+def reference_logits(
+    logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int], eos_ids: set[int] | frozenset[int]
+) -> torch.Tensor:
+    """What vLLM does to one request's logits (vocab,) before the temperature, written out token by
+    token in Python floats (tests/runtime/test_logits_processors.py, tests/engine/test_penalized_generation.py):
+    allowed tokens, bad words (their prefix over the output only), EOS and stop tokens before
+    min_tokens, logit_bias, then the repetition, frequency and presence penalties."""
+    x = logits.tolist()
+    if params.allowed_token_ids is not None:
+        x = [value if token in params.allowed_token_ids else -math.inf for token, value in enumerate(x)]
+    for word in params.bad_words_token_ids or []:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
+            x[word[-1]] = -math.inf
+    if len(output) < params.min_tokens:
+        for token in set(eos_ids) | set(params.stop_token_ids):
+            x[token] = -math.inf
+    for token, bias in (params.logit_bias or {}).items():
+        x[token] = x[token] + bias
+    for token in range(len(x)):
+        count = output.count(token)
+        if params.repetition_penalty != 1 and (count or token in prompt):
+            penalty = params.repetition_penalty
+            x[token] = x[token] / penalty if x[token] > 0 else x[token] * penalty
+        x[token] = x[token] - params.frequency_penalty * count
+        x[token] = x[token] - params.presence_penalty * float(count > 0)
+    return torch.tensor(x, dtype=logits.dtype)
+
+
 def assert_draws_follow(tokens: torch.Tensor, expected: torch.Tensor) -> None:
     """Empirical frequencies within a total-variation bound that random draws exceed with
     probability under 1e-9, and no token outside the expected support."""

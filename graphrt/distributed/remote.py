@@ -330,7 +330,6 @@ class RemoteRing(Ring):
     heartbeat_queued: bool = field(init=False, default=False)
     remote_busy_s: list[float] = field(init=False, default_factory=list)  # stages 1.., as of the last reply
     remote_expert_tokens: list[list[int]] = field(init=False, default_factory=list)  # likewise
-    _seeded: dict = field(init=False, default_factory=dict)  # request id -> Sequence with a generator on the last rank
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -403,20 +402,21 @@ class RemoteRing(Ring):
         self.cluster.send(message)
         self.last_sent = time.monotonic()
 
+    def _holds_state(self, params) -> bool:
+        """The last rank also keeps each seeded request's generator, made from the seed it is sent."""
+        return params.seed is not None or super()._holds_state(params)
+
     def _sampling(self, mb: MicroBatch) -> Sampling:
         seqs = mb.sampled_seqs
-        for seq in seqs:
-            if seq.params.seed is not None:
-                self._seeded[seq.request_id] = seq
-        released = [rid for rid, seq in self._seeded.items() if seq.finished]
-        for rid in released:
-            del self._seeded[rid]
         # A decode step samples at each of its tokens, a verify row's drafts too (the ring's
         # _sample): one entry per token, each of a row's sharing its request's params and generator.
         counts = mb.step.sample_counts
         rows = mb.sample_rows if mb.step.is_prefill else list(range(sum(counts)))
         each = [seq for seq, count in zip(seqs, counts) for _ in range(count)]
-        sampling = Sampling(rows, [s.request_id for s in each], [s.params for s in each], [s.params.seed for s in each], released)
+        sampling = Sampling(
+            rows, [s.request_id for s in each], [s.params for s in each], [s.params.seed for s in each], mb.released,
+            logits_plan=mb.logits_plan,
+        )
         if mb.logprobs is not None:
             sampling.scored, sampling.prompt_targets, sampling.num_top = mb.logprobs.sampled, mb.logprobs.prompt_targets, mb.logprobs.num_top
         return sampling

@@ -3,14 +3,16 @@
 A micro-batch travels from rank k to rank k+1 as
   header    int64 (HEADER_SIZE,): kind, micro-batch id, slot, rows, tokens, bucket, block-table
             width, sampled rows, released request ids, stage counters, logits rows, scored sampled
-            rows, scored prompt rows, logprob alternatives + 1 (0: no logprobs)
+            rows, scored prompt rows, logprob alternatives + 1 (0: no logprobs), the logits plan's
+            ints and floats (0: no plan)
   ints      int64: positions, slot mapping, block tables, seq lens, logits rows, query lens
             (prefill), then for sampling: sampled rows, request ids, top_k, seeds, has-seed,
-            then the request ids whose generators can go, then each rank's stage counters (`counter_width`
+            then the request ids whose generators and token histories can go, then each rank's stage counters (`counter_width`
             of them: the microseconds the stage so far has worked in all, then for a mixture of
             experts the tokens it routed to each expert; filled in as the micro-batch passes),
-            then for logprobs (graphrt.runtime.logprobs): the scored sampled rows, the scored prompt tokens
-  floats    float64 (2 * sampled rows): temperature, top_p      (only when rows are sampled)
+            then for logprobs (graphrt.runtime.logprobs): the scored sampled rows, the scored prompt tokens,
+            then the logits plan's ints (graphrt.runtime.logits_plan: LogitsPlan.to_wire)
+  floats    float64 (2 * sampled rows): temperature, top_p, then the plan's floats   (only when rows are sampled)
   hidden    (tokens, hidden_size) in the stage dtype, into the receiver's per-slot buffer (k > 0)
 and the last rank answers rank 0 with a reply header (REPLY_SIZE,) followed by the token ids, the
 stage counters, from which rank 0 reports every stage's busy time and expert load, and any logprobs (float32
@@ -32,6 +34,7 @@ from graphrt.errors import GraphrtError
 from graphrt.kernels.cpu.placement import usable_cores
 from graphrt.model.batch import StepMetadata
 from graphrt.model.config import ModelConfig
+from graphrt.runtime.logits_plan import LogitsPlan
 from graphrt.sampling_params import SamplingParams
 
 HEADER_SIZE = 16
@@ -67,11 +70,12 @@ class Sampling:
     request_ids: list[int]
     params: list[SamplingParams]
     seeds: list[int | None]
-    released: list[int]  # request ids whose seeded generators are no longer needed
+    released: list[int]  # request ids whose seeded generators and token histories are no longer needed
     # Logprobs (graphrt.runtime.logprobs.LogprobPlan, without what only rank 0 needs): num_top < 0 is none.
     scored: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
     num_top: int = -1
+    logits_plan: LogitsPlan | None = None  # penalties, bias, masks, min_p of the rows that ask
 
 
 @dataclass
@@ -141,9 +145,10 @@ def encode(message: Message) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     busy = message.counters or []
     scored, prompt_targets = (sampling.scored, sampling.prompt_targets) if sampling else ([], [])
     logprobs_width = sampling.num_top + 1 if sampling else 0
-    header[3:14] = torch.tensor([
+    plan_ints, plan_floats = sampling.logits_plan.to_wire() if sampling and sampling.logits_plan else ([], [])
+    header[3:16] = torch.tensor([
         rows, num_tokens, message.bucket or 0, width, num_sampled, len(released), len(busy),
-        meta.logits_indices.shape[0], len(scored), len(prompt_targets), logprobs_width,
+        meta.logits_indices.shape[0], len(scored), len(prompt_targets), logprobs_width, len(plan_ints), len(plan_floats),
     ])
     parts = [meta.positions, meta.slot_mapping, meta.block_tables.reshape(-1), meta.seq_lens, meta.logits_indices]
     parts = [p.cpu() for p in parts]
@@ -155,29 +160,35 @@ def encode(message: Message) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
         has_seed = [int(s is not None) for s in sampling.seeds]
         top_k = [p.top_k for p in sampling.params]
         parts.append(torch.tensor(sampling.rows + sampling.request_ids + top_k + seeds + has_seed + released, dtype=torch.int64))
-    parts.append(torch.tensor(busy + scored + prompt_targets, dtype=torch.int64))
+    parts.append(torch.tensor(busy + scored + prompt_targets + plan_ints, dtype=torch.int64))
     if num_sampled:
-        floats = torch.tensor([p.temperature for p in sampling.params] + [p.top_p for p in sampling.params], dtype=torch.float64)
+        floats = torch.tensor(
+            [p.temperature for p in sampling.params] + [p.top_p for p in sampling.params] + plan_floats, dtype=torch.float64
+        )
     return header, torch.cat(parts), floats
 
 
 def int_payload_size(header: torch.Tensor) -> int:
-    kind, rows, num_tokens, width, num_sampled, num_released, num_busy, num_logits, num_scored, num_targets = (
-        int(header[i]) for i in (0, 3, 4, 6, 7, 8, 9, 10, 11, 12)
+    kind, rows, num_tokens, width, num_sampled, num_released, num_busy, num_logits, num_scored, num_targets, plan_ints = (
+        int(header[i]) for i in (0, 3, 4, 6, 7, 8, 9, 10, 11, 12, 14)
     )
     size = 2 * num_tokens + rows * width + rows + num_logits + (rows if kind == PREFILL else 0)
-    return size + 5 * num_sampled + num_released + num_busy + num_scored + num_targets
+    return size + 5 * num_sampled + num_released + num_busy + num_scored + num_targets + plan_ints
+
+
+def float_payload_size(header: torch.Tensor) -> int:
+    return 2 * int(header[7]) + int(header[15])
 
 
 def decode(header: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor | None) -> Message:
     (kind, micro_batch, slot, rows, num_tokens, bucket, width, num_sampled, num_released, num_busy, num_logits,
-     num_scored, num_targets, logprobs_width) = header[:14].tolist()
+     num_scored, num_targets, logprobs_width, num_plan_ints, _num_plan_floats) = header[:16].tolist()
     if kind in (HEARTBEAT, SHUTDOWN):
         return Message(kind, micro_batch, slot)
     sizes = [num_tokens, num_tokens, rows * width, rows, num_logits]
     sizes += [rows] if kind == PREFILL else []
-    sizes += [num_sampled] * 5 + [num_released, num_busy, num_scored, num_targets]
-    *fields, busy, scored, prompt_targets = ints.split(sizes)
+    sizes += [num_sampled] * 5 + [num_released, num_busy, num_scored, num_targets, num_plan_ints]
+    *fields, busy, scored, prompt_targets, plan_ints = ints.split(sizes)
     positions, slot_mapping, tables, seq_lens, logits_indices = fields[:5]
     rest = fields[5:]
     query_lens = None
@@ -197,11 +208,12 @@ def decode(header: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor | None
     sampling = None
     if num_sampled or num_released or logprobs_width:
         values = floats.tolist() if num_sampled else []
-        temperature, top_p = values[:num_sampled], values[num_sampled:]
+        temperature, top_p = values[:num_sampled], values[num_sampled : 2 * num_sampled]
         params = [SamplingParams(max_tokens=None, temperature=t, top_k=k, top_p=p) for t, k, p in zip(temperature, top_k, top_p)]
+        plan = LogitsPlan.from_wire(plan_ints.tolist(), values[2 * num_sampled :]) if num_plan_ints else None
         sampling = Sampling(
             sample_rows, request_ids, params, [s if h else None for s, h in zip(seeds, has_seed)], released,
-            scored.tolist(), prompt_targets.tolist(), logprobs_width - 1,
+            scored.tolist(), prompt_targets.tolist(), logprobs_width - 1, plan,
         )
     return Message(kind, micro_batch, slot, meta, bucket or None, sampling, counters=busy.tolist())
 
@@ -225,7 +237,7 @@ def recv_message(link: Link, src: int, buffers: list[torch.Tensor], timeout: dat
         return decode(header, torch.zeros(0, dtype=torch.int64), None)
     ints = link.recv(torch.empty(int_payload_size(header), dtype=torch.int64), src)
     num_sampled = int(header[7])
-    floats = link.recv(torch.empty(2 * num_sampled, dtype=torch.float64), src) if num_sampled else None
+    floats = link.recv(torch.empty(float_payload_size(header), dtype=torch.float64), src) if num_sampled else None
     message = decode(header, ints, floats)
     message.hidden = link.recv(buffers[message.slot][: int(header[4])], src)
     return message

@@ -150,6 +150,8 @@ class StageWorker:
         sampling = message.sampling
         if sampling is None:
             return reply
+        if sampling.released:
+            self.sampler.release(sampling.released)
         logits = None
         if sampling.rows:
             logits = out if len(sampling.rows) == out.shape[0] else out[torch.tensor(sampling.rows, device=out.device)]
@@ -158,7 +160,7 @@ class StageWorker:
                 if seed is not None and request_id not in self.generators:
                     self.generators[request_id] = self.sampler.request_generator(seed)
                 generators.append(self.generators.get(request_id) if seed is not None else None)
-            reply.token_ids = self.sampler(logits, sampling.params, generators)
+            reply.token_ids = self.sampler(logits, sampling.params, generators, sampling.logits_plan)
         if sampling.num_top >= 0:
             num_rows = message.meta.seq_lens.shape[0]
             reply.logprobs = score_rows(

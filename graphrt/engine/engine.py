@@ -154,7 +154,7 @@ class Engine:
             self.pipeline, self.graphs, self.sampler, num_slots=self.stage_plan.num_slots,
             max_tokens=self.stage_plan.max_tokens, block_size=config.block_size,
             max_per_slot=1 + int(config.async_scheduling), timeline=self.timeline, ranges=self.ranges,
-            pin=self.devices[0].type == "cuda",
+            pin=self.devices[0].type == "cuda", eos_ids=frozenset(self.eos_ids),
         )
         speculation = self.scheduler.speculation
         if speculation is not None:  # what a verify step's extra tokens must pay for, and the guesses where a model makes them
@@ -396,6 +396,7 @@ class Engine:
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        self._check_sampling(params)
         max_tokens = self.scheduler.check(len(prompt_ids), params.max_tokens)
         seq = Sequence(
             request_id=next(self._ids),
@@ -406,6 +407,18 @@ class Engine:
         )
         self.scheduler.add(seq)
         return seq
+
+    def _check_sampling(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the token ids it names against the vocabulary."""
+        vocab_size = self.model_config.vocab_size
+        for name, token in params.token_ids_named():
+            if token >= vocab_size:
+                raise RequestError(f"{name}: token id {token} is outside the vocabulary [0, {vocab_size})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise RequestError(
+                "bad_words must be tokenized before they reach the engine (LLM.generate and the server do it); "
+                "give bad_words_token_ids instead"
+            )
 
     def abort(self, seq: Sequence) -> None:
         """Stop a request now; its KV blocks return as soon as no micro-batch in flight uses them."""

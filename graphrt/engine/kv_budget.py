@@ -6,7 +6,8 @@ activations exist: the first long prompt, or capture itself, would then run out 
 profiles a forward pass (and its graphs) before sizing its cache, `measure_headroom` runs the
 stages once on a small probe cache, eagerly, over what they will run: a full prefill chunk, each
 stage's decode forward at the largest batch over a table as wide as a graph's, and the sampler on
-that many rows. Then the probe is freed and the cache takes its share of what is left.
+that many rows, each with penalties and min_p (so the token histories of that many requests, which
+stay, are in its peak). Then the probe is freed and the cache takes its share of what is left.
 
 What a device must keep free besides the cache:
 - graph pools, which stay: about each stage's decode peak at its largest bucket (a stage's graphs
@@ -25,6 +26,7 @@ import torch
 from graphrt.capture.graphs import StaticInputs
 from graphrt.errors import GraphrtError
 from graphrt.model.batch import StepMetadata
+from graphrt.runtime.logits_plan import LogitsPlan
 from graphrt.runtime.pipeline import Pipeline
 from graphrt.runtime.sampler import Sampler
 from graphrt.sampling_params import SamplingParams
@@ -88,12 +90,23 @@ def measure_headroom(
             logits = torch.zeros(max_batch, last.cfg.vocab_size, dtype=last.dtype, device=last.device)
             sampler = Sampler(last.device, seed=0)
             random_rows = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * max_batch  # sorts every row
-            sampling = peak_bytes(last.device, lambda: sampler(logits, random_rows, [None] * max_batch))
+            plan = penalize_every_row(max_batch)
+            sampling = peak_bytes(last.device, lambda: sampler(logits, random_rows, [None] * max_batch, plan))
             headroom[last.device].transient = max(headroom[last.device].transient, sampling)
     finally:
         pipeline.caches = []
         torch.cuda.empty_cache()  # the probe's memory goes back to the device before free memory is read
     return headroom
+
+
+def penalize_every_row(num_rows: int) -> LogitsPlan:
+    """A plan that starts a token history for each of `num_rows` requests and applies every penalty
+    and min_p to them: the most a sampling step allocates."""
+    rows = list(range(num_rows))
+    return LogitsPlan(
+        history_entries=rows, history_requests=rows, history_priors=[0] * num_rows, init_requests=rows,
+        presence=[0.5] * num_rows, frequency=[0.5] * num_rows, repetition=[1.1] * num_rows, min_p=[0.05] * num_rows,
+    )
 
 
 def _prefill_peaks(pipeline: Pipeline, chunk: int, block_size: int) -> dict[torch.device, int]:

@@ -396,7 +396,11 @@ class Scheduler:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
-        if token_id in self.eos_ids and not seq.params.ignore_eos:
+        params = seq.params
+        # A stop token (EOS unless ignored, or one of stop_token_ids) ends it once min_tokens are
+        # out; the sampler masks them before, so this only confirms it, as vLLM's check does.
+        stops = (token_id in self.eos_ids and not params.ignore_eos) or token_id in params.stop_token_ids
+        if stops and len(seq.output_ids) >= params.min_tokens:
             self.finish(seq, FinishReason.STOP)
         elif len(seq.output_ids) >= seq.max_tokens:
             self.finish(seq, FinishReason.LENGTH)

@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from graphrt.engine.core import Admitted, EngineCore, EngineSnapshot, Failed, Rejected, heap_trimmer, prompt_of  # noqa: F401 (re-exported)
@@ -123,9 +123,10 @@ class AsyncEngine:
         return self.accepting and self._thread is not None and self._thread.is_alive()
 
     async def prepare(self, job: GenerationJob) -> None:
-        """Set the job's checked prompt token ids, working in the event loop's default executor
-        (never on the engine thread, nor blocking the event loop). Raises RequestError: a 400."""
-        job.prompt_ids = await asyncio.to_thread(self._prompts.prompt_ids, job)
+        """Set the job's checked prompt token ids (and its params as the engine takes them), working
+        in the event loop's default executor (never on the engine thread, nor blocking the event
+        loop). Raises RequestError: a 400."""
+        job.prompt_ids, job.params = await asyncio.to_thread(self._prompts.prepare, job)
 
     def submit(self, job: GenerationJob) -> bool:
         """Queue a prepared job; False once stopping or if the engine thread is gone (the job was not queued)."""
@@ -258,6 +259,21 @@ class PromptPreparer:
         self.max_model_len = max_model_len
         self.check_lengths = check_lengths  # Scheduler.check, or the same check made from its numbers
         self.model_name = model_name
+
+    def prepare(self, job: GenerationJob) -> tuple[list[list[int]], list[SamplingParams]]:
+        """The job's checked prompt token ids, and its params with their bad words tokenized."""
+        spelled: dict[tuple[str, ...], list[list[int]]] = {}  # the choices of a job share their words
+        return self.prompt_ids(job), [self._for_engine(params, spelled) for params in job.params]
+
+    def _for_engine(self, params: SamplingParams, spelled: dict) -> SamplingParams:
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        if self.tokenizer is None:
+            raise RequestError(f"{self.model_name} has no tokenizer to spell bad_words with")
+        words = tuple(params.bad_words)
+        if words not in spelled:
+            spelled[words] = self.tokenizer.bad_words_token_ids(params.bad_words)
+        return replace(params, bad_words_token_ids=spelled[words])
 
     def prompt_ids(self, job: GenerationJob) -> list[list[int]]:
         """Each prompt's token ids; a RequestError names the prompt when there are several."""

@@ -168,7 +168,7 @@ class EngineClient:
         return self.accepting and self.failure is None and self.process.poll() is None
 
     async def prepare(self, job: GenerationJob) -> None:
-        job.prompt_ids = await asyncio.to_thread(self._prompts.prompt_ids, job)
+        job.prompt_ids, job.params = await asyncio.to_thread(self._prompts.prepare, job)
 
     def submit(self, job: GenerationJob) -> bool:
         if job.prompt_ids is None:

@@ -111,12 +111,16 @@ class OutputProcessor:
     def _extend(self, state: RequestState) -> bool:
         """Append the new tokens' text (decoding a few tokens, not the whole output: this runs for
         every token); True where a stop string ended it, the text cut where the stop string starts."""
-        text = state.text
+        text, token_ids, params = state.text, state.output_ids, state.params
+        if state.finish_reason == FinishReason.STOP.value and token_ids and token_ids[-1] in params.stop_token_ids:
+            token_ids = token_ids[:-1]  # as vLLM: the stop token that ended it is not part of the text
         old_len = len(text.text)
         delta, text.prefix_offset, text.read_offset = self.tokenizer.decode_next(
-            state.output_ids, text.prefix_offset, text.read_offset, final=state.finished
+            token_ids, text.prefix_offset, text.read_offset, final=state.finished
         )
         text.text += delta
+        if len(state.output_ids) <= params.min_tokens:
+            return False  # as vLLM: stop strings count once more than min_tokens tokens are out
         # Only a stop string that ends in the new text can be new; the one that starts first wins.
         cuts = [cut for stop in text.stops if (cut := text.text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
         if not cuts:

@@ -99,6 +99,22 @@ class Tokenizer:
                 fails, error = middle, exc
         return fails - 1, error
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """The token sequences `SamplingParams.bad_words` ban, as vLLM tokenizes them: each word
+        alone, and after a space where that spells it with other tokens of the same count (a word
+        at the start of the text and the same word inside it). Raises RequestError for a word that
+        is no token at all."""
+        sequences: list[list[int]] = []
+        for word in words:
+            alone = self._tok.encode(word.lstrip(), add_special_tokens=False)
+            if not alone:
+                raise RequestError(f"bad_words: {word!r} tokenizes to no token; every word must be at least one")
+            sequences.append(alone)
+            spaced = self._tok.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return sequences
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.encode_templated(self.apply_chat_template(messages))
 

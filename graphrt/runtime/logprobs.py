@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphrt.runtime.sampler import host_to_device
+from graphrt.runtime.transfers import host_to_device
 from graphrt.sampling_params import TokenLogprob
 
 if TYPE_CHECKING:

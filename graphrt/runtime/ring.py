@@ -4,7 +4,8 @@ Each slot owns, on every stage, the buffer its activations arrive in, so micro-b
 once never share memory. Launching a micro-batch enqueues, stage by stage on that stage's stream:
 wait for the previous stage's event, run the stage (the bucket's graph for decode, eager for
 prefill), copy the output into the next stage's receive buffer for this slot, record an event.
-The last stage samples on device and writes the token ids twice: into the token feed on stage 0's
+The last stage processes the logits as the requests ask (penalties, bias, masks: a `LogitsPlan`,
+graphrt.runtime.logits_plan), samples on device and writes the token ids twice: into the token feed on stage 0's
 device, where the next step of those sequences reads them, and into pinned host memory, which the
 host reads once the micro-batch's event has passed.
 
@@ -33,9 +34,11 @@ from graphrt.model.batch import StepMetadata
 from graphrt.profiling.nvtx import Ranges
 from graphrt.profiling.timeline import Timeline, mark
 from graphrt.profiling.timing import median_seconds
+from graphrt.runtime.logits_plan import LogitsPlan, plan_logits
 from graphrt.runtime.logprobs import LogprobPlan, plan_logprobs, score_rows
 from graphrt.runtime.pipeline import Pipeline
-from graphrt.runtime.sampler import Sampler, host_to_device
+from graphrt.runtime.sampler import Sampler
+from graphrt.runtime.transfers import host_to_device
 from graphrt.runtime.step import Row, ScheduledStep, feed_index, feed_ref, is_feed_ref
 from graphrt.runtime.streams import make_stream
 
@@ -54,6 +57,8 @@ class MicroBatch:
     busy_events: list = field(default_factory=list)  # CUDA: (stage, start, end) events of its work
     token_ids: list[int] | None = None  # one per sampled token (a verify row's 1 + drafts), once read back
     logprobs: LogprobPlan | None = None  # what its last stage scores, for the requests that ask
+    logits_plan: LogitsPlan | None = None  # what its last stage does to the logits first, for the requests that ask
+    released: list[int] = field(default_factory=list)  # request ids whose state on the last stage can go
 
     @property
     def id(self) -> int:
@@ -148,10 +153,15 @@ class Ring:
     timeline: Timeline | None = None
     ranges: Ranges = field(default_factory=Ranges)
     pin: bool = False  # build inputs in page-locked memory (a CUDA stage 0)
+    eos_ids: frozenset[int] = frozenset()  # masked with a request's stop tokens before its min_tokens
     slots: list[RingSlot] = field(init=False)
     # Tokens still on the device, by request id: the micro-batch sampling it, and its index in the feed.
     _producers: dict[int, MicroBatch] = field(init=False, default_factory=dict)
     _feed_indices: dict[int, int] = field(init=False, default_factory=dict)
+    # Requests with state on the last stage (see _holds_state), until they end, and the ended ones
+    # whose release was lost with a failed micro-batch.
+    _holders: dict[int, Row] = field(init=False, default_factory=dict)
+    _unreleased: list[int] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         stages = self.pipeline.stages
@@ -191,6 +201,8 @@ class Ring:
         self._forget_in_flight()
 
     def _forget_in_flight(self) -> None:
+        for mb in self.in_flight:  # what they were to release is released by the next one (twice does no harm)
+            self._unreleased += mb.released
         for slot in self.slots:
             slot.in_flight.clear()
         self._producers.clear()
@@ -229,7 +241,7 @@ class Ring:
         token_base = (2 * slot.index + slot.launches % 2) * self.max_tokens
         mb = MicroBatch(
             step, slot.index, time.perf_counter(), token_base=token_base, reads_feed=bool(producers), bucket=bucket,
-            logprobs=logprobs,
+            logprobs=logprobs, logits_plan=plan_logits(step, self.eos_ids), released=self._released(step),
         )
         if logprobs is not None:
             logprobs.allocate(pin=self.pipeline.stages[-1].device.type == "cuda")
@@ -238,6 +250,22 @@ class Ring:
             if not step.num_drafts(row):  # a verify row's next input is known only once read back
                 self._producers[seq.request_id], self._feed_indices[seq.request_id] = mb, token_base + row
         return mb
+
+    def _holds_state(self, params) -> bool:
+        """Whether a request keeps state on the last stage between its steps: a token history."""
+        return params.tracks_history
+
+    def _released(self, step: ScheduledStep) -> list[int]:
+        """The requests whose state on the last stage can go: those that ended since the last launch.
+        The last stage runs micro-batches in launch order, so every one of theirs is done by then."""
+        for seq in step.sampled_seqs:
+            if self._holds_state(seq.params):
+                self._holders[seq.request_id] = seq
+        released = [request_id for request_id, seq in self._holders.items() if seq.finished]
+        for request_id in released:
+            del self._holders[request_id]
+        released, self._unreleased = self._unreleased + released, []
+        return released
 
     def _enqueue(
         self, slot: RingSlot, mb: MicroBatch, token_ids: torch.Tensor, meta: StepMetadata, producers: list[MicroBatch]
@@ -324,6 +352,8 @@ class Ring:
 
     def _sample(self, mb: MicroBatch, out: torch.Tensor, params, generators) -> None:
         """On the last stage: sample the rows that get a token, score what `mb.logprobs` asks for."""
+        if mb.released:
+            self.sampler.release(mb.released)
         logits = token_ids_out = None
         # A decode step samples at each of its tokens (a verify row's drafts too), which are its
         # logits rows in order; a prompt chunk at the last token of each row that samples.
@@ -332,7 +362,7 @@ class Ring:
             every_row = num_sampled == out.shape[0]  # sampled rows are distinct and in order: all of them
             logits = out if every_row else out[host_to_device(mb.sample_rows, torch.int64, out.device)]
             with self.ranges.sample():
-                token_ids_out = self.sampler(logits, params, generators)
+                token_ids_out = self.sampler(logits, params, generators, mb.logits_plan)
             rows = slice(mb.token_base, mb.token_base + num_sampled)
             if self.feed is not self.host_tokens:
                 self.feed[rows].copy_(token_ids_out, non_blocking=True)

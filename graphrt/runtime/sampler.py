@@ -7,16 +7,10 @@ from typing import Callable
 import torch
 
 from graphrt.kernels import argmax
+from graphrt.runtime.logits_plan import LogitsPlan
+from graphrt.runtime.logits_processors import TokenHistory, process_logits
+from graphrt.runtime.transfers import host_to_device
 from graphrt.sampling_params import SamplingParams
-
-
-def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small per-row tensor on `device` without blocking the host: `torch.tensor(..., device=cuda)`
-    copies synchronously, which would make the host wait for the whole pipeline."""
-    tensor = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class Sampler:
@@ -25,12 +19,21 @@ class Sampler:
     Random rows use the exponential race (argmax of p / q with q ~ Exp(1)), which draws exactly
     from p; a row with a seed draws from its own generator, so its tokens do not depend on which
     other requests share the batch.
+
+    A micro-batch whose requests ask for penalties, bias, masks or min_p comes with a `LogitsPlan`,
+    applied to its logits first (graphrt.runtime.logits_processors); the tokens sampled then go into
+    the token history the sampler keeps for those requests. Without one nothing of it runs.
     """
 
     def __init__(self, device: torch.device, seed: int, greedy_argmax: Callable[[torch.Tensor], torch.Tensor] = argmax.greedy_argmax):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.greedy_argmax = greedy_argmax  # the torch reference, or on a CPU the compiled twin where it is faster
+        self.history = TokenHistory(device)
+
+    def release(self, request_ids: list[int]) -> None:
+        """Requests that ended: their token histories go."""
+        self.history.release(request_ids)
 
     def request_generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -42,6 +45,18 @@ class Sampler:
         logits: torch.Tensor,  # (batch, vocab)
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        plan: LogitsPlan | None = None,
+    ) -> torch.Tensor:
+        if plan is None:
+            return self._sample(logits, params, generators)
+        processed = process_logits(logits, plan, self.history)
+        token_ids = self._sample(processed.logits, params, generators, processed.min_p)
+        processed.commit(token_ids)
+        return token_ids
+
+    def _sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+        min_p: torch.Tensor | None = None,  # (batch,): drop tokens less likely than min_p times the most likely
     ) -> torch.Tensor:
         greedy_ids = self.greedy_argmax(logits)
         if all(p.greedy for p in params):
@@ -54,6 +69,8 @@ class Sampler:
         # towards -inf (probability 0), never to +inf, which would make the softmax NaN.
         shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)  # (batch, vocab)
         probs = torch.softmax(shifted / temperature[:, None], dim=-1)
+        if min_p is not None:  # as vLLM: after the temperature, before top-k and top-p
+            probs = probs.masked_fill(probs < min_p.float()[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
         top_p = rows([p.top_p for p in params])
         top_k = rows([min(p.top_k, vocab_size) or vocab_size for p in params], torch.int64)

@@ -16,6 +16,7 @@ class Row(Protocol):
 
     request_id: int
     prompt_ids: list[int]
+    output_ids: list[int]  # read back so far
     params: Any  # graphrt.sampling_params.SamplingParams
     generator: Any  # torch.Generator | None: a seeded request's own
     block_ids: list[int]

@@ -16,7 +16,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from graphrt.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from graphrt.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    SamplingParams,
+)
 from graphrt.server.errors import APIError
 
 MAX_CHOICES = 128  # sequences per request (prompts x n): each is a sequence of its own in the engine
@@ -27,9 +35,6 @@ MAX_STOP_STRINGS = 16
 UNSUPPORTED_PARAMS: dict[str, tuple] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -62,6 +67,17 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension (as in vLLM): generate exactly max_tokens tokens
     user: str | None = None  # accepted and ignored, as an end-user id for OpenAI's abuse monitoring
+    # What is done to the logits (graphrt.sampling_params); null means the default, as SDKs send it.
+    presence_penalty: float | None = None  # OpenAI's, in [-2, 2]
+    frequency_penalty: float | None = None  # OpenAI's, in [-2, 2]
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    # vLLM's extensions
+    repetition_penalty: float | None = None  # > 0; 1 is off
+    min_p: float | None = None  # in [0, 1]
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -73,10 +89,66 @@ class SamplingFields(StrictModel):
             raise ValueError("stop strings must not be empty")
         return stop
 
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _check_penalty(cls, value):
+        if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise ValueError(f"must be in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 is off), got {value}")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _check_repetition_penalty(cls, value):
+        if value is not None and not value > 0:
+            raise ValueError(f"must be greater than 0 (1 is off; above 1 discourages repeating), got {value}")
+        return value
+
+    @field_validator("min_p")
+    @classmethod
+    def _check_min_p(cls, value):
+        if value is not None and not 0 <= value <= 1:
+            raise ValueError(f"must be in [0, 1] (0 is off), got {value}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias):
+        for key, value in (bias or {}).items():
+            if not re.fullmatch(r"[0-9]{1,19}", key) or int(key) > INT64_MAX:
+                raise ValueError(f"keys must be token ids (integers >= 0, as strings), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {key} must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}")
+        return bias
+
+    @field_validator("stop_token_ids", "allowed_token_ids")
+    @classmethod
+    def _check_token_ids(cls, ids, info):
+        if ids is None:
+            return ids
+        if info.field_name == "allowed_token_ids" and not ids:
+            raise ValueError("must hold at least one token id (leave it out to allow every token)")
+        bad = [t for t in ids if not 0 <= t <= INT64_MAX]
+        if bad:
+            raise ValueError(f"token ids are integers >= 0, got {bad[0]}")
+        return ids
+
+    @field_validator("bad_words")
+    @classmethod
+    def _check_bad_words(cls, words):
+        if words is not None:
+            if len(words) > MAX_BAD_WORDS:
+                raise ValueError(f"at most {MAX_BAD_WORDS} words, got {len(words)}")
+            if any(not w.strip() for w in words):
+                raise ValueError("words must not be empty or blank")
+        return words
+
     def check(self) -> None:
         """Checks across fields, after each field is valid on its own."""
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        max_tokens = self.resolved_max_tokens()
+        if self.min_tokens and max_tokens is not None and self.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
 
     @property
     def include_usage(self) -> bool:
@@ -111,6 +183,15 @@ class SamplingFields(StrictModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=self.num_logprobs,
                 prompt_logprobs=self.num_prompt_logprobs,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                min_p=self.min_p or 0.0,
+                min_tokens=self.min_tokens or 0,
+                logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None,
+                stop_token_ids=list(self.stop_token_ids or []),
+                bad_words=list(self.bad_words or []),
+                allowed_token_ids=self.allowed_token_ids,
             )
             for index in range(self.n)
         ]

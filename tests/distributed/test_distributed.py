@@ -24,6 +24,15 @@ from graphrt.tools.synthetic import make_synthetic, make_tiny_model
 
 OPTIONS = dict(dtype="float64", kv_cache_tokens=2048, buckets=[1, 2, 4], prefill_chunk_size=16)
 PROMPTS = [[(7 * i + j) % 96 + 1 for j in range(3 + 5 * i)] for i in range(5)]  # 3..23 tokens: several prefill chunks
+# Penalties, bias and masks (graphrt.runtime.logits_plan): the plan travels with the micro-batch, the
+# last rank keeps each request's token history and lets it go when rank 0 says the request ended.
+PROCESSED = [
+    SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, presence_penalty=1.0, repetition_penalty=1.3),
+    SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True, frequency_penalty=0.5, min_p=0.1),
+    SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logit_bias={7: 2.0}, bad_words_token_ids=[[3], [50, 60]]),
+    SamplingParams(max_tokens=10, temperature=0, allowed_token_ids=[1, 2, 4, 8, 16, 32, 64], min_tokens=3),
+    SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+]
 WATCHDOG_S = 3.0
 
 
@@ -51,7 +60,7 @@ def test_stage_processes_give_the_single_process_tokens(tiny_model_factory, pp):
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
     alone = LLM(model=model, pp=pp, **OPTIONS)
-    expected = outputs(alone, greedy), outputs(alone, seeded)
+    expected = outputs(alone, greedy), outputs(alone, seeded), outputs(alone, PROCESSED)
     alone.engine.close()
     llm = LLM(model=model, pp=pp, procs=True, watchdog_s=30, **OPTIONS)
     children = llm.engine.cluster.children
@@ -61,6 +70,7 @@ def test_stage_processes_give_the_single_process_tokens(tiny_model_factory, pp):
         busy_before = llm.engine.ring.stage_busy_s
         assert outputs(llm, seeded) == expected[1]
         busy_after = llm.engine.ring.stage_busy_s
+        assert outputs(llm, PROCESSED) == expected[2]
         # Every stage's busy time reaches rank 0, the other processes' with each reply, and grows.
         assert len(busy_after) == pp and all(0 < a < b for a, b in zip(busy_before, busy_after)), (busy_before, busy_after)
         assert llm.engine.weight_bytes == alone.engine.weight_bytes  # the workers reported theirs

@@ -5,8 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrt.distributed.transport import DECODE, HEARTBEAT, PREFILL, Message, Sampling, decode, encode, int_payload_size
+from graphrt.distributed.transport import (
+    DECODE,
+    HEARTBEAT,
+    PREFILL,
+    Message,
+    Sampling,
+    decode,
+    encode,
+    float_payload_size,
+    int_payload_size,
+)
 from graphrt.model.batch import StepMetadata
+from graphrt.runtime.logits_plan import LogitsPlan
 from graphrt.sampling_params import SamplingParams
 
 
@@ -46,6 +57,7 @@ def test_a_micro_batch_round_trips(kind, with_sampling, released, with_logprobs)
     header, ints, floats = encode(sent)
     assert ints.shape[0] == int_payload_size(header)  # the receiver sizes its buffer from the header
     got = decode(header, ints, floats)
+    assert got.sampling is None or got.sampling.logits_plan is None
     assert (got.kind, got.micro_batch, got.slot, got.bucket) == (kind, 17, 2, sent.bucket)
     for field in ("positions", "slot_mapping", "block_tables", "seq_lens", "logits_indices"):
         assert torch.equal(getattr(got.meta, field), getattr(sent.meta, field)), field
@@ -61,6 +73,23 @@ def test_a_micro_batch_round_trips(kind, with_sampling, released, with_logprobs)
     )
     for ours, theirs in zip(got.sampling.params, sent.sampling.params):
         assert (ours.temperature, ours.top_k, ours.top_p) == (theirs.temperature, theirs.top_k, theirs.top_p)
+
+
+@pytest.mark.parametrize("kind", [PREFILL, DECODE])
+def test_a_logits_plan_round_trips_beside_the_sampling_floats(kind):
+    sent = micro_batch(kind, with_sampling=True, released=[3], with_logprobs=True)
+    sent.sampling.logits_plan = LogitsPlan(
+        window=2, history_entries=[0, 1], history_requests=[41, 43], history_priors=[0, 0], init_requests=[41],
+        init_output_owners=[0, 0], init_output_tokens=[5, 6], init_recent=[5, 6], presence=[0.5, 0.0],
+        frequency=[0.25, 0.0], repetition=[1.0, 1.5], banned_entries=[1], banned_tokens=[2], bias_entries=[0],
+        bias_tokens=[9], bias_values=[-3.5], min_p=[0.0, 0.125],
+    )
+    header, ints, floats = encode(sent)
+    assert ints.shape[0] == int_payload_size(header) and floats.shape[0] == float_payload_size(header)
+    got = decode(header, ints, floats)
+    assert got.sampling.logits_plan == sent.sampling.logits_plan
+    assert [p.temperature for p in got.sampling.params] == [0.7, 0.0] and got.sampling.released == [3]
+    assert got.sampling.scored == sent.sampling.scored and got.sampling.prompt_targets == sent.sampling.prompt_targets
 
 
 def test_a_heartbeat_has_no_payload():

@@ -90,6 +90,11 @@ def test_every_message_crosses_the_wire_as_itself():
     entry = TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.5)))
     to_engine = [
         AddJob(3, [[1, 2, 3], [4]], [SamplingParams(max_tokens=4, temperature=0.5, top_k=7, seed=11, stop=["x"], logprobs=2)]),
+        AddJob(4, [[7]], [SamplingParams(
+            presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2, min_p=0.1, min_tokens=2,
+            logit_bias={3: -100.0, 9: 2.5}, stop_token_ids=[4], bad_words=["no"], bad_words_token_ids=[[8], [5, 6]],
+            allowed_token_ids=[3, 4, 5, 6, 9],
+        )]),
         AbortJob(3), StopChoice(3, 1), Shutdown(),
     ]
     to_front = [
@@ -107,4 +112,7 @@ def test_bad_sampling_params_are_refused_on_arrival():
     bad = msgspec.msgpack.encode({"type": "AddJob", "job": 1, "prompt_ids": [[1]], "params": [{"top_p": 5.0}]})
     decoder = msgspec.msgpack.Decoder(ToEngine)
     with pytest.raises(ValueError, match="top_p"):
+        decoder.decode(bad)
+    bad = msgspec.msgpack.encode({"type": "AddJob", "job": 1, "prompt_ids": [[1]], "params": [{"repetition_penalty": 0.0}]})
+    with pytest.raises(ValueError, match="repetition_penalty"):
         decoder.decode(bad)

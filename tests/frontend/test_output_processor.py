@@ -69,6 +69,24 @@ def test_a_stop_string_ends_the_request_here_and_says_so_rather_than_calling_the
     assert len(state.output_ids) == stopped_at[0] + 1
 
 
+def test_stop_strings_count_once_min_tokens_are_out_and_a_stop_tokens_text_is_left_out(tokenizer):
+    """As vLLM: a stop string ends a request only past min_tokens tokens; a stop token (stop_token_ids)
+    that ends it is one of its tokens but not of its text."""
+    token_ids = tokenizer.encode("The capital of France is Paris. It is")
+    processor = OutputProcessor(tokenizer)
+    late = processor.add(1, SamplingParams(stop=["capital", "Paris"], min_tokens=3))
+    steps = feed(processor, 1, token_ids)
+    # "capital" (token 1) comes too early to count, "Paris" (token 5) ends it.
+    assert [index for index, (_, stopped) in enumerate(steps) if stopped] == [token_ids.index(tokenizer.encode(" Paris")[0])]
+    assert late.text.text == "The capital of France is "
+    period = tokenizer.encode(".")[0]
+    stopped = processor.add(2, SamplingParams(stop_token_ids=[period]))
+    upto = token_ids.index(period) + 1
+    processor.process([SequenceOutput(2, token_ids[: upto - 1], None)])
+    processor.process([SequenceOutput(2, token_ids[upto - 1 : upto], FinishReason.STOP)])
+    assert stopped.output_ids == token_ids[:upto] and stopped.text.text == "The capital of France is Paris"
+
+
 def test_the_front_state_is_built_from_deltas_alone(tokenizer):
     processor = OutputProcessor(tokenizer)
     state = processor.add(3, SamplingParams(logprobs=0))

@@ -84,8 +84,17 @@ BAD_REQUESTS = [
     ("tool-message-without-tool-call-id", "POST", CHAT, body(messages=[*USER, {"role": "tool", "content": "x"}]), 400, "messages[1].tool_call_id"),
     ("unsupported-best-of", "POST", COMPLETIONS, body(prompt="hi", best_of=3), 400, "best_of"),
     ("unsupported-suffix", "POST", COMPLETIONS, body(prompt="hi", suffix="end"), 400, "suffix"),
-    ("unsupported-logit-bias", "POST", COMPLETIONS, body(prompt="hi", logit_bias={"1": 5}), 400, "logit_bias"),
-    ("unsupported-presence-penalty", "POST", COMPLETIONS, body(prompt="hi", presence_penalty=0.5), 400, "presence_penalty"),
+    ("presence-penalty-above-2", "POST", COMPLETIONS, body(prompt="hi", presence_penalty=2.5), 400, "presence_penalty"),
+    ("frequency-penalty-below-minus-2", "POST", CHAT, body(messages=USER, frequency_penalty=-3), 400, "frequency_penalty"),
+    ("repetition-penalty-zero", "POST", COMPLETIONS, body(prompt="hi", repetition_penalty=0), 400, "repetition_penalty"),
+    ("min-p-above-one", "POST", COMPLETIONS, body(prompt="hi", min_p=1.5), 400, "min_p"),
+    ("min-tokens-above-max-tokens", "POST", COMPLETIONS, body(prompt="hi", max_tokens=4, min_tokens=8), 400, "min_tokens"),
+    ("logit-bias-key-not-a-token-id", "POST", COMPLETIONS, body(prompt="hi", logit_bias={"one": 5}), 400, "logit_bias"),
+    ("logit-bias-value-above-100", "POST", CHAT, body(messages=USER, logit_bias={"1": 150}), 400, "logit_bias"),
+    ("logit-bias-key-outside-vocab", "POST", COMPLETIONS, body(prompt="hi", logit_bias={"1000000": 5}), 400, None),
+    ("stop-token-ids-negative", "POST", COMPLETIONS, body(prompt="hi", stop_token_ids=[-1]), 400, "stop_token_ids"),
+    ("allowed-token-ids-empty", "POST", COMPLETIONS, body(prompt="hi", allowed_token_ids=[]), 400, "allowed_token_ids"),
+    ("bad-words-blank", "POST", COMPLETIONS, body(prompt="hi", bad_words=[" "]), 400, "bad_words"),
     ("unsupported-tools", "POST", CHAT, body(messages=USER, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("unsupported-functions", "POST", CHAT, body(messages=USER, functions=[{"name": "f"}]), 400, "functions"),
     ("unsupported-response-format", "POST", CHAT, body(messages=USER, response_format={"type": "json_object"}), 400, "response_format"),
@@ -133,6 +142,10 @@ def test_messages_say_what_to_do(http):
     assert f"the context holds {MAX_MODEL_LEN}" in too_long and "shorten the prompt" in too_long
     huge = http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 10**9}).json()["error"]["message"]
     assert "lower max_tokens" in huge
+    outside = http.post(COMPLETIONS, json={"prompt": "hi", "logit_bias": {"1000000": 5}}).json()["error"]["message"]
+    assert "logit_bias" in outside and "outside the vocabulary [0, 49152)" in outside
+    penalty = http.post(COMPLETIONS, json={"prompt": "hi", "presence_penalty": 2.5}).json()["error"]["message"]
+    assert "[-2, 2]" in penalty
     unknown = http.post(COMPLETIONS, json={"prompt": "hi", "model": "gpt-4"}).json()["error"]["message"]
     assert "'SmolLM2-135M-Instruct'" in unknown
 
@@ -141,7 +154,8 @@ def test_neutral_values_of_unsupported_parameters_are_accepted(http):
     # clients often send the "off" value of a parameter explicitly
     response = http.post(COMPLETIONS, json={
         "prompt": "hi", "max_tokens": 2, "logprobs": None, "echo": False, "best_of": 1,
-        "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "someone",
+        "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "someone", "repetition_penalty": 1.0,
+        "min_p": None, "min_tokens": None, "stop_token_ids": None, "bad_words": None, "allowed_token_ids": None,
     })
     assert response.status_code == 200, response.text
 

@@ -11,7 +11,7 @@ for package in ("fastapi", "uvicorn"):  # graphrt.server imports the server stac
     pytest.importorskip(package)
 
 from graphrt.errors import RequestError  # noqa: E402
-from graphrt.sampling_params import MAX_LOGPROBS  # noqa: E402
+from graphrt.sampling_params import MAX_LOGPROBS, SamplingParams  # noqa: E402
 from graphrt.server.errors import APIError  # noqa: E402
 from graphrt.server.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, parse_request  # noqa: E402
 
@@ -316,6 +316,69 @@ def test_top_p_out_of_range_is_refused(top_p):
 def test_max_tokens_stays_positive():
     assert refused(completion, max_tokens=0).param == "max_tokens"
     assert refused(chat, max_completion_tokens=0).param == "max_completion_tokens"
+
+
+# --- penalties, bias, masks (graphrt.sampling_params) --------------------------------------------
+
+# What vLLM's `vllm bench serve --backend openai` sends with every request (vllm/benchmarks/lib/endpoint_request_func.py)
+VLLM_BENCH_COMPLETION = {
+    "model": "SmolLM2-135M-Instruct", "prompt": "Hello", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
+    "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0,
+}
+
+
+def test_what_vllm_bench_sends_is_accepted_and_changes_nothing():
+    request = parse_request(json.dumps(VLLM_BENCH_COMPLETION).encode(), CompletionRequest)
+    [params] = request.sampling_params()
+    assert params.repetition_penalty == 1.0 and not params.processes_logits and params.ignore_eos
+
+
+@pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
+def test_every_parameter_reaches_the_sampling_params(parse):
+    request = parse(
+        presence_penalty=-1.5, frequency_penalty=2, repetition_penalty=1.15, min_p=0.05, min_tokens=3, max_tokens=20,
+        logit_bias={"7": -100, "11": 2.5}, stop_token_ids=[2, 5], bad_words=["foo", "bar baz"], allowed_token_ids=[1, 7, 11], n=2,
+    )
+    for params in request.sampling_params():
+        penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
+        assert penalties == (-1.5, 2, 1.15) and (params.min_p, params.min_tokens) == (0.05, 3)
+        assert params.logit_bias == {7: -100, 11: 2.5} and params.stop_token_ids == [2, 5]
+        assert params.bad_words == ["foo", "bar baz"] and params.bad_words_token_ids is None  # the front tokenizes them
+        assert params.allowed_token_ids == [1, 7, 11] and params.processes_logits and params.tracks_history
+
+
+def test_nulls_mean_the_defaults():
+    nulls = dict.fromkeys(
+        ["presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",
+         "bad_words", "allowed_token_ids"]
+    )
+    [params] = completion(**nulls).sampling_params()
+    assert params == SamplingParams(max_tokens=16) and not params.processes_logits
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"presence_penalty": 2.01}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "[-2, 2]"),
+    ({"presence_penalty": "1"}, "presence_penalty", "number"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"repetition_penalty": -1.2}, "repetition_penalty", "greater than 0"),
+    ({"min_p": -0.1}, "min_p", "[0, 1]"),
+    ({"min_p": 1.01}, "min_p", "[0, 1]"),
+    ({"min_tokens": -1}, "min_tokens", "0"),
+    ({"min_tokens": 17}, "min_tokens", "max_tokens (16)"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"3": 100.5}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": [1, 2]}, "logit_bias", "dictionary"),
+    ({"stop_token_ids": [1, -2]}, "stop_token_ids", ">= 0"),
+    ({"stop_token_ids": ["1"]}, "stop_token_ids[0]", "integer"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "at least one"),
+    ({"bad_words": ["ok", ""]}, "bad_words", "empty"),
+    ({"bad_words": "word"}, "bad_words", "list"),
+])
+def test_out_of_range_values_are_refused_naming_the_parameter_and_its_range(fields, param, says):
+    error = refused(completion, **fields)
+    assert error.param == param and says in str(error), str(error)
 
 
 # --- the chat template's side -----------------------------------------------------------------

@@ -102,9 +102,9 @@ class SlowSampler:
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
 
-    def __call__(self, logits, params, generators):
+    def __call__(self, logits, params, generators, plan=None):
         time.sleep(0.02)
-        return self.sampler(logits, params, generators)
+        return self.sampler(logits, params, generators, plan)
 
 
 @pytest.fixture(scope="module")
