@@ -6,6 +6,7 @@ Plain data with no torch, so the scheduler (and the CLI) can hold it without loa
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -17,6 +18,52 @@ MAX_LOGPROBS = 20  # most alternatives a request may ask for per token, as OpenA
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY], as OpenAI allows
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI allows
 MAX_BAD_WORDS = 128  # bad words per request, tokenized (each word counts once per way it tokenizes)
+
+
+@dataclass
+class StructuredOutput:
+    """What a request's output must match, as vLLM's `StructuredOutputsParams` says it: exactly one
+    of a JSON schema, any JSON object, a regular expression, a choice of strings, or an EBNF grammar
+    (xgrammar's dialect, GBNF-like). The engine compiles it into a token mask (graphrt.engine.grammar).
+    """
+
+    json: str | None = None  # a JSON schema, as JSON text (a dict given here is written as text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF, with a `root` rule
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, (dict, bool)):
+            self.json = json.dumps(self.json)  # in its order: properties are generated in the order given
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured_output takes exactly one of json, json_object, regex, choice, grammar; "
+                + (f"got {', '.join(given)}" if given else "got none")
+            )
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_output.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise ValueError(f"structured_output.choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which one it is: json, json_object, regex, choice or grammar."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+    def key(self) -> tuple[str, str]:
+        """What a compiled grammar is cached by."""
+        kind = self.kind
+        value = {"json_object": "", "choice": "\x00".join(self.choice or ())}.get(kind, getattr(self, kind))
+        return kind, value
 
 
 @dataclass
@@ -54,6 +101,8 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    # The output must match a grammar (graphrt.engine.grammar); a dict is read as StructuredOutput's fields.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +126,10 @@ class SamplingParams:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         self._check_logit_processing()
+        if isinstance(self.structured_output, dict):
+            self.structured_output = StructuredOutput(**self.structured_output)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput (or a dict of its fields), got {self.structured_output!r}")
         # Read for every sampled row of every micro-batch, so worked out once (params are not changed after).
         self.uses_penalties = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
         self.bad_word_prefix_len = max((len(word) - 1 for word in self.bad_words_token_ids or ()), default=0)
@@ -84,7 +137,7 @@ class SamplingParams:
         self.tracks_history = self.uses_penalties or self.bad_word_prefix_len > 0
         self.processes_logits = bool(
             self.tracks_history or self.min_p or self.min_tokens or self.logit_bias or self.bad_words_token_ids
-            or self.allowed_token_ids is not None
+            or self.allowed_token_ids is not None or self.structured_output is not None
         )
 
     def _check_logit_processing(self) -> None:

@@ -33,6 +33,7 @@ from graphrt.distributed.transport import StageFailure
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.draft_model import DraftModelDrafter
 from graphrt.engine.drafter import Drafter, NgramDrafter, StepCosts
+from graphrt.engine.grammar import Grammars
 from graphrt.engine.kv_budget import kv_blocks_that_fit, measure_headroom
 from graphrt.engine.scheduler import Scheduler
 from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
@@ -58,6 +59,7 @@ from graphrt.sampling_params import SamplingParams
 logger = logging.getLogger("graphrt")
 
 CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on a CPU (on GPUs: graphrt.engine.kv_budget)
+GRAMMAR_WAIT_S = 0.005  # an idle engine waits this long at most for a grammar to compile, then looks for new requests
 
 
 class Engine:
@@ -140,6 +142,7 @@ class Engine:
             eos_ids=frozenset(self.eos_ids), prefix_root=self._prefix_root() if config.prefix_caching else None,
             drafter=self._make_drafter(draft_model, num_blocks),
         )
+        self.grammars = Grammars(self.model_dir, self.model_config.vocab_size, sorted(self.eos_ids))
         # With stage processes the last rank samples (and makes each seeded request's generator from
         # the seed it is sent): a sampler here would open a CUDA context on a GPU this rank never uses.
         self.sampler = None if self.cluster else Sampler(self.devices[-1], config.seed, greedy_argmax)
@@ -398,12 +401,15 @@ class Engine:
             raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.model_config.vocab_size})")
         self._check_sampling(params)
         max_tokens = self.scheduler.check(len(prompt_ids), params.max_tokens)
+        if params.structured_output is not None:
+            self.grammars.check(params.structured_output)
         seq = Sequence(
             request_id=next(self._ids),
             prompt_ids=prompt_ids,
             params=params,
             max_tokens=max_tokens,
             generator=self.sampler.request_generator(params.seed) if self.sampler is not None else None,
+            grammar=self.grammars.compile(params.structured_output) if params.structured_output is not None else None,
         )
         self.scheduler.add(seq)
         return seq
@@ -448,8 +454,12 @@ class Engine:
             # the next step hands these out, so no request that survives misses a token.
             self._undelivered += self._update(self._poll(block=False))
             launched = self._launch_next()
+            self._undelivered += self.scheduler.ended
+            self.scheduler.ended = []
             if not launched and not self._undelivered and self.ring.busy:
                 self._undelivered += self._update(self._poll(block=True))
+            elif not launched and not self._undelivered:
+                self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)  # nothing to run but requests whose grammars compile
         if self.timeline:
             self.timeline.record_tick(tick_start, self.timeline.now())
         outputs, self._undelivered = self._undelivered, []
@@ -544,4 +554,5 @@ class Engine:
             self.num_eager_fallbacks += 1
 
     def close(self) -> None:
+        self.grammars.close()
         self.ring.close()

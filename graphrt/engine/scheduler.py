@@ -105,6 +105,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.ended: list[SequenceOutput] = []  # sequences ended here, not by a step (a grammar that failed to compile)
+        self.num_waiting_on_mask = 0  # constrained rows ready but for their newest token, at the last schedule
         self._step_ids = itertools.count()
 
     def check(self, prompt_len: int, max_tokens: int | None) -> int:
@@ -117,10 +119,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a waiting request's grammar to compile (none: return at once)."""
+        pending = [seq.grammar for seq in self.waiting if seq.grammar is not None and not seq.grammar.ready()]
+        if pending:
+            pending[0].wait(timeout)
+
     def _admit(self) -> None:
         allocator = self.allocator
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs:
+                break
+            if seq.grammar is not None and not seq.grammar.ready():
+                continue  # its grammar is compiling: it waits here, not in the ring, and the requests after it go on
+            if seq.grammar is not None and seq.grammar.error is not None:
+                self.finish(seq, FinishReason.ERROR)
+                self.ended.append(SequenceOutput(seq.request_id, [], FinishReason.ERROR))
+                continue
             cached = self._cached_prefix(seq)
             needed = allocator.blocks_for(seq.prefill_len + 1) - len(cached)
             # Leave a block for each running sequence's next one, or admitting would force a preemption.
@@ -131,7 +146,8 @@ class Scheduler:
             allocator.take(cached)
             seq.block_ids = cached + allocator.allocate(needed)
             seq.num_computed = seq.num_cached_tokens = len(cached) * allocator.block_size
-            self.running.append(self.waiting.popleft())
+            self.waiting.remove(seq)
+            self.running.append(seq)
 
     # -- the prefix cache -------------------------------------------------------------------------
 
@@ -194,6 +210,7 @@ class Scheduler:
         self._admit()
         prefilling = [s for s in self.running if s.in_prefill]
         decode_phase = [s for s in self.running if not s.in_prefill]
+        self.num_waiting_on_mask = 0  # counted by _can_decode
         ready = [s for s in decode_phase if self._can_decode(s, follows)]
         # Rounded down, so every slot gets rows; the rows left over rotate in as slots come back.
         rows_per_slot = max(1, len(decode_phase) // num_slots)
@@ -261,7 +278,12 @@ class Scheduler:
         if seq.num_in_flight == 0:
             return True
         token_on_device = seq.num_in_flight == 1 and seq.num_output_placeholders > 0
-        return token_on_device and follows is not None and seq.sampling_step <= follows
+        if not (token_on_device and follows is not None and seq.sampling_step <= follows):
+            return False
+        if seq.grammar is not None:  # its next mask needs its newest token on the host (graphrt.engine.grammar)
+            self.num_waiting_on_mask += 1
+            return False
+        return True
 
     def _with_blocks(self, rows: list[Sequence]) -> list[Sequence]:
         """The rows whose next position has a KV block, allocating one where it starts a new block."""
@@ -393,6 +415,8 @@ class Scheduler:
 
     def _append(self, seq: Sequence, token_id: int, now: float) -> None:
         seq.output_ids.append(token_id)
+        if seq.grammar is not None:
+            seq.grammar.accept(token_id)
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now

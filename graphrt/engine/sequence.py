@@ -15,6 +15,8 @@ from graphrt.sampling_params import SamplingParams, TokenLogprob
 if TYPE_CHECKING:
     import torch
 
+    from graphrt.engine.grammar import GrammarState
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop string
@@ -50,6 +52,7 @@ class Sequence:
     draft_pause: int = 0
     draft_backoff: int = 0
     draft_acceptance: Acceptance = field(default_factory=Acceptance)
+    grammar: GrammarState | None = None  # with a structured output: where its output is in the grammar
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     last_token_time: float | None = None

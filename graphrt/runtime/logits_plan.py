@@ -1,5 +1,6 @@
 """What the last stage does to a micro-batch's logits before sampling, for the requests that ask:
-penalties, `min_p`, `min_tokens`, `logit_bias`, bad words and allowed tokens (graphrt.sampling_params).
+a grammar's mask (structured output, graphrt.engine.grammar), penalties, `min_p`, `min_tokens`,
+`logit_bias`, bad words and allowed tokens (graphrt.sampling_params).
 
 A micro-batch with such requests carries a `LogitsPlan`, made on the host when it is launched, as
 plain lists: they travel to a stage process as they are (graphrt.distributed.transport), and the
@@ -76,6 +77,10 @@ class LogitsPlan:
     bias_tokens: list[int] = field(default_factory=list)
     bias_values: list[float] = field(default_factory=list)
     min_p: list[float] = field(default_factory=list)  # per entry; [] when no request here has one
+    # Entries of requests with a structured output, and the tokens their grammars allow there:
+    # per entry, xgrammar's bitmask (bit t % 32 of word t // 32 set: token t allowed), flattened.
+    grammar_entries: list[int] = field(default_factory=list)
+    grammar_masks: list[int] = field(default_factory=list)
 
     # -- the wire (graphrt.distributed.transport): every list, lengths first ----------------------
 
@@ -129,6 +134,9 @@ def plan_logits(step: ScheduledStep, eos_ids: frozenset[int] | set[int]) -> Logi
             for j in range(count):
                 _plan_entry(plan, seq, entry + j, j, drafts, first_output + j < params.min_tokens, eos_ids)
                 min_p[entry + j] = 0.0 if params.greedy else params.min_p  # as vLLM: greedy ignores it
+            if seq.grammar is not None:  # its tokens so far are all on the host (Scheduler._can_decode)
+                plan.grammar_entries += range(entry, entry + count)
+                plan.grammar_masks += seq.grammar.masks(drafts)
         entry += count
     if not any(seq.params.uses_penalties for seq in seqs):
         plan.presence, plan.frequency, plan.repetition = [], [], []

@@ -1,7 +1,7 @@
 """A `LogitsPlan` applied on the sampler's device (what it holds: graphrt.runtime.logits_plan), and
 the token history it reads, kept there.
 
-In vLLM's order: allowed tokens, bad words, min_tokens and one-token bad words, logit_bias, then the
+In vLLM's order: the grammar's mask (structured output), allowed tokens, bad words, min_tokens and one-token bad words, logit_bias, then the
 repetition, frequency and presence penalties; `min_p` comes later, after the temperature (the
 sampler). Everything is a handful of batched tensor ops over the rows that ask, with no host sync,
 so a plan never stalls the ring.
@@ -115,7 +115,7 @@ _INT_LISTS = (
     "history_entries", "prior_history", "prior_columns", "prior_tokens", "prior_samples", "init_prompt_owners",
     "init_prompt_tokens", "init_output_owners", "init_output_tokens", "init_recent", "word_history", "word_last",
     "word_prefixes", "banned_entries", "banned_tokens", "allowed_entries", "allowed_rows", "allowed_tokens",
-    "bias_entries", "bias_tokens", "history_priors",
+    "bias_entries", "bias_tokens", "history_priors", "grammar_entries", "grammar_masks",
 )
 _FLOAT_LISTS = ("presence", "frequency", "repetition", "bias_values", "min_p")
 
@@ -137,6 +137,8 @@ def process_logits(logits: torch.Tensor, plan: LogitsPlan, history: TokenHistory
     if init_rows:
         _start_histories(plan, t, history)
     num_priors = len(plan.prior_tokens)
+    if plan.grammar_entries:
+        _mask_by_grammar(x, t)
     if plan.allowed_entries:
         allowed = torch.zeros(len(plan.allowed_entries), vocab_size, dtype=torch.bool, device=device)
         allowed[t["allowed_rows"], t["allowed_tokens"]] = True
@@ -151,6 +153,15 @@ def process_logits(logits: torch.Tensor, plan: LogitsPlan, history: TokenHistory
         _apply_penalties(x, plan, t, history, num_priors)
     min_p = t["min_p"].to(x.dtype) if plan.min_p else None
     return Processed(x, min_p, history, t, num_priors, groups)
+
+
+def _mask_by_grammar(x: torch.Tensor, t: dict[str, torch.Tensor]) -> None:
+    """-inf for every token an entry's grammar refuses: those whose bit (t % 32 of word t // 32) is 0."""
+    entries = t["grammar_entries"]
+    words = t["grammar_masks"].view(entries.shape[0], -1)  # int32 words held in int64: bits 0-31 are theirs
+    bits = torch.arange(32, device=x.device)
+    allowed = ((words[:, :, None] >> bits) & 1).bool().view(entries.shape[0], -1)[:, : x.shape[-1]]
+    x[entries] = x[entries].masked_fill(~allowed, -torch.inf)
 
 
 def _start_histories(plan: LogitsPlan, t: dict[str, torch.Tensor], history: TokenHistory) -> None:
