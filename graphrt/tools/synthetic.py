@@ -188,3 +188,22 @@ def make_tiny_model(
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+# A tiny model's vocabulary as text: <unk>, <s>, </s> (ids 0-2: LlamaConfig's EOS is 2), then one
+# token per printable ASCII character but "~" (ids 3-96), so TINY_COMMON's 97 ids all spell something.
+TINY_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+TINY_CHARACTERS = tuple(chr(code) for code in range(32, 126))
+
+
+def write_char_tokenizer(path: Path) -> Path:
+    """Give a tiny model's folder a real Hugging Face tokenizer of one token per character (see
+    TINY_CHARACTERS): what needs text of a tiny model (grammars, stop strings) reads it."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate(TINY_SPECIAL_TOKENS + TINY_CHARACTERS)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.decoder = decoders.Fuse()  # characters join as they are, with no space between tokens
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(path)
+    return path

@@ -5,6 +5,9 @@ referenced exactly as many times as live requests hold it.
 Half the prompts start with one of two shared prefixes, so requests take cached blocks, share them
 while running and leave them cached when they end (prefix caching, on in all but one config).
 
+A quarter of the requests are constrained by a grammar (structured output), which changes when their
+rows may run again and masks their drafts.
+
 Requests arrive at random ticks with prompts of several prefill chunks, into a cache small enough
 that some wait in the queue and some are preempted; some stop at EOS, the rest at max_tokens.
 Each tick, for each life stage (queued, mid-prefill, decoding, preempted...), one request in that
@@ -28,6 +31,8 @@ import pytest
 from graphrt import LLM, SamplingParams
 from graphrt.engine.sequence import FinishReason, Sequence
 from graphrt.model import SCRATCH_BLOCK
+from graphrt.sampling_params import StructuredOutput
+from graphrt.tools.synthetic import write_char_tokenizer
 
 # Greedy outputs of this variant vary from token to token, so a wrong or stale token shows.
 VARIED = "llama3-rope"
@@ -58,6 +63,12 @@ MID_PREFILL_IN_FLIGHT = "mid-prefill, a chunk in flight"
 REQUIRED_STAGES = ("queued", "mid-prefill", MID_PREFILL_IN_FLIGHT, "decoding", "preempted", "ended")
 
 
+# A share of the requests are constrained by a grammar (structured output): their rows wait for their
+# tokens to be read back before running again, and their drafts are masked along the verify row.
+CONSTRAINED_SHARE = 0.25
+GRAMMARS = (StructuredOutput(regex=r"[a-m ]{2,40}"), StructuredOutput(json={"type": "array", "items": {"type": "integer"}}))
+
+
 @dataclass
 class Request:
     prompt: list[int]
@@ -76,25 +87,24 @@ def make_workload(seed: int) -> list[Request]:
         prefix = list(rng.choice(SHARED_PREFIXES)) if rng.random() < 0.5 else []
         return (prefix + [rng.randrange(1, 97) for _ in range(rng.randint(1, 30))])[:30]
 
-    return [
-        Request(
-            prompt=prompt(),
-            params=SamplingParams(max_tokens=rng.randint(1, 32), temperature=0, ignore_eos=rng.random() < 0.3),
-            arrival_tick=rng.randint(0, LAST_ARRIVAL_TICK),
-        )
-        for _ in range(NUM_REQUESTS)
-    ]
+    def params() -> SamplingParams:
+        max_tokens = rng.randint(1, 32)
+        if rng.random() < CONSTRAINED_SHARE:
+            return SamplingParams(max_tokens=max_tokens, temperature=0, structured_output=rng.choice(GRAMMARS))
+        return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=rng.random() < 0.3)
+
+    return [Request(prompt=prompt(), params=params(), arrival_tick=rng.randint(0, LAST_ARRIVAL_TICK)) for _ in range(NUM_REQUESTS)]
 
 
 @pytest.fixture(scope="module")
 def eos_model(tiny_model_factory, tmp_path_factory):
-    """The tiny model with EOS_ID as its end-of-sequence token."""
+    """The tiny model with EOS_ID as its end-of-sequence token, and a tokenizer."""
     path = tmp_path_factory.mktemp("eos-model") / "model"
     shutil.copytree(tiny_model_factory(VARIED), path)
     config = json.loads((path / "config.json").read_text())
     config["eos_token_id"] = EOS_ID
     (path / "config.json").write_text(json.dumps(config))
-    return path
+    return write_char_tokenizer(path)  # for the grammars; its EOS (2) ends requests too
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +281,10 @@ def test_every_block_is_free_or_owned_once_through_aborts_at_every_stage(
     assert engine.allocator.num_blocks == KV_CACHE_TOKENS // BLOCK_SIZE + 1
     aborts_by_stage: Counter = Counter()
     finish_reasons: Counter = Counter()
-    num_preemptions = feed_reads = max_in_flight = 0
+    num_preemptions = feed_reads = max_in_flight = num_constrained = 0
     try:
+        for grammar in GRAMMARS:  # compiled before the runs, so every constrained request is admitted on the tick it would be
+            engine.grammars.compile(grammar).wait(60)
         for seed in SEEDS:
             preemptions_before = engine.scheduler.num_preemptions
             run = run_fuzz(engine, make_workload(seed), seed)
@@ -289,6 +301,7 @@ def test_every_block_is_free_or_owned_once_through_aborts_at_every_stage(
                 else:
                     assert seq.output_ids == reference, f"seed {seed}: request {index} got other tokens than alone"
                     finish_reasons[seq.finish_reason] += 1
+                    num_constrained += seq.grammar is not None
     finally:
         engine.close()
     spec = engine.stats.spec
@@ -304,6 +317,7 @@ def test_every_block_is_free_or_owned_once_through_aborts_at_every_stage(
     assert not missing, f"no abort hit a request in the life stages {missing}: {dict(aborts_by_stage)}"
     assert finish_reasons[FinishReason.STOP] > 0 and finish_reasons[FinishReason.LENGTH] > 0, finish_reasons
     assert num_preemptions > 0
+    assert num_constrained > 0  # constrained requests ran to their end, with the tokens they get alone
     # Prefix caching was exercised: prompts found their shared prefixes cached (and only then).
     assert (engine.allocator.num_hit_tokens > 0) == bool(caching)
     # Every slot was busy at once, and with async scheduling some slot held two micro-batches.

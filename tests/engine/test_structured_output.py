@@ -1,0 +1,230 @@
+"""Structured outputs through the whole engine (graphrt.engine.grammar).
+
+On a tiny float64 model with a real one-character-per-token tokenizer: every greedy token of a
+constrained request is the argmax of transformers' logits of its prefix under the mask xgrammar
+gives for that prefix (the reference walks its own matcher), for a JSON schema, any JSON object, a
+regex, a choice and an EBNF grammar, beside an unconstrained request that must not change; for
+pp 1 and 2, async scheduling on and off, with speculative decoding, under preemption and with the
+last stage in a process of its own. A grammar
+that can end only one way ends that way. Bad grammars are refused before anything is queued, naming
+what is wrong; a request waits in the queue while its grammar compiles.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from graphrt import LLM, SamplingParams
+from graphrt.engine.grammar import check_schema_keywords, check_structured_output
+from graphrt.errors import RequestError
+from graphrt.sampling_params import StructuredOutput
+from graphrt.tools.synthetic import make_tiny_model, write_char_tokenizer
+from helpers import hf_model
+
+xgr = pytest.importorskip("xgrammar")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tag": {"enum": ["red", "green", "blue"]},
+        "name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["id", "tag", "name", "ok"],
+}
+SPECS = [
+    StructuredOutput(json=SCHEMA),
+    StructuredOutput(json_object=True),
+    StructuredOutput(regex=r"[a-c]{2,5}(x|yz)"),
+    StructuredOutput(choice=["alpha", "beta", "gamma delta"]),
+    StructuredOutput(grammar='root ::= "(" [0-9]+ ("," [0-9]+)* ")"'),
+]
+PROMPTS = [[(7 * i + 5 * j) % 94 + 3 for j in range(3 + 7 * i)] for i in range(len(SPECS) + 1)]
+MAX_TOKENS = 64
+OPTIONS = dict(dtype="float64", kv_cache_tokens=2048, prefill_chunk_size=16, buckets=[1, 2, 4, 8])
+EOS = 2  # the tokenizer's </s>, LlamaConfig's EOS
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("structured") / "model", "llama3-rope")
+    return write_char_tokenizer(path)
+
+
+def params_for(spec: StructuredOutput | None) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, structured_output=spec)
+
+
+ALL_PARAMS = [params_for(spec) for spec in SPECS] + [params_for(None)]
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Greedy tokens of transformers' logits masked by xgrammar's matcher, step by step."""
+    hf = hf_model(model, torch.float64)
+    from transformers import AutoTokenizer
+
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model), vocab_size=97, stop_token_ids=[EOS])
+    compiler = xgr.GrammarCompiler(info)
+
+    def compile_spec(spec: StructuredOutput):
+        if spec.kind == "json":
+            return compiler.compile_json_schema(spec.json, any_whitespace=False)
+        if spec.kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.regex)
+        if spec.kind == "choice":
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+        return compiler.compile_grammar(spec.grammar)
+
+    def tokens(prompt: list[int], spec: StructuredOutput | None) -> list[int]:
+        matcher = xgr.GrammarMatcher(compile_spec(spec)) if spec is not None else None
+        out: list[int] = []
+        while len(out) < MAX_TOKENS:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+            if matcher is not None:
+                bitmask = xgr.allocate_token_bitmask(1, 97)
+                matcher.fill_next_token_bitmask(bitmask)
+                allowed = torch.tensor([(int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in range(97)], dtype=torch.bool)
+                logits = logits.masked_fill(~allowed, -torch.inf)
+            token = int(logits.argmax())
+            out.append(token)
+            if token == EOS:
+                break
+            if matcher is not None:
+                assert matcher.accept_token(token)
+        return out
+
+    return {index: tokens(prompt, p.structured_output) for index, (prompt, p) in enumerate(zip(PROMPTS, ALL_PARAMS))}
+
+
+@pytest.mark.parametrize(
+    "pp, depth, async_scheduling, speculative, kv_cache_tokens",
+    [
+        (1, 0, False, None, 2048),
+        (1, 0, True, None, 2048),
+        (2, 1, True, None, 2048),
+        (1, 0, True, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}, 2048),
+        (2, 0, False, None, 128),  # a cache too small for all at once: requests are preempted and recomputed
+        (2, 1, True, None, "procs"),  # the last stage in a process of its own: the masks cross the wire
+    ],
+)
+def test_greedy_tokens_are_the_argmax_under_the_reference_mask(model, reference, pp, depth, async_scheduling, speculative, kv_cache_tokens):
+    procs = kv_cache_tokens == "procs"
+    kv_cache_tokens = 2048 if procs else kv_cache_tokens
+    llm = LLM(model=model, **{**OPTIONS, "kv_cache_tokens": kv_cache_tokens}, pp=pp, depth=depth, procs=procs,
+              async_scheduling=async_scheduling, speculative_config=speculative, block_size=8, **({"watchdog_s": 30} if procs else {}))
+    if speculative:
+        llm.engine.scheduler.speculation.step_costs = None  # every draft proposed is verified
+    outs = llm.generate(PROMPTS, ALL_PARAMS)
+    assert [o.token_ids for o in outs] == [reference[i] for i in range(len(PROMPTS))]
+    if kv_cache_tokens < 2048:
+        assert llm.engine.scheduler.num_preemptions > 0
+    if speculative:
+        assert llm.engine.stats.spec.num_draft_tokens > 0
+    # The constraints held: each constrained output ended at EOS and matches its grammar.
+    texts = [o.text for o in outs]
+    assert all(o.finish_reason == "stop" for o in outs[:3])
+    parsed = json.loads(texts[0])
+    assert set(parsed) == set(SCHEMA["required"]) and parsed["tag"] in ("red", "green", "blue")
+    assert isinstance(json.loads(texts[1]), dict)
+    llm.engine.close()
+
+
+def test_the_constraint_changes_the_output_and_the_grammar_ends_it_its_only_way(model, reference):
+    llm = LLM(model=model, **OPTIONS)
+    plain = llm.generate(PROMPTS[:3], params_for(None))
+    assert all(p.token_ids != reference[i] for i, p in enumerate(plain))
+    only_way = StructuredOutput(regex=r"(ab|cd)e!")
+    outs = llm.generate(PROMPTS, params_for(only_way))
+    assert all(o.text in ("abe!", "cde!") and o.token_ids[-1] == EOS and o.finish_reason == "stop" for o in outs)
+    choice = llm.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=1.0, seed=3, structured_output=SPECS[3]))
+    assert all(o.text in SPECS[3].choice for o in choice)
+    assert llm.engine.grammars.num_constrained == 2 * len(PROMPTS)
+    llm.engine.close()
+
+
+def test_seeded_sampling_under_a_grammar_matches_its_regex_and_repeats(model):
+    llm = LLM(model=model, **OPTIONS)
+    params = SamplingParams(max_tokens=30, temperature=1.5, top_p=0.95, seed=11, structured_output=StructuredOutput(regex=r"[0-9a-f]{4}-[xyz]+"))
+    first = llm.generate(PROMPTS, params)
+    again = llm.generate(PROMPTS, params)
+    import re
+
+    for out in first:
+        assert re.fullmatch(r"[0-9a-f]{4}-[xyz]+", out.text) and out.finish_reason == "stop", out.text
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    llm.engine.close()
+
+
+def test_a_request_waits_in_the_queue_until_its_grammar_is_compiled(model):
+    llm = LLM(model=model, **OPTIONS)
+    engine = llm.engine
+    slow = StructuredOutput(regex=r"[a-z]{3}9")
+    gate = __import__("threading").Event()
+    engine.grammars.compile(StructuredOutput(regex="x"))  # the compile thread and its tokenizer exist
+    engine.grammars._executor.submit(gate.wait)  # holds the grammar thread: the next grammar waits behind it
+    constrained = engine.add_request(PROMPTS[0], params_for(slow))
+    free = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=3, temperature=0))
+    for _ in range(20):
+        engine.step()
+    assert constrained in engine.scheduler.waiting and not constrained.output_ids and not constrained.block_ids
+    assert free.finished  # the request behind it went on
+    gate.set()
+    while engine.has_work():
+        engine.step()
+    tokenizer = llm.tokenizer
+    assert constrained.finish_reason.value == "stop" and tokenizer.decode(constrained.output_ids).endswith("9")
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (StructuredOutput(json={"type": "object", "properties": {"a": {"not": {"type": "string"}}}}), "'not' at properties.a"),
+        (StructuredOutput(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": True}), "'uniqueItems'"),
+        (StructuredOutput(json={"allOf": [{"type": "integer"}, {"minimum": 3}]}), "'allOf' with more than one schema"),
+        (StructuredOutput(json={"type": "string", "format": "iri"}), "format 'iri'"),
+        (StructuredOutput(json={"type": "strng"}), 'Unsupported type "strng"'),
+        (StructuredOutput(json="{not json"), "not valid JSON"),
+        (StructuredOutput(json="[1, 2]"), "must be a JSON schema"),
+        (StructuredOutput(regex="(ab"), "structured_output.regex cannot be used"),
+        (StructuredOutput(grammar="root ::= "), "structured_output.grammar cannot be used"),
+    ],
+)
+def test_a_bad_grammar_is_refused_naming_what_is_wrong(model, spec, message):
+    with pytest.raises(RequestError, match=None) as caught:
+        check_structured_output(spec)
+    assert message in str(caught.value)
+
+
+def test_keywords_are_checked_where_schemas_are_not_in_property_names():
+    check_schema_keywords({"type": "object", "properties": {"not": {"type": "string"}, "if": {"format": "email"}}})
+    check_schema_keywords({"type": "string", "format": "date-time"})
+    with pytest.raises(RequestError, match=r"'if' at \$defs.x.items"):
+        check_schema_keywords({"$defs": {"x": {"type": "array", "items": {"if": {}}}}})
+
+
+def test_structured_output_takes_exactly_one_kind():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutput(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="got none"):
+        StructuredOutput()
+    with pytest.raises(ValueError, match="choice must be a non-empty list"):
+        StructuredOutput(choice=[])
+    assert SamplingParams(structured_output={"regex": "a+"}).structured_output == StructuredOutput(regex="a+")
+    # A schema keeps its property order: properties are generated in the order given.
+    assert list(json.loads(StructuredOutput(json={"b": 1, "a": 2}).json)) == ["b", "a"]
+
+
+def test_a_model_without_a_tokenizer_refuses_structured_output(tiny_model_factory):
+    llm = LLM(model=tiny_model_factory("llama-gqa-tied"), dtype="float64", kv_cache_tokens=256, load_tokenizer=False)
+    with pytest.raises(RequestError, match="needs the model's tokenizer"):
+        llm.engine.add_request([3, 4, 5], params_for(StructuredOutput(regex="a")))
+    llm.engine.close()
