@@ -5,9 +5,9 @@ constrained request is the argmax of transformers' logits of its prefix under th
 gives for that prefix (the reference walks its own matcher), for a JSON schema, any JSON object, a
 regex, a choice and an EBNF grammar, beside an unconstrained request that must not change; for
 pp 1 and 2, async scheduling on and off, with speculative decoding, under preemption and with the
-last stage in a process of its own. A grammar
-that can end only one way ends that way. Bad grammars are refused before anything is queued, naming
-what is wrong; a request waits in the queue while its grammar compiles.
+last stage in a process of its own. A grammar that can end only one way ends that way. Bad grammars
+are refused before anything is queued, naming what is wrong; a request waits in the queue while its
+grammar compiles.
 """
 
 from __future__ import annotations
