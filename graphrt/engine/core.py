@@ -70,6 +70,13 @@ class EngineSnapshot:
     # A mixture of experts: per stage, the tokens its sparse layers routed to each expert (() for a
     # dense stage; stage processes: as of their last reply)
     stage_expert_tokens: tuple[tuple[int, ...], ...] = ()
+    # Structured outputs (graphrt.engine.grammar): requests admitted with a grammar, how long grammars
+    # took to compile (counts per graphrt.engine.grammar.COMPILE_SECONDS_BUCKETS bucket, then +Inf),
+    # and the constrained rows that waited on their newest token for their next mask at the last schedule.
+    num_constrained: int = 0
+    grammar_compile_counts: tuple[int, ...] = ()
+    grammar_compile_seconds: float = 0.0
+    num_waiting_on_mask: int = 0
 
 
 def prompt_of(choice: int, num_prompts: int, num_choices: int) -> int:
@@ -188,6 +195,10 @@ class EngineCore:
             spec_num_accepted_tokens=engine.stats.spec.num_accepted_tokens,
             spec_accepted_per_position=tuple(engine.stats.spec.accepted_per_position),
             stage_expert_tokens=tuple(map(tuple, engine.ring.stage_expert_tokens)),
+            num_constrained=engine.grammars.num_constrained,
+            grammar_compile_counts=tuple(engine.grammars.compile_counts),
+            grammar_compile_seconds=engine.grammars.compile_seconds_sum,
+            num_waiting_on_mask=engine.scheduler.num_waiting_on_mask,
         )
 
 

@@ -7,13 +7,15 @@ micro-batch that came back from them).
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from graphrt.engine.core import EngineSnapshot
+from graphrt.engine.grammar import COMPILE_SECONDS_BUCKETS
 from graphrt.server.responses import ChoiceState
 
 # stop / length: finished normally; abort: the client went away or the server shut down;
@@ -76,6 +78,23 @@ class EngineCollector(Collector):
         yield per_position
         if any(snap.stage_expert_tokens):
             yield from expert_load(snap.stage_expert_tokens)
+        yield from structured_outputs(snap)
+
+
+def structured_outputs(snap: EngineSnapshot):
+    """Grammar-constrained requests (graphrt.engine.grammar): how many, their grammars' compile times,
+    and the rows that waited for their newest token to be read back before their next mask."""
+    yield CounterMetricFamily("graphrt_structured_output_requests", "Requests admitted with a grammar (structured output)", value=snap.num_constrained)
+    cumulative = list(itertools.accumulate(snap.grammar_compile_counts or [0] * (len(COMPILE_SECONDS_BUCKETS) + 1)))
+    buckets = [(str(bound), count) for bound, count in zip(COMPILE_SECONDS_BUCKETS, cumulative)] + [("+Inf", cumulative[-1])]
+    yield HistogramMetricFamily(
+        "graphrt_grammar_compile_seconds", "Seconds each distinct grammar took to compile (a cached one compiles once)",
+        buckets=buckets, sum_value=snap.grammar_compile_seconds,
+    )
+    yield GaugeMetricFamily(
+        "graphrt_structured_output_rows_waiting", "Constrained rows that waited for their newest token before their next mask, at the last schedule",
+        value=snap.num_waiting_on_mask,
+    )
 
 
 def expert_load(stage_expert_tokens: tuple[tuple[int, ...], ...]):

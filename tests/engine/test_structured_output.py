@@ -228,3 +228,26 @@ def test_a_model_without_a_tokenizer_refuses_structured_output(tiny_model_factor
     with pytest.raises(RequestError, match="needs the model's tokenizer"):
         llm.engine.add_request([3, 4, 5], params_for(StructuredOutput(regex="a")))
     llm.engine.close()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_metrics_count_constrained_requests_compile_times_and_rows_waiting_on_a_mask(model, async_scheduling):
+    from graphrt.engine.core import EngineCore
+    from graphrt.server.metrics import ServerMetrics
+
+    llm = LLM(model=model, **OPTIONS, async_scheduling=async_scheduling)
+    core = EngineCore(llm.engine)
+    params = [params_for(SPECS[2]), params_for(SPECS[2]), params_for(None)]
+    for index, p in enumerate(params):
+        assert core.add(index, [PROMPTS[index]], [p]).__class__.__name__ == "Admitted"
+    most_waiting = 0
+    while llm.engine.has_work():
+        core.step()
+        most_waiting = max(most_waiting, core.snapshot().num_waiting_on_mask)
+    snap = core.snapshot()
+    assert snap.num_constrained == 2 and sum(snap.grammar_compile_counts) == 1  # one grammar, compiled once
+    # With async scheduling a constrained row is held back while an unconstrained one runs ahead; without, never.
+    assert (most_waiting > 0) == async_scheduling
+    text = ServerMetrics(lambda: snap).render().decode()
+    assert "graphrt_structured_output_requests_total 2.0" in text and 'graphrt_grammar_compile_seconds_count 1.0' in text
+    llm.engine.close()
