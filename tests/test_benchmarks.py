@@ -413,3 +413,13 @@ def test_spec_decode_bench(talking_tiny, workload):
     out = run("spec_decode_bench", "--model", talking_tiny, "--workload", workload, "--requests", 2, "--concurrency", 2,
               "--max-tokens", 4, "--rounds", 1)
     has(out, r"^\| output tok/s \| # \(#-#\) \| # \(#-#\) \| #x \|$", r"^\| acceptance \| \| #%, # tokens per verify row \| \|$")
+
+
+covers("structured_bench")
+
+
+def test_structured_bench(talking_tiny):
+    # A random model under JSON schemas: the output ends at the grammar's end or at --max-tokens.
+    out = run("structured_bench", "--model", talking_tiny, "--requests", 4, "--max-tokens", 8, "--rounds", 1)
+    has(out, r"^free: # tok/s \(#-#\)$", r"^constrained: # tok/s \(#-#\)$", r"^constrained / free: #x$",
+        r"^grammar compile: p50 # ms, p99 # ms over 4 schemas$")

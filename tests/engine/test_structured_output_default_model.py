@@ -24,11 +24,7 @@ SCHEMAS = [random_schema(random.Random(seed)) for seed in range(NUM_SCHEMAS)]
 
 
 def validate_all(llm: LLM, schemas: list[dict], temperature: float) -> None:
-    tokenizer = llm.tokenizer._tok
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": schema_prompt(s, i)}], tokenize=False, add_generation_prompt=True)
-        for i, s in enumerate(schemas)
-    ]
+    prompts = [llm.chat_prompt(schema_prompt(schema, index)) for index, schema in enumerate(schemas)]
     params = [
         SamplingParams(max_tokens=256, temperature=temperature, seed=index, structured_output=StructuredOutput(json=schema))
         for index, schema in enumerate(schemas)
