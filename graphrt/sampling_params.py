@@ -130,6 +130,9 @@ class SamplingParams:
             self.structured_output = StructuredOutput(**self.structured_output)
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError(f"structured_output must be a StructuredOutput (or a dict of its fields), got {self.structured_output!r}")
+        if self.structured_output is not None and self.min_tokens:
+            # The grammar may allow only EOS before min_tokens, which would leave no token to sample.
+            raise ValueError("min_tokens cannot be combined with structured_output: the grammar decides where the output ends")
         # Read for every sampled row of every micro-batch, so worked out once (params are not changed after).
         self.uses_penalties = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
         self.bad_word_prefix_len = max((len(word) - 1 for word in self.bad_words_token_ids or ()), default=0)

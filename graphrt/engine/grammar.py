@@ -232,6 +232,8 @@ class GrammarState:
         token: the target's token before them cannot equal that draft, so they are never kept."""
         xgr = _xgrammar()
         bitmask = xgr.allocate_token_bitmask(1 + len(drafts), self.vocab_size)  # every token allowed
+        if self.matcher.is_terminated():  # past the grammar's end (ignore_eos went on after its stop token)
+            return bitmask.view(-1).tolist()
         self.matcher.fill_next_token_bitmask(bitmask, 0)
         accepted = 0
         for draft in drafts:

@@ -158,8 +158,8 @@ def process_logits(logits: torch.Tensor, plan: LogitsPlan, history: TokenHistory
 def _mask_by_grammar(x: torch.Tensor, t: dict[str, torch.Tensor]) -> None:
     """-inf for every token an entry's grammar refuses: those whose bit (t % 32 of word t // 32) is 0."""
     entries = t["grammar_entries"]
-    words = t["grammar_masks"].view(entries.shape[0], -1)  # int32 words held in int64: bits 0-31 are theirs
-    bits = torch.arange(32, device=x.device)
+    words = t["grammar_masks"].view(entries.shape[0], -1).to(torch.int32)  # xgrammar's words, exact in int32
+    bits = torch.arange(32, dtype=torch.int32, device=x.device)
     allowed = ((words[:, :, None] >> bits) & 1).bool().view(entries.shape[0], -1)[:, : x.shape[-1]]
     x[entries] = x[entries].masked_fill(~allowed, -torch.inf)
 

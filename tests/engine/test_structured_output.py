@@ -251,3 +251,12 @@ def test_metrics_count_constrained_requests_compile_times_and_rows_waiting_on_a_
     text = ServerMetrics(lambda: snap).render().decode()
     assert "graphrt_structured_output_requests_total 2.0" in text and 'graphrt_grammar_compile_seconds_count 1.0' in text
     llm.engine.close()
+
+
+def test_past_the_grammars_end_ignore_eos_goes_on_unconstrained_and_min_tokens_is_refused(model):
+    llm = LLM(model=model, **OPTIONS)
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, structured_output=StructuredOutput(regex="ab")))[0]
+    assert out.token_ids[:3] == [3 + ord("a") - 32, 3 + ord("b") - 32, EOS] and len(out.token_ids) == 12
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with structured_output"):
+        SamplingParams(min_tokens=2, structured_output=StructuredOutput(regex="ab"))
+    llm.engine.close()
