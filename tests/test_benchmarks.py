@@ -374,6 +374,21 @@ def test_peer_vllm_help():
     has(out, r"^usage: peer_vllm\.py", r"--rows ROWS", r"--vllm-venv VLLM_VENV")
 
 
+covers("peer_clients")
+
+
+def test_peer_clients_without_the_clients_and_their_summaries(tmp_path):
+    # The clients live in venvs of their own (vLLM's is gigabytes): without them the script says so
+    # and stops before starting a server. Their summaries are read as both clients print them.
+    out = run("peer_clients", "--vllm-venv", tmp_path / "none", "--sglang-venv", tmp_path / "none", expect=1)
+    has(out, r"^skipped vLLM's client: .* does not exist", r"^skipped SGLang's client: .* does not exist", r"no client to run")
+    printed = "Successful requests:                     32\nFailed requests:                         0\n" \
+              "Output token throughput (tok/s):         170.25\nMedian TTFT (ms):                        812.40\n"
+    assert imported("peer_clients").summary(printed) == {
+        "completed": 32.0, "failed": 0.0, "output_tok_s": 170.25, "ttft_ms": 812.4, "tpot_ms": None,
+    }
+
+
 covers("lm_eval_parity")
 
 
