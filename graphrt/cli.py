@@ -20,6 +20,7 @@ from graphrt.kernels.cpu.placement import CPU_PLACEMENTS, MIN_CORES_TO_PIN
 # class (benchmarks/results.md, "Smaller prefill chunks for `graphrt serve`").
 SERVE_PREFILL_CHUNK_SIZE = 256
 KERNEL_CHOICES = ("auto", "torch", "triton")  # graphrt.kernels.KERNEL_CHOICES, which imports torch
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # graphrt.server.tool_parsers.TOOL_CALL_PARSERS, whose package loads the server
 
 
 class Group(click.Group):
@@ -295,11 +296,18 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
 @click.option("--cpu-placement", type=click.Choice(CPU_PLACEMENTS), default="auto", show_default=True,
               help="pin: the server's front on the first usable core, the engine process and its threads on the rest; "
                    f"float: both over every core; auto: pin with {MIN_CORES_TO_PIN} usable cores or more, else float.")
+@click.option("--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS), default=None,
+              help="How tool calls are read from the model's output with tool_choice auto: hermes (<tool_call>{...}</tool_call>), "
+                   "llama3_json (<|python_tag|>{...}; {...}) or mistral ([TOOL_CALLS][{...}]) [default: the one the chat template "
+                   "writes, else hermes].")
 def serve(
     cache, max_num_seqs, max_model_len, prefill_chunk_size, host, port, api_key, api_key_file, max_body_bytes,
-    max_connections, timeout_header, timeout_body, timeout_keep_alive, no_engine_process, cpu_placement, **model_args,
+    max_connections, timeout_header, timeout_body, timeout_keep_alive, no_engine_process, cpu_placement, tool_call_parser, **model_args,
 ) -> None:
-    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM."""
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM.
+
+    Chat completions take tools (tool_choice auto, required or a named function) and, like
+    completions, response_format and structured_outputs (a JSON schema, a regex, a choice, a grammar)."""
     from graphrt.server import ServeOptions
     from graphrt.server import serve as run_server
     from graphrt.server.connections import ConnectionLimits
@@ -317,6 +325,7 @@ def serve(
         llm_kwargs=llm_kwargs,
         engine_process=not no_engine_process,
         cpu_placement=cpu_placement,
+        tool_call_parser=tool_call_parser,
     )
     run_server(options, echo=click.echo)
 

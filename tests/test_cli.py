@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from graphrt import cli
@@ -62,3 +63,12 @@ def test_the_cli_loads_without_torch_and_offers_the_kernels_there_are():
     code = "import sys, graphrt, graphrt.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
     assert cli.KERNEL_CHOICES == KERNEL_CHOICES
+
+
+def test_serve_offers_the_tool_call_parsers_there_are():
+    pytest.importorskip("fastapi")  # graphrt.server imports the server stack: not on every GPU image
+    from graphrt.server.tool_parsers import TOOL_CALL_PARSERS
+
+    assert cli.TOOL_CALL_PARSERS == TOOL_CALL_PARSERS
+    result = CliRunner().invoke(main, ["serve", "--tool-call-parser", "pythonic"])
+    assert result.exit_code == 2 and "'pythonic' is not one of 'hermes', 'llama3_json', 'mistral'" in result.output

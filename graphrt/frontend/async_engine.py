@@ -63,13 +63,14 @@ class Disconnected:
 
 @dataclass(eq=False)  # compared and hashed by identity
 class GenerationJob:
-    """One HTTP request: its prompts (texts or token ids), or chat messages, and one SamplingParams
-    per choice. With several prompts the choices go prompt by prompt, `len(params) // len(prompts)`
-    each, as OpenAI numbers them."""
+    """One HTTP request: its prompts (texts or token ids), or chat messages (and the tools the chat
+    template shows the model), and one SamplingParams per choice. With several prompts the choices go
+    prompt by prompt, `len(params) // len(prompts)` each, as OpenAI numbers them."""
 
     params: list[SamplingParams]
     prompts: list[str | list[int]] | None = None
     messages: list[dict] | None = None
+    tools: list[dict] | None = None  # JSON schemas of functions, as transformers' chat templates take them
     prompt_ids: list[list[int]] | None = None  # one per prompt, set by AsyncEngine.prepare before the job is submitted
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived_at: float = field(default_factory=time.perf_counter)
@@ -278,7 +279,7 @@ class PromptPreparer:
     def prompt_ids(self, job: GenerationJob) -> list[list[int]]:
         """Each prompt's token ids; a RequestError names the prompt when there are several."""
         if job.messages is not None:
-            prompt_ids = [self._encode(self._render_chat(job.messages), templated=True)]
+            prompt_ids = [self._encode(self._render_chat(job.messages, job.tools), templated=True)]
         else:
             prompt_ids = []
             for index, prompt in enumerate(job.prompts):
@@ -301,13 +302,13 @@ class PromptPreparer:
             raise RequestError(f"{self.model_name} has no tokenizer; pass prompts as lists of token ids")
         return self._encode(prompt, templated=False)
 
-    def _render_chat(self, messages: list[dict]) -> str:
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> str:
         if self.tokenizer is None:
             raise RequestError(f"{self.model_name} has no tokenizer, so it has no chat template; use /v1/completions with token ids")
         try:
             # Rendering is a string join, cheap next to tokenizing; bounding the rendered text
             # rather than the messages stays right for a template that leaves a message out.
-            return self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.apply_chat_template(messages, tools)
         except GraphrtError as exc:
             raise RequestError(str(exc)) from None
         except Exception as exc:  # the model's Jinja template refused the conversation

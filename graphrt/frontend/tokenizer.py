@@ -64,8 +64,16 @@ class Tokenizer:
             return text[len(prefix_text):], read_offset, len(token_ids)
         return "", prefix_offset, read_offset
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """The prompt text for a conversation, ending where the assistant's reply begins.
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's text (all of a model's named templates, one after another), or None."""
+        template = self._tok.chat_template
+        return "\n".join(template.values()) if isinstance(template, dict) else template
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text for a conversation, ending where the assistant's reply begins. `tools`:
+        the functions the model may call, as JSON schemas; a template that has no place for them
+        leaves them out.
 
         Raises RequestError naming the message the template cannot render (a role it does not
         know, tool calls it has no place for, roles out of the order it demands).
@@ -73,15 +81,30 @@ class Tokenizer:
         if not self._tok.chat_template:
             raise ModelLoadError("this model has no chat template; send a plain prompt instead")
         try:
-            return self._render(messages, add_generation_prompt=True)
+            return self._render(messages, tools, add_generation_prompt=True)
         except Exception as exc:  # a Jinja template raises whatever its code runs into
-            index, error = self._first_unrenderable(messages, exc)
+            tools_error = self._tools_error(messages[:1], tools) if tools else None
+            if tools_error is not None:
+                raise RequestError(f"tools: the model's chat template cannot render them ({tools_error})") from None
+            index, error = self._first_unrenderable(messages, tools, exc)
             raise RequestError(f"messages[{index}]: the model's chat template cannot render this message ({error})") from None
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        return self._tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False)
 
-    def _first_unrenderable(self, messages: list[dict], error: Exception) -> tuple[int, Exception]:
+    def _tools_error(self, messages: list[dict], tools: list[dict]) -> Exception | None:
+        """What rendering `messages` raises with `tools` and not without: the tools are what fails."""
+        try:
+            self._render(messages, None, add_generation_prompt=False)
+        except Exception:
+            return None  # the messages fail alone
+        try:
+            self._render(messages, tools, add_generation_prompt=False)
+        except Exception as exc:
+            return exc
+        return None
+
+    def _first_unrenderable(self, messages: list[dict], tools: list[dict] | None, error: Exception) -> tuple[int, Exception]:
         """The message whose inclusion makes rendering fail, and the template's error for it.
 
         Bisects over prefixes (log2 of the number of renders, not one per message) between one
@@ -93,7 +116,7 @@ class Tokenizer:
         while fails - renders > 1:
             middle = (renders + fails) // 2
             try:
-                self._render(messages[:middle], add_generation_prompt=False)
+                self._render(messages[:middle], tools, add_generation_prompt=False)
                 renders = middle
             except Exception as exc:
                 fails, error = middle, exc
@@ -115,8 +138,8 @@ class Tokenizer:
                 sequences.append(spaced)
         return sequences
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.encode_templated(self.apply_chat_template(messages))
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.encode_templated(self.apply_chat_template(messages, tools))
 
     def encode_templated(self, text: str) -> list[int]:
         """Token ids of text a chat template wrote."""

@@ -20,6 +20,10 @@ from graphrt.server.generation import Generation, GenerationStream
 from graphrt.server.metrics import ServerMetrics
 from graphrt.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_request
 from graphrt.server.responses import ChatFormat, CompletionFormat, ResponseFormat, TokenNames
+from graphrt.server.responses_api import parse_responses_request
+from graphrt.server.responses_output import ResponsesFormat, ResponsesGeneration
+from graphrt.server.structured_outputs import check_grammar
+from graphrt.server.tool_parsers import TOOL_CALL_PARSERS, detect_tool_call_parser
 
 if TYPE_CHECKING:
     from graphrt.frontend.engine_client import EngineClient
@@ -32,8 +36,11 @@ class ServerSettings:
     model_id: str  # the name clients pass as `model`
     api_key: str | None = None  # None: no authentication
     max_body_bytes: int = 1 << 20
+    tool_call_parser: str | None = None  # how tool calls are read from outputs (tool_parsers); None: as the chat template says
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key:
@@ -46,6 +53,8 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     metrics = ServerMetrics(lambda: async_engine.snapshot)
     created = int(time.time())
     names = TokenNames(async_engine.tokenizer)  # the event loop's: logprobs responses spell tokens with it
+    template = async_engine.tokenizer.chat_template if async_engine.tokenizer is not None else None
+    tool_call_parser = settings.tool_call_parser or detect_tool_call_parser(template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -85,10 +94,18 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         body = await read_body(request, settings.max_body_bytes)
         parsed = parse_request(body, model_cls)
         check_model(parsed.model)
+        await check_grammars(parsed)
         return parsed
 
-    async def generate(request: Request, job: GenerationJob, parsed: SamplingFields, fmt: ResponseFormat) -> Response:
-        generation = Generation(async_engine, metrics, job, fmt, parsed.include_usage)
+    async def check_grammars(parsed: SamplingFields) -> None:
+        grammars = parsed.grammars()
+        if grammars:  # on a worker thread: the first one imports xgrammar, which takes seconds
+            await asyncio.to_thread(lambda: [check_grammar(spec, param) for spec, param in grammars])
+
+    async def generate(
+        request: Request, job: GenerationJob, parsed: SamplingFields, fmt: ResponseFormat, kind: type[Generation] = Generation
+    ) -> Response:
+        generation = kind(async_engine, metrics, job, fmt, parsed.include_usage)
         try:
             if not await generation.admit(request):
                 return Response(status_code=499)  # the client is gone; nobody reads this
@@ -110,11 +127,33 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         fmt = CompletionFormat(settings.model_id, parsed.num_logprobs, names, parsed.echo)
         return await generate(request, job, parsed, fmt)
 
+    def chat_job(parsed: ChatCompletionRequest) -> tuple[GenerationJob, ChatFormat]:
+        tool_use = parsed.tool_use()  # None: no tool may be called
+        messages = [m.template_dict() for m in parsed.messages]
+        job = GenerationJob(params=sampling_params(parsed), messages=messages, tools=tool_use and tool_use.template_tools())
+        return job, ChatFormat(settings.model_id, parsed.num_logprobs, names, tool_use and tool_use.calling(tool_call_parser))
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         parsed = await read_request(request, ChatCompletionRequest)
-        job = GenerationJob(params=sampling_params(parsed), messages=[m.template_dict() for m in parsed.messages])
-        return await generate(request, job, parsed, ChatFormat(settings.model_id, parsed.num_logprobs, names))
+        job, fmt = chat_job(parsed)
+        return await generate(request, job, parsed, fmt)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        check_api_key(request)
+        parsed = parse_responses_request(await read_body(request, settings.max_body_bytes))
+        check_model(parsed.model)
+        with parsed.in_own_terms():  # served as the chat request it means; errors name what this request sent
+            chat = parsed.chat_request()
+            await check_grammars(chat)
+            job, chat_format = chat_job(chat)
+            return await generate(request, job, chat, ResponsesFormat(settings.model_id, parsed, chat_format), ResponsesGeneration)
+
+    @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "DELETE"])
+    async def stored_response(request: Request, response_id: str) -> Response:
+        check_api_key(request)
+        raise APIError(404, f"response {response_id!r} was not stored: graphrt stores no responses; send the whole conversation in input")
 
     def model_card() -> dict:
         return {"id": settings.model_id, "object": "model", "created": created, "owned_by": "graphrt", "max_model_len": async_engine.max_model_len}

@@ -130,9 +130,8 @@ class Generation:
                     break
                 choice = self.choices[update.index]
                 choice.apply(update)
-                delta = choice.take_delta()
-                if delta or choice.finished or choice.scored:
-                    yield sse(fmt.chunk([fmt.delta_choice(update.index, choice, delta)], include_usage))
+                for piece in fmt.delta_choices(update.index, choice, choice.take_delta()):
+                    yield sse(fmt.chunk([piece], include_usage))
             else:
                 self._set_finished_outcome()
                 if include_usage:

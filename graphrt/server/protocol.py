@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from graphrt.sampling_params import (
     INT64_MAX,
@@ -24,8 +24,12 @@ from graphrt.sampling_params import (
     MAX_LOGPROBS,
     MAX_PENALTY,
     SamplingParams,
+    StructuredOutput,
 )
 from graphrt.server.errors import APIError
+from graphrt.server.structured_outputs import ResponseFormatParam, StructuredOutputsParam
+from graphrt.server.tool_choice import Tool, ToolChoice, ToolUse
+from graphrt.server.validation import StrictModel, validation_error
 
 MAX_CHOICES = 128  # sequences per request (prompts x n): each is a sequence of its own in the engine
 MAX_STOP_STRINGS = 16
@@ -37,12 +41,7 @@ UNSUPPORTED_PARAMS: dict[str, tuple] = {
     "suffix": (None, ""),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
-
-
-class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
@@ -78,6 +77,9 @@ class SamplingFields(StrictModel):
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    # What the output must be (graphrt.server.structured_outputs): OpenAI's, and vLLM's extension.
+    response_format: ResponseFormatParam | None = None
+    structured_outputs: StructuredOutputsParam | None = None
 
     @field_validator("stop")
     @classmethod
@@ -149,6 +151,26 @@ class SamplingFields(StrictModel):
         max_tokens = self.resolved_max_tokens()
         if self.min_tokens and max_tokens is not None and self.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
+        for constraint in (self.response_format, self.structured_outputs):
+            if constraint is not None:
+                constraint.check()
+        if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
+            raise APIError(400, "response_format and structured_outputs both say what the output must be; send one", param="structured_outputs")
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar the output is held to, if any."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structured_output()
+        return self.response_format.structured_output() if self.response_format is not None else None
+
+    def grammars(self) -> list[tuple[StructuredOutput, str]]:
+        """Each grammar of the request with the parameter that gave it, for the engine's checks
+        (graphrt.server.structured_outputs.check_grammar), which name that parameter."""
+        for constraint in (self.structured_outputs, self.response_format):
+            spec = constraint.structured_output() if constraint is not None else None
+            if spec is not None:
+                return [(spec, constraint.param)]
+        return []
 
     @property
     def include_usage(self) -> bool:
@@ -171,6 +193,7 @@ class SamplingFields(StrictModel):
     def sampling_params(self) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i draws from seed + i."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        structured_output = self.structured_output()  # one for every choice: the engine compiles it once
         greedy = self.top_p == 0  # the sampler's greedy path; its top_p must be in (0, 1]
         return [
             SamplingParams(
@@ -192,6 +215,7 @@ class SamplingFields(StrictModel):
                 stop_token_ids=list(self.stop_token_ids or []),
                 bad_words=list(self.bad_words or []),
                 allowed_token_ids=self.allowed_token_ids,
+                structured_output=structured_output,
             )
             for index in range(self.n)
         ]
@@ -340,13 +364,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # only with logprobs: true
-    # graphrt never calls tools: `tools` are accepted only with tool_choice "none", and then the
-    # model never sees them (they are not passed to the chat template).
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Functions the model may call, and how (graphrt.server.tool_choice).
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool | None = None  # None: true
     # Accepted and ignored: fields OpenAI's SDKs and LangChain send, none of which changes what
     # graphrt does.
-    parallel_tool_calls: bool | None = None  # no tool is called, in parallel or one at a time
     metadata: dict[str, str] | None = None  # tags for OpenAI's stored completions; graphrt stores none
     store: bool | None = None  # the same: nothing is stored
     service_tier: str | None = None  # OpenAI's priced tiers; one server is one tier
@@ -363,15 +386,30 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError(400, "max_tokens and max_completion_tokens disagree; give one of them", param="max_tokens")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs is only allowed with logprobs: true", param="top_logprobs")
-        if self.tools and self.tool_choice != "none":
-            raise APIError(
-                400, 'tools are not supported by graphrt: the model cannot call them; remove tools, or send tool_choice: "none" '
-                "to have them ignored", param="tools",
-            )
-        if self.tool_choice not in (None, "none"):
-            raise APIError(400, 'tool_choice other than "none" is not supported by graphrt: the model cannot call tools', param="tool_choice")
+        tool_use = self.tool_use()
+        if tool_use is not None and tool_use.constrains_output and super().structured_output() is not None:
+            given = "response_format" if self.response_format is not None else "structured_outputs"
+            shown = f'"{self.tool_choice}"' if isinstance(self.tool_choice, str) else "naming a function"
+            raise APIError(400, f"{given} and tool_choice {shown} both say what the output must be; send one", param=given)
+        self.structured_output()  # what cannot be built is refused here, naming the tool
         for index, message in enumerate(self.messages):
             message.check(index)
+
+    def tool_use(self) -> ToolUse | None:
+        """The tools the model may call and how; None where it calls none."""
+        return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_output(self) -> StructuredOutput | None:
+        tool_use = self.tool_use()
+        if tool_use is not None and tool_use.constrains_output:
+            return tool_use.structured_output()
+        return super().structured_output()
+
+    def grammars(self) -> list[tuple[StructuredOutput, str]]:
+        tool_use = self.tool_use()
+        if tool_use is not None and tool_use.constrains_output:
+            return tool_use.grammars()
+        return super().grammars()
 
     def resolved_max_tokens(self) -> int | None:
         # None: up to the context length, as OpenAI's default for chat
@@ -445,28 +483,3 @@ def _is_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-# pydantic puts the union member it tried into the error location; those are not parameter names
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[\-]")
-
-
-def validation_error(exc: ValidationError) -> APIError:
-    """The first validation problem as a 400 that names the parameter, e.g. `messages[0].role`.
-
-    Of a union's errors, the deepest says most (an image part: its `type`, not "not a string").
-    """
-    errors = exc.errors()
-    error = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
-    param = ""
-    for part in error["loc"]:
-        if isinstance(part, int):
-            param += f"[{part}]"
-        elif not _TYPE_TAG.search(part):
-            param += f".{part}" if param else part
-    if error["type"] == "extra_forbidden":
-        return APIError(400, f"unrecognized request argument: {param}", param=param)
-    if error["type"] == "missing":
-        return APIError(400, f"{param} is required", param=param)
-    message = error["msg"].removeprefix("Value error, ")
-    return APIError(400, f"{param}: {message}" if param else message, param=param or None)

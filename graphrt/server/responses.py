@@ -1,5 +1,8 @@
 """The JSON the OpenAI API answers with: whole responses, stream chunks and usage, per endpoint.
 
+A chat request that lets the model call tools (graphrt.server.tool_choice) has its output read
+for calls: whole, or, streamed, as each delta arrives (graphrt.server.tool_parsers).
+
 Logprobs, where a request asks for them, show each token as the text it decodes to alone (OpenAI's
 `tokens`), next to its log-probability and its most likely alternatives. With `echo`, a completion's
 text and logprobs begin with the prompt's (its first token has no logprob: nothing precedes it).
@@ -13,6 +16,8 @@ from dataclasses import dataclass, field
 
 from graphrt.frontend.async_engine import ChoiceUpdate, GenerationJob
 from graphrt.sampling_params import TokenLogprob
+from graphrt.server.tool_choice import ToolCalling
+from graphrt.server.tool_parsers import ToolCallStream, new_call_id, parse_tool_calls
 
 # A token and its logprob entry (None for a prompt's first token), as a choice reports them.
 Scored = tuple[int, TokenLogprob | None]
@@ -138,6 +143,10 @@ class ResponseFormat:
         """A stream chunk's choice: `text` and the logprobs received since the last chunk."""
         raise NotImplementedError
 
+    def delta_choices(self, index: int, choice: ChoiceState, text: str) -> list[dict]:
+        """The chunks' choices to send after an update of `choice` that made `text` streamable."""
+        return [self.delta_choice(index, choice, text)] if text or choice.finished or choice.scored else []
+
     def logprobs(self, choice: ChoiceState) -> dict | None:
         return self.logprobs_body(choice, choice.take_scored()) if self.with_logprobs else None
 
@@ -198,12 +207,44 @@ class ChatFormat(ResponseFormat):
     response_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, model_id: str, num_top: int | None = None, names: TokenNames | None = None, tool_calling: ToolCalling | None = None):
+        super().__init__(model_id, num_top, names)
+        self.tool_calling = tool_calling
+        self._streams: dict[int, ToolCallStream] = {}  # each streamed choice's tool calls
+
     def opening_choice(self, index: int) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
     def final_choice(self, index: int, choice: ChoiceState) -> dict:
         message = {"role": "assistant", "content": choice.text}
-        return {"index": index, "message": message, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+        finish_reason = choice.finish_reason
+        if self.tool_calling is not None:
+            message["content"], calls = parse_tool_calls(self.tool_calling.reader, choice.text, self.tool_calling.max_calls)
+            if calls:
+                message["tool_calls"] = [call.body(new_call_id()) for call in calls]
+                finish_reason = self._finish_reason(finish_reason, made_calls=True)
+        return {"index": index, "message": message, "logprobs": self.logprobs(choice), "finish_reason": finish_reason}
+
+    def _finish_reason(self, finish_reason: str | None, made_calls: bool) -> str | None:
+        """As OpenAI says it: "tool_calls" where the model ended its output after calling, but "stop"
+        for a named tool_choice."""
+        return "tool_calls" if made_calls and finish_reason == "stop" and not self.tool_calling.named else finish_reason
+
+    def delta_choices(self, index: int, choice: ChoiceState, text: str) -> list[dict]:
+        """With tools, the text streamed so far is read for calls: content, each call's opening and
+        its arguments in fragments go out in chunks of their own; text that may begin a call waits."""
+        if self.tool_calling is None:
+            return super().delta_choices(index, choice, text)
+        stream = self._streams.setdefault(index, ToolCallStream(self.tool_calling.reader, self.tool_calling.max_calls))
+        deltas = stream.feed(choice.text[: choice.num_sent], choice.finished)
+        if not deltas and (choice.finished or choice.scored):
+            deltas = [{}]
+        pieces = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
+        if pieces:
+            pieces[0]["logprobs"] = self.logprobs(choice)
+            if choice.finished:
+                pieces[-1]["finish_reason"] = self._finish_reason(choice.finish_reason, stream.made_calls)
+        return pieces
 
     def delta_choice(self, index: int, choice: ChoiceState, text: str) -> dict:
         delta = {"content": text} if text else {}

@@ -44,6 +44,7 @@ class ServeOptions:
     llm_kwargs: dict = field(default_factory=dict)  # graphrt.engine.startup.build_engine's: model, cache, pp, depth, max_num_seqs, ...
     engine_process: bool = True  # the engine in a process of its own (graphrt.engine.process)
     cpu_placement: str = "auto"  # auto, pin or float: where the front and the engine run (graphrt.kernels.cpu.placement)
+    tool_call_parser: str | None = None  # hermes, llama3_json or mistral (graphrt.server.tool_parsers); None: from the chat template
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
@@ -229,7 +230,9 @@ def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
             return
         echo(f"[graphrt] {placement.describe()}")
         model_id = (async_engine.model_dir if options.engine_process else async_engine.engine.model_dir).name
-        settings = ServerSettings(model_id=model_id, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+        settings = ServerSettings(
+            model_id=model_id, api_key=options.api_key, max_body_bytes=options.max_body_bytes, tool_call_parser=options.tool_call_parser,
+        )
         url = address_of(sock)
 
         def banner() -> None:

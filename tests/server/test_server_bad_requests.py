@@ -21,6 +21,7 @@ MAX_BODY_BYTES = 64 * 1024
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
 
 
 def body(**fields) -> bytes:
@@ -79,7 +80,12 @@ BAD_REQUESTS = [
     ("logprobs-above-20", "POST", COMPLETIONS, body(prompt="hi", logprobs=21), 400, "logprobs"),
     ("top-logprobs-without-logprobs", "POST", CHAT, body(messages=USER, top_logprobs=2), 400, "top_logprobs"),
     ("echo-in-chat", "POST", CHAT, body(messages=USER, echo=True), 400, "echo"),
-    ("tool-choice-auto", "POST", CHAT, body(messages=USER, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto"), 400, "tools"),
+    ("tool-choice-names-no-given-tool", "POST", CHAT, body(messages=USER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
+    ("tool-choice-required-without-tools", "POST", CHAT, body(messages=USER, tool_choice="required"), 400, "tool_choice"),
+    ("tool-choice-unknown", "POST", CHAT, body(messages=USER, tools=TOOLS, tool_choice="always"), 400, "tool_choice"),
+    ("tool-name-with-a-space", "POST", CHAT, body(messages=USER, tools=[{"type": "function", "function": {"name": "get weather"}}]), 400, "tools[0].function.name"),
+    ("tool-parameters-the-engine-refuses", "POST", CHAT, body(messages=USER, tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "if": {"required": ["a"]}}}}], tool_choice="required"), 400, "tools[0].function.parameters"),
     ("assistant-content-null-without-tool-calls", "POST", CHAT, body(messages=[*USER, {"role": "assistant", "content": None}, *USER]), 400, "messages[1].content"),
     ("tool-message-without-tool-call-id", "POST", CHAT, body(messages=[*USER, {"role": "tool", "content": "x"}]), 400, "messages[1].tool_call_id"),
     ("unsupported-best-of", "POST", COMPLETIONS, body(prompt="hi", best_of=3), 400, "best_of"),
@@ -95,9 +101,16 @@ BAD_REQUESTS = [
     ("stop-token-ids-negative", "POST", COMPLETIONS, body(prompt="hi", stop_token_ids=[-1]), 400, "stop_token_ids"),
     ("allowed-token-ids-empty", "POST", COMPLETIONS, body(prompt="hi", allowed_token_ids=[]), 400, "allowed_token_ids"),
     ("bad-words-blank", "POST", COMPLETIONS, body(prompt="hi", bad_words=[" "]), 400, "bad_words"),
-    ("unsupported-tools", "POST", CHAT, body(messages=USER, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("unsupported-functions", "POST", CHAT, body(messages=USER, functions=[{"name": "f"}]), 400, "functions"),
-    ("unsupported-response-format", "POST", CHAT, body(messages=USER, response_format={"type": "json_object"}), 400, "response_format"),
+    ("response-format-unknown-type", "POST", CHAT, body(messages=USER, response_format={"type": "xml"}), 400, "response_format.type"),
+    ("response-format-json-schema-without-schema", "POST", COMPLETIONS, body(prompt="hi", response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     400, "response_format.json_schema.schema"),
+    ("response-format-schema-keyword-the-engine-refuses", "POST", CHAT, body(messages=USER, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}), 400, "response_format.json_schema.schema"),
+    ("structured-outputs-two-kinds", "POST", COMPLETIONS, body(prompt="hi", structured_outputs={"regex": "a+", "choice": ["a"]}), 400, "structured_outputs"),
+    ("structured-outputs-bad-regex", "POST", COMPLETIONS, body(prompt="hi", structured_outputs={"regex": "(a"}), 400, "structured_outputs.regex"),
+    ("structured-outputs-with-a-named-tool", "POST", CHAT, body(messages=USER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "f"}},
+     structured_outputs={"choice": ["a"]}), 400, "structured_outputs"),
     ("unrecognized-argument", "POST", COMPLETIONS, body(prompt="hi", foo=1), 400, "foo"),
     ("oversized-body", "POST", COMPLETIONS, body(prompt="a" * (2 * MAX_BODY_BYTES)), 413, None),
     ("unknown-route", "POST", "/v1/embeddings", body(input="hi"), 404, None),

@@ -1,6 +1,7 @@
 """`graphrt serve` through LangChain's OpenAI classes, which send what the openai client alone
 does not: batched prompts (`OpenAI.batch`), a tool-using conversation (assistant tool calls with
-null content, tool results), and tools with tool_choice "none". One server for the module."""
+null content, tool results), and tools with tool_choice "none". One server for the module.
+(Tools the model calls, and structured output through LangChain: test_server_structured_outputs.py.)"""
 
 from __future__ import annotations
 
@@ -116,5 +117,3 @@ def test_langchain_tools_with_tool_choice_none_are_ignored(server):
     assert log.bodies[0]["tools"][0]["function"]["name"] == "get_weather" and log.bodies[0]["tool_choice"] == "none"
     assert with_tools.content == without.content != ""  # the model never saw them
     assert with_tools.tool_calls == []
-    with pytest.raises(openai.BadRequestError, match="tools"):  # asked to call them, the server says it cannot
-        llm.bind_tools([get_weather]).invoke(question)

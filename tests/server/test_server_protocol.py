@@ -11,9 +11,10 @@ for package in ("fastapi", "uvicorn"):  # graphrt.server imports the server stac
     pytest.importorskip(package)
 
 from graphrt.errors import RequestError  # noqa: E402
-from graphrt.sampling_params import MAX_LOGPROBS, SamplingParams  # noqa: E402
+from graphrt.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput  # noqa: E402
 from graphrt.server.errors import APIError  # noqa: E402
 from graphrt.server.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, parse_request  # noqa: E402
+from graphrt.server.structured_outputs import check_grammar  # noqa: E402
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
@@ -204,29 +205,165 @@ def test_chat_only_fields_are_unknown_to_completions(name):
     assert error.param == name and error.message == f"unrecognized request argument: {name}"
 
 
-# --- tools ------------------------------------------------------------------------------------
+# --- tools (graphrt.server.tool_choice) ---------------------------------------------------------
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER_PARAMETERS}},
+    {"type": "function", "function": {"name": "get_time"}},  # no parameters: it takes none
+]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def test_tools_with_tool_choice_none_are_ignored():
     request = chat(tools=TOOLS, tool_choice="none", parallel_tool_calls=False)
+    assert request.tool_use() is None
     assert [m.template_dict() for m in request.messages] == [m.template_dict() for m in chat().messages]
+    assert request.sampling_params() == chat().sampling_params()
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": TOOLS}, "tools"),
-    ({"tools": TOOLS, "tool_choice": None}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
-    ({"tools": "get_weather", "tool_choice": "none"}, "tools"),
-    ({"functions": [{"name": "f"}]}, "functions"),
+@pytest.mark.parametrize("fields", [{}, {"tool_choice": "auto"}, {"tool_choice": None}], ids=["default", "auto", "null"])
+def test_auto_shows_the_model_the_tools_and_constrains_nothing(fields):
+    tool_use = chat(tools=TOOLS, **fields).tool_use()
+    assert tool_use.choice == "auto" and tool_use.structured_output() is None and tool_use.grammars() == []
+    assert tool_use.template_tools() == [
+        {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER_PARAMETERS}},
+        {"type": "function", "function": {"name": "get_time"}},
+    ]
+    assert chat(tools=TOOLS, **fields).sampling_params()[0].structured_output is None
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_required_holds_the_output_to_an_array_of_calls(parallel):
+    request = chat(tools=TOOLS, tool_choice="required", **({} if parallel is None else {"parallel_tool_calls": parallel}))
+    [params] = request.sampling_params()
+    schema = json.loads(params.structured_output.json)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema.get("maxItems") == (1 if parallel is False else None)
+    assert schema["items"]["anyOf"] == [
+        {"type": "object", "properties": {"name": {"const": "get_weather"}, "parameters": WEATHER_PARAMETERS},
+         "required": ["name", "parameters"], "additionalProperties": False},
+        {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": {"type": "object", "properties": {}}},
+         "required": ["name", "parameters"], "additionalProperties": False},
+    ]
+    assert [param for _, param in request.grammars()] == ["tools[0].function.parameters", "tools[1].function.parameters"]
+
+
+def test_required_moves_each_tools_definitions_to_the_top():
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}},
+                                                                             "$defs": {"Point": point}}}} for i in range(2)]
+    schema = json.loads(chat(tools=tools, tool_choice="required").sampling_params()[0].structured_output.json)
+    assert schema["$defs"] == {"Point": point} and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    tools[1]["function"]["parameters"]["$defs"]["Point"] = {"type": "string"}
+    assert refused(chat, tools=tools, tool_choice="required").param == "tools[1].function.parameters"
+
+
+def test_a_named_tool_choice_holds_the_output_to_that_tools_parameters():
+    request = chat(tools=TOOLS, tool_choice=NAMED)
+    assert json.loads(request.sampling_params()[0].structured_output.json) == WEATHER_PARAMETERS
+    assert request.tool_use().named == "get_weather"
+    assert [param for _, param in request.grammars()] == ["tools[0].function.parameters"]
+    no_parameters = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert json.loads(no_parameters.sampling_params()[0].structured_output.json) == {"type": "object", "properties": {}}
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice", "not in tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [], "tool_choice": "auto"}, "tool_choice", "needs tools"),
+    ({"tool_choice": NAMED}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'none', 'auto' or 'required'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"nme": "get_weather"}}}, "tool_choice.function.name", "required"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "function": {"name": "get_weather"}}}, "tool_choice.type", "'function'"),
+    ({"tools": "get_weather", "tool_choice": "none"}, "tools", "list"),
+    ({"tools": [{"type": "custom", "function": {"name": "f"}}]}, "tools[0].type", "'function'"),
+    ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name", "pattern"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name", "required"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "city"}}]}, "tools[0].function.parameters", "dictionary"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools[0].function.parameters", "object"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "unique"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "send one"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "structured_outputs": {"regex": "a+"}}, "structured_outputs", "send one"),
+    ({"functions": [{"name": "f"}]}, "functions", "not supported"),
 ])
-def test_tools_the_model_would_be_asked_to_call_are_refused(fields, param):
+def test_tools_near_misses_are_refused_naming_the_parameter(fields, param, says):
     error = refused(chat, **fields)
-    assert error.param == param and param in error.message
+    assert error.param == param and param.split("[")[0].split(".")[0] in error.message and says in error.message, error.message
+
+
+def test_auto_tools_may_come_with_a_response_format():
+    request = chat(tools=TOOLS, response_format={"type": "json_object"})
+    assert request.tool_use().choice == "auto" and request.sampling_params()[0].structured_output.json_object
+
+
+# --- response_format and structured_outputs (graphrt.server.structured_outputs) -----------------
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+
+
+@pytest.mark.parametrize(("fields", "expected", "param"), [
+    ({"response_format": {"type": "text"}}, None, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput(json_object=True), "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True, "description": "A person"}}},
+     StructuredOutput(json=SCHEMA), "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json": SCHEMA}}, StructuredOutput(json=SCHEMA), "structured_outputs.json"),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, StructuredOutput(json=SCHEMA), "structured_outputs.json"),
+    ({"structured_outputs": {"json_object": True}}, StructuredOutput(json_object=True), "structured_outputs.json_object"),
+    ({"structured_outputs": {"regex": "[0-9]{3}", "json_object": False}}, StructuredOutput(regex="[0-9]{3}"), "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutput(choice=["yes", "no"]), "structured_outputs.choice"),
+    ({"structured_outputs": {"grammar": 'root ::= "a"+'}}, StructuredOutput(grammar='root ::= "a"+'), "structured_outputs.grammar"),
+    ({"structured_outputs": {"regex": "x"}, "response_format": {"type": "text"}}, StructuredOutput(regex="x"), "structured_outputs.regex"),
+])
+@pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
+def test_what_the_output_must_be_reaches_every_choice(parse, fields, expected, param):
+    request = parse(n=2, **fields)
+    assert [p.structured_output for p in request.sampling_params()] == [expected] * 2
+    assert request.grammars() == ([] if expected is None else [(expected, param)])
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"response_format": {"type": "xml"}}, "response_format.type", "'text', 'json_object' or 'json_schema'"),
+    ({"response_format": "json_object"}, "response_format", "valid dictionary"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema", "required"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema.name", "required"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": SCHEMA}}}, "response_format.json_schema.name", "pattern"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}}, "response_format.json_schema.schema", "dictionary"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": SCHEMA}}}, "response_format.json_schema", "json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "extra": 1}}}, "response_format.json_schema.extra", "unrecognized"),
+    ({"structured_outputs": {}}, "structured_outputs", "got none"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got regex, choice"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty"),
+    ({"structured_outputs": {"regex": " "}}, "structured_outputs.regex", "non-empty"),
+    ({"structured_outputs": {"json_schema": SCHEMA}}, "structured_outputs.json_schema", "unrecognized"),
+    ({"structured_outputs": {"json": 5}}, "structured_outputs.json", "dictionary"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs", "send one"),
+])
+@pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
+def test_output_format_near_misses_are_refused_naming_the_parameter(parse, fields, param, says):
+    error = refused(parse, **fields)
+    assert error.param == param and param.split(".")[0] in error.message and says in error.message, error.message
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {"required": ["a"]}}}}},
+     "response_format.json_schema.schema", "'not'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wrong"}}}},
+     "response_format.json_schema.schema", "cannot be used"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "not valid JSON"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "cannot be used"),
+    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs.grammar", "cannot be used"),
+    ({"tools": [TOOLS[1], {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"d": {"type": "string", "format": "phone"}}}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters", "'phone'"),
+])
+def test_grammars_the_engine_refuses_are_refused_naming_the_parameter(fields, param, says):
+    pytest.importorskip("xgrammar")
+    with pytest.raises(APIError) as caught:
+        for spec, name in chat(**fields).grammars():
+            check_grammar(spec, name)
+    assert caught.value.param == param and caught.value.message.startswith(param) and says in caught.value.message, caught.value.message
+    for spec, name in chat(tools=TOOLS, tool_choice="required").grammars():  # these are fine
+        check_grammar(spec, name)
 
 
 # --- tool-call history ------------------------------------------------------------------------
@@ -433,3 +570,28 @@ def test_template_failure_search_renders_prefixes_without_the_generation_prompt(
         tokenizer.apply_chat_template(messages)
     with pytest.raises(RequestError, match=r"^messages\[1\]: .* \(reply to what\?\)$"):  # the whole conversation fails only for its end
         tokenizer.apply_chat_template(messages[:2])
+
+
+@pytest.mark.slow
+def test_tools_reach_the_chat_template(tokenizer, monkeypatch):
+    # a template that lists the tools ahead of the conversation, as Qwen's and Hermes' do
+    template = ("{% if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n{% endif %}"
+                "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    monkeypatch.setattr(tokenizer._tok, "chat_template", template)
+    request = chat(tools=TOOLS)
+    text = tokenizer.apply_chat_template([m.template_dict() for m in request.messages], request.tool_use().template_tools())
+    listed, conversation = text.removeprefix("<tools>").split("</tools>\n")
+    assert [json.loads(line) for line in listed.splitlines()] == TOOLS
+    assert conversation == "user: What is the weather in Paris?\nassistant: "
+    assert tokenizer.chat_template == template
+
+
+@pytest.mark.slow
+def test_a_template_that_cannot_render_the_tools_says_so(tokenizer, monkeypatch):
+    template = ("{% if tools %}{{ raise_exception('tools are not supported') }}{% endif %}"
+                "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    monkeypatch.setattr(tokenizer._tok, "chat_template", template)
+    messages = [m.template_dict() for m in chat().messages]
+    assert tokenizer.apply_chat_template(messages, []) == "user: What is the weather in Paris?\n"
+    with pytest.raises(RequestError, match=r"^tools: the model's chat template cannot render them \(tools are not supported\)$"):
+        tokenizer.apply_chat_template(messages, chat(tools=TOOLS).tool_use().template_tools())

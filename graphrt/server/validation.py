@@ -1,0 +1,42 @@
+"""Strict request models, and their validation errors as 400s that name the parameter.
+
+Validation is strict, as OpenAI's own API is: no string-for-number coercion, no NaN, unknown fields
+refused by name.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from graphrt.server.errors import APIError
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+# pydantic puts the union member it tried into the error location; those are not parameter names
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[\-]")
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first validation problem as a 400 that names the parameter, e.g. `messages[0].role`.
+
+    Of a union's errors, the deepest says most (an image part: its `type`, not "not a string").
+    """
+    errors = exc.errors()
+    error = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
+    param = ""
+    for part in error["loc"]:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif not _TYPE_TAG.search(part):
+            param += f".{part}" if param else part
+    if error["type"] == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument: {param}", param=param)
+    if error["type"] == "missing":
+        return APIError(400, f"{param} is required", param=param)
+    message = error["msg"].removeprefix("Value error, ")
+    return APIError(400, f"{param}: {message}" if param else message, param=param or None)
