@@ -138,7 +138,7 @@ def process_logits(logits: torch.Tensor, plan: LogitsPlan, history: TokenHistory
         _start_histories(plan, t, history)
     num_priors = len(plan.prior_tokens)
     if plan.grammar_entries:
-        _mask_by_grammar(x, t)
+        _mask_by_grammar(x, t, every_entry=plan.grammar_entries == list(range(x.shape[0])))
     if plan.allowed_entries:
         allowed = torch.zeros(len(plan.allowed_entries), vocab_size, dtype=torch.bool, device=device)
         allowed[t["allowed_rows"], t["allowed_tokens"]] = True
@@ -155,13 +155,17 @@ def process_logits(logits: torch.Tensor, plan: LogitsPlan, history: TokenHistory
     return Processed(x, min_p, history, t, num_priors, groups)
 
 
-def _mask_by_grammar(x: torch.Tensor, t: dict[str, torch.Tensor]) -> None:
-    """-inf for every token an entry's grammar refuses: those whose bit (t % 32 of word t // 32) is 0."""
+def _mask_by_grammar(x: torch.Tensor, t: dict[str, torch.Tensor], every_entry: bool) -> None:
+    """-inf for every token an entry's grammar refuses: those whose bit (t % 32 of word t // 32) is 0.
+    `every_entry`: the entries are all of x's rows, in order (no gather and scatter back)."""
     entries = t["grammar_entries"]
     words = t["grammar_masks"].view(entries.shape[0], -1).to(torch.int32)  # xgrammar's words, exact in int32
     bits = torch.arange(32, dtype=torch.int32, device=x.device)
-    allowed = ((words[:, :, None] >> bits) & 1).bool().view(entries.shape[0], -1)[:, : x.shape[-1]]
-    x[entries] = x[entries].masked_fill(~allowed, -torch.inf)
+    refused = ((words[:, :, None] >> bits) & 1).view(entries.shape[0], -1)[:, : x.shape[-1]] == 0
+    if every_entry:
+        x.masked_fill_(refused, -torch.inf)
+    else:
+        x[entries] = x[entries].masked_fill(refused, -torch.inf)
 
 
 def _start_histories(plan: LogitsPlan, t: dict[str, torch.Tensor], history: TokenHistory) -> None:
