@@ -77,6 +77,10 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # The text leaves out the tokenizer's special tokens, as vLLM's does by default; False keeps them
+    # (a tool-call parser whose markers are special tokens reads them there: the server asks so). The
+    # stop token that ends a request (EOS, or one of stop_token_ids) is not part of the text either way.
+    skip_special_tokens: bool = True
     # Log-probabilities from the model's raw logits (log_softmax before penalties, bias, temperature,
     # top-k and top-p, vLLM's default): None asks for none; k >= 0 gives each token's own and its k
     # most likely alternatives.
@@ -121,6 +125,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):

@@ -112,11 +112,14 @@ class OutputProcessor:
         """Append the new tokens' text (decoding a few tokens, not the whole output: this runs for
         every token); True where a stop string ended it, the text cut where the stop string starts."""
         text, token_ids, params = state.text, state.output_ids, state.params
-        if state.finish_reason == FinishReason.STOP.value and token_ids and token_ids[-1] in params.stop_token_ids:
-            token_ids = token_ids[:-1]  # as vLLM: the stop token that ended it is not part of the text
+        if state.finish_reason == FinishReason.STOP.value and token_ids:
+            # The engine ends a request "stop" only on a stop token (EOS or one of stop_token_ids; a
+            # stop string is found here, after this): as vLLM, that token is not part of the text,
+            # even where special tokens are kept.
+            token_ids = token_ids[:-1]
         old_len = len(text.text)
         delta, text.prefix_offset, text.read_offset = self.tokenizer.decode_next(
-            token_ids, text.prefix_offset, text.read_offset, final=state.finished
+            token_ids, text.prefix_offset, text.read_offset, final=state.finished, skip_special_tokens=params.skip_special_tokens
         )
         text.text += delta
         if len(state.output_ids) <= params.min_tokens:

@@ -43,14 +43,22 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok(text).input_ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def is_special_token(self, text: str) -> bool:
+        """`text` is one special token of this tokenizer, which decoding drops unless asked to keep
+        special tokens (a tool-call marker such as Mistral's `[TOOL_CALLS]` may be one)."""
+        token_ids = self._tok.encode(text, add_special_tokens=False)
+        return len(token_ids) == 1 and self.decode(token_ids) == "" and self.decode(token_ids, skip_special_tokens=False) == text
 
     def decode_token(self, token_id: int) -> str:
         """One token's own text, special tokens included (how logprobs name a token)."""
         return self._tok.decode([token_id])
 
-    def decode_next(self, token_ids: list[int], prefix_offset: int, read_offset: int, final: bool = False) -> tuple[str, int, int]:
+    def decode_next(
+        self, token_ids: list[int], prefix_offset: int, read_offset: int, final: bool = False, skip_special_tokens: bool = True
+    ) -> tuple[str, int, int]:
         """The text the newest tokens add, decoding only a short window instead of the whole output.
 
         `token_ids[prefix_offset:read_offset]` were already turned into text; decoding them again
@@ -58,8 +66,8 @@ class Tokenizer:
         character is held back (empty result, offsets unchanged) unless `final`.
         Returns (new text, new prefix_offset, new read_offset).
         """
-        prefix_text = self.decode(token_ids[prefix_offset:read_offset])
-        text = self.decode(token_ids[prefix_offset:])
+        prefix_text = self.decode(token_ids[prefix_offset:read_offset], skip_special_tokens)
+        text = self.decode(token_ids[prefix_offset:], skip_special_tokens)
         if len(text) > len(prefix_text) and (final or not text.endswith("\ufffd")):
             return text[len(prefix_text):], read_offset, len(token_ids)
         return "", prefix_offset, read_offset

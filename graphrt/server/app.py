@@ -23,7 +23,7 @@ from graphrt.server.responses import ChatFormat, CompletionFormat, ResponseForma
 from graphrt.server.responses_api import parse_responses_request
 from graphrt.server.responses_output import ResponsesFormat, ResponsesGeneration
 from graphrt.server.structured_outputs import check_grammar
-from graphrt.server.tool_parsers import TOOL_CALL_PARSERS, detect_tool_call_parser
+from graphrt.server.tool_parsers import TOOL_CALL_PARSERS, detect_tool_call_parser, markers_are_special_tokens
 
 if TYPE_CHECKING:
     from graphrt.frontend.engine_client import EngineClient
@@ -55,6 +55,8 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     names = TokenNames(async_engine.tokenizer)  # the event loop's: logprobs responses spell tokens with it
     template = async_engine.tokenizer.chat_template if async_engine.tokenizer is not None else None
     tool_call_parser = settings.tool_call_parser or detect_tool_call_parser(template)
+    # Mistral's [TOOL_CALLS], Llama 3's <|python_tag|>: decoding must keep them for "auto" to read calls.
+    keep_markers = markers_are_special_tokens(tool_call_parser, async_engine.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -130,7 +132,9 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     def chat_job(parsed: ChatCompletionRequest) -> tuple[GenerationJob, ChatFormat]:
         tool_use = parsed.tool_use()  # None: no tool may be called
         messages = [m.template_dict() for m in parsed.messages]
-        job = GenerationJob(params=sampling_params(parsed), messages=messages, tools=tool_use and tool_use.template_tools())
+        reads_markers = keep_markers and tool_use is not None and not tool_use.constrains_output  # "auto"
+        params = sampling_params(parsed, keep_special_tokens=reads_markers)
+        job = GenerationJob(params=params, messages=messages, tools=tool_use and tool_use.template_tools())
         return job, ChatFormat(settings.model_id, parsed.num_logprobs, names, tool_use and tool_use.calling(tool_call_parser))
 
     @app.post("/v1/chat/completions")
@@ -182,9 +186,9 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     return app
 
 
-def sampling_params(parsed: SamplingFields) -> list:
+def sampling_params(parsed: SamplingFields, keep_special_tokens: bool = False) -> list:
     try:
-        return parsed.sampling_params()
+        return parsed.sampling_params(keep_special_tokens)
     except ValueError as exc:  # SamplingParams' own checks
         raise APIError(400, str(exc)) from None
 

@@ -77,6 +77,7 @@ class SamplingFields(StrictModel):
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True  # False keeps the tokenizer's special tokens in the text
     # What the output must be (graphrt.server.structured_outputs): OpenAI's, and vLLM's extension.
     response_format: ResponseFormatParam | None = None
     structured_outputs: StructuredOutputsParam | None = None
@@ -190,8 +191,9 @@ class SamplingFields(StrictModel):
         """As `num_logprobs`, for each prompt token after the first (completions with `echo`)."""
         return None
 
-    def sampling_params(self) -> list[SamplingParams]:
-        """One SamplingParams per choice; with a seed, choice i draws from seed + i."""
+    def sampling_params(self, keep_special_tokens: bool = False) -> list[SamplingParams]:
+        """One SamplingParams per choice; with a seed, choice i draws from seed + i.
+        `keep_special_tokens`: the server's, whatever the request says (a tool-call parser reads them)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         structured_output = self.structured_output()  # one for every choice: the engine compiles it once
         greedy = self.top_p == 0  # the sampler's greedy path; its top_p must be in (0, 1]
@@ -215,6 +217,7 @@ class SamplingFields(StrictModel):
                 stop_token_ids=list(self.stop_token_ids or []),
                 bad_words=list(self.bad_words or []),
                 allowed_token_ids=self.allowed_token_ids,
+                skip_special_tokens=self.skip_special_tokens and not keep_special_tokens,
                 structured_output=structured_output,
             )
             for index in range(self.n)

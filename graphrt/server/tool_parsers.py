@@ -6,8 +6,13 @@ Three formats, read as vLLM's parsers of the same names read them (`graphrt serv
 - hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more.
 - llama3_json: `<|python_tag|>` (or, without it, an output that begins with `{`), then one or more
   `{"name": ..., "parameters": {...}}` ("arguments" too) separated by `;`.
-- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or, without the marker (a special
-  token, which decoding drops), an output that begins with `[`.
+- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or, without the marker, an output
+  that begins with `[`.
+
+A marker may be a special token of the model's tokenizer (`[TOOL_CALLS]` and `<|python_tag|>` are in
+Mistral's and Llama 3's), which decoding drops by default; where one is, the server decodes a
+tools "auto" request with `skip_special_tokens=False` (`markers_are_special_tokens`), as vLLM's
+parsers ask, so the parser sees it.
 
 and two the server's own grammars make (graphrt.server.tool_choice): for tool_choice "required", a
 JSON array of `{"name": ..., "parameters": {...}}` (mistral's list, unmarked), and for a named tool,
@@ -27,6 +32,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from graphrt.frontend.tokenizer import Tokenizer
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -167,11 +176,17 @@ class ToolCallReader:
     """The format of one parser, for one request's tools (a call must name one of them)."""
 
     markers: tuple[str, ...] = ()  # where calls begin, anywhere in the output
+    end_marker: str | None = None  # where each call ends (hermes')
     bare_start: str | None = None  # calls may also begin the output (after whitespace) with this, unmarked
     argument_keys: tuple[str, ...] = ("arguments",)
 
     def __init__(self, tool_names: list[str] | tuple[str, ...] | frozenset[str]):
         self.tool_names = frozenset(tool_names)
+
+    @classmethod
+    def marker_texts(cls) -> tuple[str, ...]:
+        """Every marker the format reads."""
+        return cls.markers + ((cls.end_marker,) if cls.end_marker is not None else ())
 
     def read_calls(self, text: str, pos: int) -> tuple[list[CallText], bool]:
         """The calls from `pos` (just after the marker, or at the bare start) and whether something
@@ -329,6 +344,12 @@ class NamedReader(ToolCallReader):
 
 
 READERS: dict[str, type[ToolCallReader]] = {"hermes": HermesReader, "llama3_json": Llama3JsonReader, "mistral": MistralReader}
+
+
+def markers_are_special_tokens(parser: str, tokenizer: Tokenizer | None) -> bool:
+    """Some marker of `parser` (a name in READERS) is a special token of the model's tokenizer:
+    its text must keep special tokens for the parser to see the marker."""
+    return tokenizer is not None and any(tokenizer.is_special_token(marker) for marker in READERS[parser].marker_texts())
 
 
 def detect_tool_call_parser(chat_template: str | None) -> str:

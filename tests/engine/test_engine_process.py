@@ -93,7 +93,7 @@ def test_every_message_crosses_the_wire_as_itself():
         AddJob(4, [[7]], [SamplingParams(
             presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2, min_p=0.1, min_tokens=2,
             logit_bias={3: -100.0, 9: 2.5}, stop_token_ids=[4], bad_words=["no"], bad_words_token_ids=[[8], [5, 6]],
-            allowed_token_ids=[3, 4, 5, 6, 9],
+            allowed_token_ids=[3, 4, 5, 6, 9], skip_special_tokens=False,
         )]),
         AbortJob(3), StopChoice(3, 1), Shutdown(),
     ]

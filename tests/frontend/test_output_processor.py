@@ -87,6 +87,25 @@ def test_stop_strings_count_once_min_tokens_are_out_and_a_stop_tokens_text_is_le
     assert stopped.output_ids == token_ids[:upto] and stopped.text.text == "The capital of France is Paris"
 
 
+def test_special_tokens_are_text_only_when_asked_and_the_eos_that_ends_a_request_never_is(tokenizer):
+    """As vLLM's skip_special_tokens: <|im_start|> (a special token) mid-output is dropped from the
+    text by default and kept with skip_special_tokens=False; the EOS (<|im_end|>) that ends the
+    request is one of its tokens but not of its text either way."""
+    token_ids = tokenizer.encode("Hi") + [1] + tokenizer.encode(" there") + [2]
+    processor = OutputProcessor(tokenizer)
+    skipped, kept = processor.add(1, SamplingParams()), processor.add(2, SamplingParams(skip_special_tokens=False))
+    for request_id in (1, 2):
+        feed(processor, request_id, token_ids[:-1])
+        processor.process([SequenceOutput(request_id, token_ids[-1:], FinishReason.STOP)])
+    assert skipped.output_ids == kept.output_ids == token_ids
+    assert skipped.text.text == "Hi there" and kept.text.text == "Hi<|im_start|> there"
+    # Not ended by it (ignore_eos), an EOS is text like any special token.
+    longer = processor.add(3, SamplingParams(skip_special_tokens=False, ignore_eos=True))
+    feed(processor, 3, token_ids[:-1])
+    processor.process([SequenceOutput(3, token_ids[-1:], FinishReason.LENGTH)])
+    assert longer.text.text == "Hi<|im_start|> there<|im_end|>"
+
+
 def test_the_front_state_is_built_from_deltas_alone(tokenizer):
     processor = OutputProcessor(tokenizer)
     state = processor.add(3, SamplingParams(logprobs=0))

@@ -31,6 +31,23 @@ def tokenizer_folder(default_model: Path, folder: Path, **config_changes) -> Pat
     return folder
 
 
+def test_decode_keeps_special_tokens_only_when_asked(default_model):
+    tokenizer = Tokenizer.from_dir(default_model)
+    im_start, im_end = tokenizer.encode("<|im_start|>"), tokenizer.encode("<|im_end|>")
+    assert (im_start, im_end) == ([1], [2])  # one special token each
+    token_ids = tokenizer.encode("Hi") + im_end + tokenizer.encode(" there") + im_start
+    assert tokenizer.decode(token_ids) == "Hi there"
+    assert tokenizer.decode(token_ids, skip_special_tokens=False) == "Hi<|im_end|> there<|im_start|>"
+    # the same one token at a time, as the output processor decodes
+    text, prefix_offset, read_offset = "", 0, 0
+    for end in range(1, len(token_ids) + 1):
+        delta, prefix_offset, read_offset = tokenizer.decode_next(token_ids[:end], prefix_offset, read_offset, skip_special_tokens=False)
+        text += delta
+    assert text == "Hi<|im_end|> there<|im_start|>"
+    assert tokenizer.is_special_token("<|im_end|>") and tokenizer.is_special_token("<|im_start|>")
+    assert not tokenizer.is_special_token("Paris") and not tokenizer.is_special_token("<tool_call>")  # a word; several tokens
+
+
 def test_the_default_models_eos_id_is_the_one_transformers_finds(default_model):
     assert eos_token_id_from_files(default_model) == Tokenizer.from_dir(default_model).eos_token_id == 2
 

@@ -484,6 +484,17 @@ def test_every_parameter_reaches_the_sampling_params(parse):
         assert params.allowed_token_ids == [1, 7, 11] and params.processes_logits and params.tracks_history
 
 
+@pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
+def test_skip_special_tokens_reaches_the_sampling_params(parse):
+    """vLLM's extension: false keeps the tokenizer's special tokens in the text. The server keeps
+    them whatever the request says where a tool-call parser reads markers that are special tokens."""
+    assert [params.skip_special_tokens for params in parse(n=2).sampling_params()] == [True, True]
+    assert [params.skip_special_tokens for params in parse(n=2, skip_special_tokens=False).sampling_params()] == [False, False]
+    assert parse(skip_special_tokens=True).sampling_params(keep_special_tokens=True)[0].skip_special_tokens is False
+    for value in ("false", 0, None):
+        assert refused(parse, skip_special_tokens=value).param == "skip_special_tokens"
+
+
 def test_nulls_mean_the_defaults():
     nulls = dict.fromkeys(
         ["presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "stop_token_ids",

@@ -1,5 +1,5 @@
-"""Penalties, `logit_bias`, `min_p`, `min_tokens`, `stop_token_ids`, `bad_words` and
-`allowed_token_ids` through `graphrt serve` with the real openai client, on completions and chat,
+"""Penalties, `logit_bias`, `min_p`, `min_tokens`, `stop_token_ids`, `bad_words`,
+`allowed_token_ids` and `skip_special_tokens` through `graphrt serve` with the real openai client, on completions and chat,
 streamed and not: the tokens `LLM.generate` gives for the same parameters, the words banned, the
 tokens allowed; and exactly what `vllm bench serve --backend openai` sends, answered in full.
 
@@ -147,3 +147,27 @@ def test_what_vllm_bench_serve_sends_is_answered_in_full(server):
     chunks = [json.loads(event) for event in events[:-1]]
     assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"]) >= 2
     assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+# <|im_start|> (1) is a special token that can come mid-output; <|im_end|> (2) is the EOS. Only
+# <|im_start|> may be written until min_tokens are out, then the EOS is forced: tokens [1, 1, 2].
+SPECIAL_TOKENS = dict(max_tokens=8, temperature=0, allowed_token_ids=[1, 2], min_tokens=2)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_skip_special_tokens_false_keeps_them_in_the_text_but_not_the_eos(client, offline, stream):
+    kept = offline.generate("Hi", SamplingParams(**SPECIAL_TOKENS, logit_bias={2: 100}, skip_special_tokens=False))[0]
+    skipped = offline.generate("Hi", SamplingParams(**SPECIAL_TOKENS, logit_bias={2: 100}))[0]
+    assert kept.token_ids == skipped.token_ids == [1, 1, 2] and kept.finish_reason == "stop"
+    assert (kept.text, skipped.text) == ("<|im_start|><|im_start|>", "")
+    fields = dict(model=MODEL, max_tokens=8, temperature=0, logit_bias={"2": 100},
+                  extra_body={"allowed_token_ids": [1, 2], "min_tokens": 2, "skip_special_tokens": False})
+    if stream:
+        text = "".join(chunk.choices[0].text for chunk in client.completions.create(prompt="Hi", stream=True, **fields) if chunk.choices)
+        chunks = client.chat.completions.create(messages=QUESTION, stream=True, **fields)
+        content = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    else:
+        text = client.completions.create(prompt="Hi", **fields).choices[0].text
+        content = client.chat.completions.create(messages=QUESTION, **fields).choices[0].message.content
+    assert text == content == kept.text
+

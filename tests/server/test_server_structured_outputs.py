@@ -1,7 +1,9 @@
 """Structured outputs and tool calls through `graphrt serve` (its engine in a process of its own),
-with the openai client and LangChain: every constrained output validates against what it was held
-to, streamed or not; tool_choice "required" and a named tool give tool_calls whose arguments
-validate against the tool's schema; "auto" answers in either form. One server for the module.
+with the openai client, LangChain, instructor, a pydantic-ai agent and LiteLLM: every constrained
+output validates against what it was held to, streamed or not; tool_choice "required" and a named
+tool give tool_calls whose arguments validate against the tool's schema; "auto" answers in either
+form. One server of the default model for the module, and a tiny one whose tokenizer has a tool-call
+marker as a special token.
 
 Refused requests (each naming its field) are in test_server_bad_requests.py and
 test_server_protocol.py; the parsers on fixed texts in test_tool_parsers.py.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Annotated
 
 import pytest
 
@@ -255,3 +258,117 @@ def test_langchain_tool_loop_feeds_the_result_back(server):
     sent = log.bodies[1]["messages"]
     assert sent[1]["tool_calls"][0]["id"] == tool_call["id"] and sent[1]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert sent[2] == {"role": "tool", "content": "Rain all day, 14 C.", "tool_call_id": tool_call["id"]}
+
+
+# --- agent frameworks: instructor, pydantic-ai, LiteLLM ---------------------------------------------
+# Each skips where its package is not installed (the dev extras have pydantic-ai-slim and LiteLLM).
+
+
+# instructor's JSON mode (response_format json_object, the schema in a system message) is left out:
+# held to any JSON object, the default model writes one that is not a City.
+@pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS"])
+def test_instructor_returns_the_validated_model(server, mode):
+    instructor = pytest.importorskip("instructor")  # not in the dev extras: instructor 1.17 pins jiter below openai 3.x's
+    log = RequestLog()
+    openai_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, http_client=log.client())
+    client = instructor.from_openai(openai_client, mode=instructor.Mode[mode])
+    city = client.chat.completions.create(
+        model=MODEL, response_model=City, messages=[{"role": "user", "content": "Name a big city and its population."}],
+        max_tokens=48, temperature=0, max_retries=0,
+    )
+    assert isinstance(city, City)  # instructor validated it
+    [body] = log.bodies  # one request: no retry was needed
+    if mode == "JSON_SCHEMA":
+        assert body["response_format"]["json_schema"]["schema"] == City.model_json_schema()
+    else:
+        assert body["tool_choice"] == {"type": "function", "function": {"name": "City"}}  # a named tool: a grammar
+
+
+def test_pydantic_ai_agent_calls_its_tool_then_answers_with_the_model(server):
+    pytest.importorskip("pydantic_ai")
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ToolCallPart, ToolReturnPart
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.usage import UsageLimits
+
+    def settings(ctx):
+        # Step 1 must call the tool, step 2 must answer through pydantic-ai's output tool: each a
+        # named tool_choice. Left to choose ("required" over both), the default model answers at once.
+        tool = "get_population" if ctx.run_step == 1 else "final_result"
+        return {"max_tokens": 48, "temperature": 0, "tool_choice": [tool]}
+
+    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=f"{server.url}/v1", api_key=API_KEY))
+    agent = Agent(model, output_type=City, model_settings=settings)
+    looked_up = []
+
+    @agent.tool_plain
+    def get_population(city: Annotated[str, Field(max_length=16)]) -> int:
+        """The population of a city, in millions."""
+        looked_up.append(city)
+        return 2
+
+    result = agent.run_sync("How many people live in Paris? Look it up.", usage_limits=UsageLimits(request_limit=2))
+    assert isinstance(result.output, City)
+    parts = [part for message in result.all_messages() for part in message.parts]
+    calls = [part for part in parts if isinstance(part, ToolCallPart)]
+    assert [call.tool_name for call in calls] == ["get_population", "final_result"]
+    assert looked_up == [calls[0].args_as_dict()["city"]] and len(looked_up[0]) <= 16  # called with arguments its schema allows
+    [returned] = [part for part in parts if isinstance(part, ToolReturnPart) and part.tool_name == "get_population"]
+    assert returned.content == 2 and returned.tool_call_id == calls[0].tool_call_id  # the result went back with the call's id
+    assert City.model_validate(calls[1].args_as_dict()) == result.output
+
+
+@pytest.fixture(scope="module")
+def litellm():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else its import fetches a price list from the network
+        yield pytest.importorskip("litellm")
+
+
+def litellm_completion(litellm, server, **fields):
+    return litellm.completion(model=f"openai/{MODEL}", api_base=f"{server.url}/v1", api_key=API_KEY, temperature=0, **fields)
+
+
+def test_litellm_response_format_gives_json_of_the_model(server, litellm):
+    out = litellm_completion(litellm, server, messages=[{"role": "user", "content": "Name a big city and its population."}],
+                             response_format=City, max_tokens=32)
+    City.model_validate_json(out.choices[0].message.content)
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_litellm_required_tool_choice_gives_a_valid_call(server, litellm):
+    out = litellm_completion(litellm, server, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=64)
+    [call] = out.choices[0].message.tool_calls
+    validate_calls([(call.function.name, call.function.arguments)])
+    assert out.choices[0].finish_reason == "tool_calls" and re.fullmatch("call_[0-9a-f]{24}", call.id)
+
+
+# --- a parser's marker that is a special token ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def marked_server(default_model, tmp_path_factory):
+    """A tiny random model (a thread of this process, up in a second) whose tokenizer is SmolLM2's
+    with Mistral's [TOOL_CALLS] a special token, served with the mistral parser; and that token's id."""
+    from transformers import AutoTokenizer
+
+    from graphrt.tools.synthetic import make_tiny_model
+
+    path = tmp_path_factory.mktemp("marked") / "tiny-marked"
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    tokenizer.add_tokens(["[TOOL_CALLS]"], special_tokens=True)
+    make_tiny_model(path, "llama-gqa-tied", overrides={"vocab_size": len(tokenizer)})
+    tokenizer.save_pretrained(path)
+    with running_server("thread", dict(tool_call_parser="mistral"), model=path, dtype="float32", max_num_seqs=4) as running:
+        yield running, tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+
+
+def test_auto_keeps_the_parsers_marker_that_decoding_would_drop(marked_server):
+    running, marker_id = marked_server
+    client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+    # Only the marker may be written: the text shows whether decoding kept it.
+    fields = dict(model="tiny-marked", messages=ASK, max_tokens=2, temperature=0, extra_body={"allowed_token_ids": [marker_id]})
+    auto = client.chat.completions.create(tools=TOOLS, **fields).choices[0].message
+    assert auto.content == "[TOOL_CALLS][TOOL_CALLS]" and auto.tool_calls is None  # kept for the parser; no call follows
+    assert not client.chat.completions.create(**fields).choices[0].message.content  # without tools, dropped as usual
+

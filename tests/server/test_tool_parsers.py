@@ -22,6 +22,7 @@ from graphrt.server.tool_parsers import (  # noqa: E402
     RequiredReader,
     ToolCallStream,
     detect_tool_call_parser,
+    markers_are_special_tokens,
     parse_tool_calls,
 )
 
@@ -175,3 +176,50 @@ def test_the_server_takes_only_a_parser_there_is():
     assert ServerSettings(model_id="m", tool_call_parser="mistral").tool_call_parser == "mistral"
     with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json, mistral, got 'pythonic'"):
         ServerSettings(model_id="m", tool_call_parser="pythonic")
+
+
+# --- markers that are special tokens ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def marked_tokenizer(default_model):
+    """SmolLM2's tokenizer with Mistral's and Llama 3's markers added as special tokens, as their
+    own tokenizers have them."""
+    from transformers import AutoTokenizer
+
+    from graphrt.frontend.tokenizer import Tokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(default_model)
+    hf_tokenizer.add_tokens(["[TOOL_CALLS]", "<|python_tag|>"], special_tokens=True)
+    return Tokenizer(hf_tokenizer)
+
+
+@pytest.mark.slow
+def test_the_server_keeps_special_tokens_where_a_parsers_marker_is_one(default_model, marked_tokenizer):
+    from graphrt.frontend.tokenizer import Tokenizer
+
+    assert markers_are_special_tokens("mistral", marked_tokenizer) and markers_are_special_tokens("llama3_json", marked_tokenizer)
+    assert not markers_are_special_tokens("hermes", marked_tokenizer)  # <tool_call> is plain text here, as in Qwen's
+    plain = Tokenizer.from_dir(default_model)
+    assert not any(markers_are_special_tokens(parser, plain) for parser in READERS)
+    assert not markers_are_special_tokens("mistral", None)  # a model without a tokenizer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("reader", "marker", "call"), [
+    (MistralReader, "[TOOL_CALLS]", '[{"name": "get_time", "arguments": {"zone": "UTC"}}]'),
+    (Llama3JsonReader, "<|python_tag|>", '{"name": "get_time", "parameters": {"zone": "UTC"}}'),
+])
+def test_a_marker_that_is_a_special_token_is_read_only_where_decoding_keeps_it(marked_tokenizer, reader, marker, call):
+    """What the parser sees of the model's tokens: with the marker kept (skip_special_tokens=False,
+    as the server decodes a tools "auto" request here), the call after a sentence is a call;
+    with it dropped (the default) the call runs into the sentence and is content."""
+    [marker_id] = marked_tokenizer.encode(marker)
+    token_ids = marked_tokenizer.encode("Let me check. " + marker + call)
+    assert marker_id in token_ids
+    kept = marked_tokenizer.decode(token_ids, skip_special_tokens=False)
+    assert parse_tool_calls(reader(TOOLS), kept) == ("Let me check.", [TIME])
+    dropped = marked_tokenizer.decode(token_ids)
+    assert marker not in dropped and parse_tool_calls(reader(TOOLS), dropped) == (dropped, [])
+    content, calls, _ = streamed(reader(TOOLS), kept, random.Random(marker))
+    assert (content, calls) == ("Let me check.", [{"name": "get_time", "arguments": '{"zone": "UTC"}'}])
+
