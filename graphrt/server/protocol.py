@@ -423,8 +423,8 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def parse_request(body: bytes, model_cls: type[SamplingFields]) -> SamplingFields:
-    """Decode, parse and validate a request body; raise APIError(400) naming what is wrong."""
+def decode_body(body: bytes) -> dict:
+    """A request body as the JSON object it must be; raise APIError(400) saying what is wrong with it."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -433,6 +433,12 @@ def parse_request(body: bytes, model_cls: type[SamplingFields]) -> SamplingField
     if not isinstance(raw, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(raw).__name__}")
     check_unicode(raw)
+    return raw
+
+
+def parse_request(body: bytes, model_cls: type[SamplingFields]) -> SamplingFields:
+    """Decode, parse and validate a request body; raise APIError(400) naming what is wrong."""
+    raw = decode_body(body)
     for name, off_values in UNSUPPORTED_PARAMS.items():
         if name in raw:
             value = raw.pop(name)

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 
 from graphrt.server.errors import APIError
-from graphrt.server.protocol import ChatCompletionRequest, check_unicode, decode_json
+from graphrt.server.protocol import ChatCompletionRequest, decode_body
 from graphrt.server.validation import StrictModel, validation_error
 
 
@@ -299,14 +299,7 @@ _MESSAGE = re.compile(r"\bmessages\[(\d+)\](\.content\b)?")
 
 def parse_responses_request(body: bytes) -> ResponsesRequest:
     """Decode, parse and validate a Responses request body; raise APIError(400) naming what is wrong."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise APIError(400, f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    raw = decode_json(text)
-    if not isinstance(raw, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(raw).__name__}")
-    check_unicode(raw)
+    raw = decode_body(body)
     try:
         request = ResponsesRequest.model_validate(raw)
     except ValidationError as exc:

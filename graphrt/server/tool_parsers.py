@@ -191,6 +191,33 @@ class ToolCallReader:
     def read_calls(self, text: str, pos: int) -> tuple[list[CallText], bool]:
         """The calls from `pos` (just after the marker, or at the bare start) and whether something
         broke the format after them. Raises NotACall if the first is none."""
+        first = self.first_call(text, pos)
+        if first is None:
+            return [], False
+        calls: list[CallText] = []
+        pos = first
+        while True:
+            try:
+                call, end = read_call(text, skip_whitespace(text, pos), self.argument_keys)
+            except NotACall:
+                if not calls:
+                    raise
+                return calls, True
+            calls.append(call)
+            if end is None:
+                return calls, False
+            following = self.after_call(text, skip_whitespace(text, end))
+            if isinstance(following, bool):
+                return calls, following
+            pos = following
+
+    def first_call(self, text: str, pos: int) -> int | None:
+        """Where the first call begins (None: not written yet). Raises NotACall if none can."""
+        return pos
+
+    def after_call(self, text: str, after: int) -> int | bool:
+        """After a call (at `after`): where the next call begins, or, where the calls end, whether
+        something broke the format (True) or not (False)."""
         raise NotImplementedError
 
     def find_start(self, text: str) -> tuple[int, int] | None:
@@ -245,27 +272,15 @@ class HermesReader(ToolCallReader):
     markers = ("<tool_call>",)
     end_marker = "</tool_call>"
 
-    def read_calls(self, text: str, pos: int) -> tuple[list[CallText], bool]:
-        calls: list[CallText] = []
-        while True:
-            try:
-                call, end = read_call(text, skip_whitespace(text, pos), self.argument_keys)
-            except NotACall:
-                if not calls:
-                    raise
-                return calls, True
-            calls.append(call)
-            if end is None:
-                return calls, False
-            after = skip_whitespace(text, end)
-            if text.startswith(self.end_marker, after):
-                after += len(self.end_marker)
-            elif not self.end_marker.startswith(text[after:]):
-                return calls, True  # text after the call where its end marker should be
-            pos = text.find(self.markers[0], after)
-            if pos == -1:
-                return calls, False  # what follows the last call is dropped, as vLLM does
-            pos += len(self.markers[0])
+    def after_call(self, text: str, after: int) -> int | bool:
+        if text.startswith(self.end_marker, after):
+            after += len(self.end_marker)
+        elif not self.end_marker.startswith(text[after:]):
+            return True  # text after the call where its end marker should be
+        pos = text.find(self.markers[0], after)
+        if pos == -1:
+            return False  # what follows the last call is dropped, as vLLM does
+        return pos + len(self.markers[0])
 
 
 class Llama3JsonReader(ToolCallReader):
@@ -273,56 +288,29 @@ class Llama3JsonReader(ToolCallReader):
     bare_start = "{"
     argument_keys = ("parameters", "arguments")
 
-    def read_calls(self, text: str, pos: int) -> tuple[list[CallText], bool]:
-        calls: list[CallText] = []
-        while True:
-            try:
-                call, end = read_call(text, skip_whitespace(text, pos), self.argument_keys)
-            except NotACall:
-                if not calls:
-                    raise
-                return calls, True
-            calls.append(call)
-            if end is None:
-                return calls, False
-            after = skip_whitespace(text, end)
-            if after < len(text) and text[after] == ";":
-                pos = after + 1
-                continue
-            return calls, after < len(text)
+    def after_call(self, text: str, after: int) -> int | bool:
+        if after < len(text) and text[after] == ";":
+            return after + 1
+        return after < len(text)
 
 
 class MistralReader(ToolCallReader):
     markers = ("[TOOL_CALLS]",)
     bare_start = "["
 
-    def read_calls(self, text: str, pos: int) -> tuple[list[CallText], bool]:
-        """A JSON array of calls."""
+    def first_call(self, text: str, pos: int) -> int | None:
+        """Past the "[" of the JSON array the calls are in."""
         pos = skip_whitespace(text, pos)
         if pos >= len(text):
-            return [], False
+            return None
         if text[pos] != "[":
             raise NotACall
-        calls: list[CallText] = []
-        pos += 1
-        while True:
-            try:
-                call, end = read_call(text, skip_whitespace(text, pos), self.argument_keys)
-            except NotACall:
-                if not calls:
-                    raise
-                return calls, True
-            calls.append(call)
-            if end is None:
-                return calls, False
-            after = skip_whitespace(text, end)
-            if after >= len(text):
-                return calls, False
-            if text[after] == "]":
-                return calls, False
-            if text[after] != ",":
-                return calls, True
-            pos = after + 1
+        return pos + 1
+
+    def after_call(self, text: str, after: int) -> int | bool:
+        if after >= len(text) or text[after] == "]":
+            return False
+        return after + 1 if text[after] == "," else True
 
 
 class RequiredReader(MistralReader):
