@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -218,3 +219,19 @@ def generate_all(model, prompts, params, step_costs=MEASURED, **options) -> tupl
         return [seq.output_ids for seq in seqs], llm
     finally:
         engine.close()
+
+
+class RequestLog:
+    """The JSON bodies an httpx client posts, to see what a client library (LangChain, pydantic-ai...)
+    really sent: pass `log.client()` as its http client."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+
+    def __call__(self, request) -> None:
+        self.bodies.append(json.loads(request.read()))
+
+    def client(self):
+        import httpx  # the server stack's: not on every GPU image
+
+        return httpx.Client(event_hooks={"request": [self]}, timeout=120)

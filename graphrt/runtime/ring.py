@@ -38,9 +38,9 @@ from graphrt.runtime.logits_plan import LogitsPlan, plan_logits
 from graphrt.runtime.logprobs import LogprobPlan, plan_logprobs, score_rows
 from graphrt.runtime.pipeline import Pipeline
 from graphrt.runtime.sampler import Sampler
-from graphrt.runtime.transfers import host_to_device
 from graphrt.runtime.step import Row, ScheduledStep, feed_index, feed_ref, is_feed_ref
 from graphrt.runtime.streams import make_stream
+from graphrt.runtime.transfers import host_to_device
 
 
 @dataclass

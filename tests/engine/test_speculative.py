@@ -18,14 +18,13 @@ from graphrt.config import EngineConfig
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.drafter import Acceptance, NgramDrafter, StepCosts, drafts_that_pay
 from graphrt.engine.scheduler import Scheduler
-from graphrt.engine.speculation import accept_drafts
 from graphrt.engine.sequence import FinishReason, Sequence
+from graphrt.engine.speculation import accept_drafts
 from graphrt.runtime.sampler import Sampler
 from graphrt.speculative import SpeculativeConfig
 from graphrt.tools.synthetic import make_tiny_model
-from helpers import assert_draws_follow, reference_distribution
+from helpers import assert_draws_follow, reference_distribution, run_aborting_one_mid_verify
 from helpers import generate_all as generate
-from helpers import run_aborting_one_mid_verify
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 

@@ -10,8 +10,8 @@ import torch
 
 from graphrt import LLM, SamplingParams
 from graphrt.config import EngineConfig
-from graphrt.engine.engine import Engine
 from graphrt.engine.block_allocator import BlockAllocator
+from graphrt.engine.engine import Engine
 from graphrt.errors import GraphrtError
 from graphrt.model.config import ModelConfig
 from graphrt.runtime.pipeline import partition_layers, stage_read_shares

@@ -5,21 +5,18 @@ null content, tool results), and tools with tool_choice "none". One server for t
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 for package in ("fastapi", "uvicorn", "openai", "httpx", "langchain_openai"):  # not on every GPU image
     pytest.importorskip(package)
 
-import httpx  # noqa: E402
 import openai  # noqa: E402
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
 from langchain_openai import ChatOpenAI, OpenAI  # noqa: E402
 
 from graphrt.frontend.tokenizer import Tokenizer  # noqa: E402
-from helpers import SERVER_MODES, running_server  # noqa: E402
+from helpers import SERVER_MODES, RequestLog, running_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -59,19 +56,6 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def tokenizer(default_model) -> Tokenizer:
     return Tokenizer.from_dir(default_model)  # the test's own copy: the server's belongs to its engine thread
-
-
-class RequestLog:
-    """The JSON bodies an httpx client posts, to see what LangChain really sent."""
-
-    def __init__(self):
-        self.bodies: list[dict] = []
-
-    def __call__(self, request: httpx.Request) -> None:
-        self.bodies.append(json.loads(request.read()))
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(event_hooks={"request": [self]}, timeout=120)
 
 
 def test_langchain_batch_is_one_request_with_each_prompts_own_answer(server, client):

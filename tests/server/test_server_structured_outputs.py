@@ -20,7 +20,6 @@ import pytest
 for package in ("fastapi", "uvicorn", "openai", "httpx", "jsonschema", "langchain_openai", "xgrammar"):  # not on every GPU image
     pytest.importorskip(package)
 
-import httpx  # noqa: E402
 import jsonschema  # noqa: E402
 import openai  # noqa: E402
 from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
@@ -28,7 +27,7 @@ from langchain_core.tools import tool  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
 
-from helpers import running_server  # noqa: E402
+from helpers import RequestLog, running_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -208,19 +207,6 @@ def test_auto_reads_the_calls_an_output_makes(client):
 
 
 # --- LangChain ------------------------------------------------------------------------------------
-
-class RequestLog:
-    """The JSON bodies an httpx client posts, to see what LangChain really sent."""
-
-    def __init__(self):
-        self.bodies: list[dict] = []
-
-    def __call__(self, request: httpx.Request) -> None:
-        self.bodies.append(json.loads(request.read()))
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(event_hooks={"request": [self]}, timeout=120)
-
 
 def langchain_chat(server, log: RequestLog) -> ChatOpenAI:
     return ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=API_KEY, temperature=0, max_tokens=32, max_retries=0,
