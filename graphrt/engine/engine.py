@@ -454,8 +454,7 @@ class Engine:
             # the next step hands these out, so no request that survives misses a token.
             self._undelivered += self._update(self._poll(block=False))
             launched = self._launch_next()
-            self._undelivered += self.scheduler.ended
-            self.scheduler.ended = []
+            self._undelivered += self.scheduler.take_ended()
             if not launched and not self._undelivered and self.ring.busy:
                 self._undelivered += self._update(self._poll(block=True))
             elif not launched and not self._undelivered:

@@ -58,6 +58,10 @@ ENFORCED_FORMATS = {
 _SUBSCHEMA = ("additionalProperties", "items", "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Compiled grammars kept for requests that send the same one again; past these, the oldest go. A
+# server whose every request brings a new schema (tools' schemas, say) would otherwise grow forever.
+MAX_CACHED_GRAMMARS = 1024
+COMPILER_CACHE_BYTES = 256 << 20  # xgrammar's own cache of compiled pieces
 COMPILE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -149,7 +153,18 @@ class Grammars:
         # Compile times, as a Prometheus histogram's buckets (graphrt_grammar_compile_seconds).
         self.compile_counts = [0] * (len(COMPILE_SECONDS_BUCKETS) + 1)
         self.compile_seconds_sum = 0.0
-        self.num_constrained = 0  # requests admitted with a grammar, since start
+        self.num_constrained = 0  # requests added with a grammar, since start
+
+    def prepare(self) -> None:
+        """Import xgrammar now, on the grammar thread (it takes seconds): a server calls this at
+        start, so its first constrained request does not stall the engine thread, and every
+        request running with it, while the module loads."""
+        self._thread().submit(_xgrammar)
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="graphrt-grammar")
+        return self._executor
 
     def check(self, spec: StructuredOutput) -> None:
         if not (self.model_dir / "tokenizer.json").is_file() and not (self.model_dir / "tokenizer_config.json").is_file():
@@ -160,9 +175,10 @@ class Grammars:
         """A request's grammar state, ready once its grammar is compiled (at once when cached)."""
         key = spec.key()
         if key not in self._compiled:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="graphrt-grammar")
-                self._compiler = self._executor.submit(self._make_compiler)
+            if self._compiler is None:
+                self._compiler = self._thread().submit(self._make_compiler)
+            if len(self._compiled) >= MAX_CACHED_GRAMMARS:  # the oldest goes (dicts keep insertion order)
+                del self._compiled[next(iter(self._compiled))]
             self._compiled[key] = self._executor.submit(self._compile, spec)
         self.num_constrained += 1
         return GrammarState(self._compiled[key], self.vocab_size)
@@ -173,7 +189,7 @@ class Grammars:
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
-        return xgr.GrammarCompiler(info, max_threads=1)
+        return xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES)
 
     def _compile(self, spec: StructuredOutput):
         compiler = self._compiler.result()

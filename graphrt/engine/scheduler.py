@@ -119,6 +119,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def take_ended(self) -> list[SequenceOutput]:
+        """The deltas of sequences ended here rather than by a step (their grammar failed to compile)."""
+        ended, self.ended = self.ended, []
+        return ended
+
     def wait_for_grammars(self, timeout: float) -> None:
         """Wait up to `timeout` seconds for a waiting request's grammar to compile (none: return at once)."""
         pending = [seq.grammar for seq in self.waiting if seq.grammar is not None and not seq.grammar.ready()]

@@ -84,7 +84,7 @@ class EngineCollector(Collector):
 def structured_outputs(snap: EngineSnapshot):
     """Grammar-constrained requests (graphrt.engine.grammar): how many, their grammars' compile times,
     and the rows that waited for their newest token to be read back before their next mask."""
-    yield CounterMetricFamily("graphrt_structured_output_requests", "Requests admitted with a grammar (structured output)", value=snap.num_constrained)
+    yield CounterMetricFamily("graphrt_structured_output_requests", "Requests added with a grammar (structured output)", value=snap.num_constrained)
     cumulative = list(itertools.accumulate(snap.grammar_compile_counts or [0] * (len(COMPILE_SECONDS_BUCKETS) + 1)))
     buckets = [(str(bound), count) for bound, count in zip(COMPILE_SECONDS_BUCKETS, cumulative)] + [("+Inf", cumulative[-1])]
     yield HistogramMetricFamily(

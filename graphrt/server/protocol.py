@@ -157,6 +157,10 @@ class SamplingFields(StrictModel):
                 constraint.check()
         if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
             raise APIError(400, "response_format and structured_outputs both say what the output must be; send one", param="structured_outputs")
+        # This class's grammar, not a chat request's (which counts its tools: ChatCompletionRequest.check).
+        if self.min_tokens and SamplingFields.structured_output(self) is not None:
+            given = "structured_outputs" if self.structured_outputs is not None else "response_format"
+            raise APIError(400, f"min_tokens cannot be combined with {given}: the grammar decides where the output ends", param="min_tokens")
 
     def structured_output(self) -> StructuredOutput | None:
         """The grammar the output is held to, if any."""
@@ -391,10 +395,12 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError(400, "top_logprobs is only allowed with logprobs: true", param="top_logprobs")
         tool_use = self.tool_use()
         if tool_use is not None and tool_use.constrains_output and super().structured_output() is not None:
-            given = "response_format" if self.response_format is not None else "structured_outputs"
+            given = "structured_outputs" if self.structured_outputs is not None else "response_format"
             shown = f'"{self.tool_choice}"' if isinstance(self.tool_choice, str) else "naming a function"
             raise APIError(400, f"{given} and tool_choice {shown} both say what the output must be; send one", param=given)
         self.structured_output()  # what cannot be built is refused here, naming the tool
+        if self.min_tokens and tool_use is not None and tool_use.constrains_output:
+            raise APIError(400, "min_tokens cannot be combined with tool_choice \"required\" or a named tool: the grammar decides where the output ends", param="min_tokens")
         for index, message in enumerate(self.messages):
             message.check(index)
 

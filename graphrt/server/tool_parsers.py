@@ -108,6 +108,15 @@ class CallText:
         return self.arguments if self.arguments is not None else ("{}" if self.complete else "")
 
 
+def json_string(quoted: str) -> str:
+    """A JSON string literal's value; NotACall where the model wrote one JSON cannot read (a raw
+    newline, an unknown escape)."""
+    try:
+        return json.loads(quoted)
+    except ValueError:
+        raise NotACall from None
+
+
 def read_call(text: str, pos: int, argument_keys: tuple[str, ...]) -> tuple[CallText, int | None]:
     """A `{"name": ..., "arguments": {...}}` object at `pos`, keys in any order (others are skipped);
     returns the call and where its object ends (None: the text ends first)."""
@@ -129,7 +138,7 @@ def read_call(text: str, pos: int, argument_keys: tuple[str, ...]) -> tuple[Call
         key_end = value_end(text, index)
         if key_end is None:
             return call, None
-        key = json.loads(text[index:key_end])
+        key = json_string(text[index:key_end])
         index = skip_whitespace(text, key_end)
         if index >= len(text):
             return call, None
@@ -144,7 +153,7 @@ def read_call(text: str, pos: int, argument_keys: tuple[str, ...]) -> tuple[Call
                 raise NotACall
             if end is None:
                 return call, None
-            call.name = json.loads(text[index:end])
+            call.name = json_string(text[index:end])
         elif key in argument_keys:
             if text[index] != "{":
                 raise NotACall

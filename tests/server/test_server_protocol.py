@@ -606,3 +606,21 @@ def test_a_template_that_cannot_render_the_tools_says_so(tokenizer, monkeypatch)
     assert tokenizer.apply_chat_template(messages, []) == "user: What is the weather in Paris?\n"
     with pytest.raises(RequestError, match=r"^tools: the model's chat template cannot render them \(tools are not supported\)$"):
         tokenizer.apply_chat_template(messages, chat(tools=TOOLS).tool_use().template_tools())
+
+
+@pytest.mark.parametrize(("request_of", "fields", "names"), [
+    (completion, {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+    (chat, {"response_format": {"type": "text"}, "structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+    (chat, {"tools": TOOLS, "tool_choice": "required"}, 'tool_choice "required"'),
+])
+def test_min_tokens_with_a_grammar_is_refused_naming_min_tokens_and_the_grammars_field(request_of, fields, names):
+    error = refused(request_of, min_tokens=2, **fields)
+    assert error.param == "min_tokens" and names in error.message
+    # A text format is no grammar: min_tokens goes with it.
+    assert chat(min_tokens=2, response_format={"type": "text"}).sampling_params()[0].min_tokens == 2
+
+
+def test_tool_choice_against_structured_outputs_names_the_field_that_was_sent():
+    error = refused(chat, tools=TOOLS, tool_choice="required", response_format={"type": "text"}, structured_outputs={"regex": "a"})
+    assert error.param == "structured_outputs"

@@ -62,6 +62,8 @@ NOT_CALLS = [
     (Llama3JsonReader, '{"answer": 42}'),  # JSON, but no call
     (Llama3JsonReader, 'I would call {"name": "get_weather", "parameters": {"city": "Paris"}}'),  # no tag, not at the start
     (MistralReader, "[1, 2, 3] are numbers."),
+    (HermesReader, '<tool_call>{"name": "get\nweather", "arguments": {}}</tool_call>'),  # a raw newline: no JSON string
+    (HermesReader, '<tool_call>{"na\\qme": "get_weather", "arguments": {}}</tool_call>'),  # an escape JSON has not
     (MistralReader, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "nope", "arguments": {}}]'),
 ]
 
