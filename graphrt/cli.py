@@ -60,6 +60,7 @@ def model_options(command):
         click.option("--no-graphs", is_flag=True, help="Replay decode eagerly over the same static buffers instead of CUDA graphs."),
         click.option("--allow-eager", is_flag=True, help="Run a (stage, bucket) whose capture fails eagerly instead of stopping."),
         click.option("--procs", is_flag=True, help="Run stages 1..pp-1 in worker processes over torch.distributed (see docs/distributed.md)."),
+        click.option("--ep", type=click.IntRange(min=1), default=None, help="Expert parallelism: ranks per stage, each holding 1/N of every sparse layer's routed experts; implies --procs (see docs/distributed.md) [default: 1]."),
         click.option("--watchdog-s", type=click.FloatRange(min=0, min_open=True), default=None, help="With --procs: a stage silent this long is declared dead [default: 30]."),
         click.option("--speculative-config", default=None, help='Speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (see docs/speculative.md) [default: off].'),
     ]
@@ -70,7 +71,7 @@ def model_options(command):
 
 def engine_kwargs(
     model, pp, devices, dtype, kernels, max_batch, buckets, depth, async_scheduling, no_prefix_caching, no_graphs, allow_eager,
-    procs=False, watchdog_s=None, speculative_config=None,
+    procs=False, ep=None, watchdog_s=None, speculative_config=None,
 ) -> dict:
     from graphrt.capture.buckets import parse_buckets
 
@@ -88,6 +89,7 @@ def engine_kwargs(
         use_graphs=False if no_graphs else None,
         allow_eager=allow_eager or None,
         procs=procs or None,
+        ep=ep,
         watchdog_s=watchdog_s,
         speculative_config=speculative_config,
     )

@@ -85,6 +85,7 @@ class EngineConfig:
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes computed before (graphrt.engine.block_allocator)
     timeline: bool = False  # record when each stage works on which micro-batch (graphrt.profiling)
     procs: bool = False  # stages 1..pp-1 in worker processes over torch.distributed (graphrt.distributed.remote)
+    ep: int = 1  # expert parallelism: ranks (processes) per stage, splitting each sparse layer's routed experts; > 1 implies procs
     watchdog_s: float = 30.0  # with procs: a stage silent this long is declared dead
     # Speculative decoding (--speculative-config): a SpeculativeConfig, its dict or JSON; None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
@@ -117,13 +118,21 @@ class EngineConfig:
             raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
-        if self.procs and self.pp < 2:
-            raise ValueError(f"procs needs at least two stages (--pp 2 or more), got pp={self.pp}")
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be a positive integer (ranks per stage), got {self.ep!r}")
+        if self.ep > 1:
+            self.procs = True  # the expert ranks are processes
+            if self.devices is not None:
+                raise ValueError("--devices with --ep is not supported yet: --ep places the ranks stage-major over this host's devices")
+        if self.procs and self.pp * self.ep < 2:
+            raise ValueError(f"procs needs at least two ranks (--pp 2 or more, or --ep 2 or more), got pp={self.pp}")
         if not self.watchdog_s > 0:
             raise ValueError(f"watchdog_s must be a positive number of seconds, got {self.watchdog_s!r}")
         if self.dtype != "auto":
             self.dtype = parse_dtype(self.dtype)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.ep > 1:
+            raise ValueError("speculative decoding with --ep is not supported yet; drop one of --speculative-config and --ep")
 
     def default_depth(self) -> int:
         """1 for CUDA stages on several GPUs, else 0 (measured: benchmarks/results.md, "ring depth").

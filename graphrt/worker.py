@@ -41,7 +41,7 @@ def main(args: list[str] | None = None) -> None:
     thread = threading.Thread(target=lambda: outcome.append(run_worker(options)), name="graphrt-worker", daemon=True)
 
     def stop(signum, frame):
-        print(f"[graphrt] {stage_name(int(os.environ['RANK']))} stops: got {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        print(f"[graphrt] {stage_name(int(os.environ['RANK']), options.ep)} stops: got {signal.Signals(signum).name}", file=sys.stderr, flush=True)
         os._exit(1)
 
     signal.signal(signal.SIGTERM, stop)

@@ -107,7 +107,9 @@ def _chosen_experts_gathered(hidden, w_gate_up, w_down, weights, topk_ids) -> to
     gate, up = gate_up.chunk(2, dim=-1)
     act = (F.silu(gate) * up).unsqueeze(-1)  # (pairs, inter, 1)
     down = torch.bmm(w_down.index_select(0, pairs), act).view(num_tokens, top_k, -1)  # (tokens, top_k, hidden_size)
-    return (down.to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1)
+    # where, as below: a pair of weight 0 (another expert rank's, under --ep) keeps nothing, even an overflow
+    weights = weights.unsqueeze(-1)
+    return torch.where(weights != 0, down.to(weights.dtype) * weights, 0.0).sum(dim=1)
 
 
 def _every_expert_weighted(hidden, w_gate_up, w_down, weights, topk_ids) -> torch.Tensor:

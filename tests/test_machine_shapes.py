@@ -108,15 +108,24 @@ def test_default_devices_follow_the_gpus_torch_sees(monkeypatch, cuda, num_gpus,
     assert default_devices(pp) == devices
 
 
-def test_stage_processes_on_fewer_gpus_than_stages_are_refused_before_any_starts(monkeypatch):
+@pytest.mark.parametrize(
+    ("pp", "ep", "message"),
+    [
+        (2, 1, "--procs with --pp 2 needs 2 GPUs on this host .* found 1; drop --procs"),
+        (1, 2, r"--procs with --pp 1 --ep 2 needs 2 GPUs on this host \(one per rank\), found 1$"),
+        (2, 2, r"--procs with --pp 2 --ep 2 needs 4 GPUs on this host \(one per rank\), found 1$"),
+    ],
+)
+def test_stage_processes_on_fewer_gpus_than_ranks_are_refused_before_any_starts(monkeypatch, pp, ep, message):
     from graphrt.distributed.remote import Cluster
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("RANK", raising=False)
     spawned = []
     monkeypatch.setattr("graphrt.distributed.remote.spawn_workers", lambda *args: spawned.append(args))
-    config = SimpleNamespace(devices=["cuda:0", "cuda:1"], pp=2, watchdog_s=30.0)
-    with pytest.raises(ValueError, match="--procs with --pp 2 needs 2 GPUs on this host .* found 1; drop --procs"):
+    config = SimpleNamespace(devices=["cuda:0", "cuda:1"] if ep == 1 else None, pp=pp, ep=ep, watchdog_s=30.0)
+    with pytest.raises(ValueError, match=message):
         Cluster.start("unused", config)
     assert spawned == []
 

@@ -6,6 +6,8 @@ what it sees itself (its model folder's fingerprint, its --dtype and --buckets i
 layout it computes for the plan's partition rows) and answers with a status; rank 0 sends every worker the verdict, so on a
 mismatch every rank stops with the same message naming the field. Then each worker loads its
 stage, captures its graphs and reports ready with its weight bytes (graphrt/model/weight_reads.py).
+Rank 0 captures stage 0 between the verdict and the wait for ready (`engine_handshake` and
+`wait_ready`): under expert parallelism stage 0's other ranks capture with it, collective for collective.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from graphrt.model.weight_reads import WeightReads
 PLAN_SIZE = 192
 MAX_BUCKETS = 64
 MAX_STAGES = 64
-FIELDS = ("ok", "model_fingerprint", "dtype", "pp", "stages", "buckets", "model folder")
+FIELDS = ("ok", "model_fingerprint", "dtype", "pp", "stages", "buckets", "model folder", "ep")
 DTYPE_CODES = sorted({str(d).removeprefix("torch.") for d in DTYPES.values()})
 KERNEL_CODES = ("auto", "torch", "triton")
 READS_SIZE = len(dataclasses.fields(WeightReads))  # a worker reports ready with one of these, field by field
@@ -48,6 +50,7 @@ class StagePlan:
     use_cuda_graphs: bool
     kernels: str
     allow_eager: bool
+    ep: int = 1  # ranks per stage, which split each sparse layer's routed experts
 
     def encode(self) -> torch.Tensor:
         if len(self.buckets) > MAX_BUCKETS or self.pp > MAX_STAGES:
@@ -55,7 +58,7 @@ class StagePlan:
         values = list(torch.frombuffer(bytearray(bytes.fromhex(self.fingerprint)), dtype=torch.int64).tolist())
         values += [DTYPE_CODES.index(self.dtype), self.pp, self.num_blocks, self.block_size, self.max_model_len]
         values += [self.num_slots, self.max_tokens, self.seed, int(self.use_cuda_graphs), KERNEL_CODES.index(self.kernels)]
-        values += [int(self.allow_eager), self.partition_rows, len(self.buckets)]
+        values += [int(self.allow_eager), self.partition_rows, self.ep, len(self.buckets)]
         values += self.buckets + [0] * (MAX_BUCKETS - len(self.buckets))
         values += [r.start for r in self.layers] + [self.layers[-1].stop]
         return torch.tensor(values + [0] * (PLAN_SIZE - len(values)), dtype=torch.int64)
@@ -65,12 +68,12 @@ class StagePlan:
         values = tensor.tolist()
         fingerprint = tensor[:4].numpy().tobytes().hex()
         dtype, pp, num_blocks, block_size, max_model_len, num_slots, max_tokens, seed, graphs, kernels, eager = values[4:15]
-        partition_rows, num_buckets = values[15:17]
-        buckets = values[17 : 17 + num_buckets]
-        bounds = values[17 + MAX_BUCKETS : 17 + MAX_BUCKETS + pp + 1]
+        partition_rows, ep, num_buckets = values[15:18]
+        buckets = values[18 : 18 + num_buckets]
+        bounds = values[18 + MAX_BUCKETS : 18 + MAX_BUCKETS + pp + 1]
         return StagePlan(
             fingerprint, DTYPE_CODES[dtype], pp, [range(a, b) for a, b in zip(bounds, bounds[1:])], partition_rows, buckets,
-            num_blocks, block_size, max_model_len, num_slots, max_tokens, seed, bool(graphs), KERNEL_CODES[kernels], bool(eager),
+            num_blocks, block_size, max_model_len, num_slots, max_tokens, seed, bool(graphs), KERNEL_CODES[kernels], bool(eager), ep,
         )
 
 
@@ -83,6 +86,7 @@ class WorkerView:
     pp: int
     dtype: str | None = None
     buckets: list[int] | None = None
+    ep: int = 1
 
 
 def first_difference(plan: StagePlan, view: WorkerView) -> tuple[str, str, str] | None:
@@ -90,6 +94,7 @@ def first_difference(plan: StagePlan, view: WorkerView) -> tuple[str, str, str] 
     checks = [
         ("model_fingerprint", plan.fingerprint[:16], view.fingerprint[:16]),
         ("dtype", plan.dtype, view.dtype or plan.dtype),
+        ("ep", plan.ep, view.ep),
         ("pp", plan.pp, view.pp),
         ("stages", [(r.start, r.stop) for r in plan.layers], [(r.start, r.stop) for r in view.layers]),
         ("buckets", plan.buckets, view.buckets or plan.buckets),
@@ -97,17 +102,16 @@ def first_difference(plan: StagePlan, view: WorkerView) -> tuple[str, str, str] 
     return next(((name, str(ours), str(theirs)) for name, ours, theirs in checks if ours != theirs), None)
 
 
-def mismatch_message(rank: int, field: str) -> str:
+def mismatch_message(rank: int, field: str, ep: int) -> str:
     return (
-        f"{stage_name(rank)} disagrees with the engine about {field}; start every rank with the same "
-        "--model folder (same files), --dtype, --buckets and --pp"
+        f"{stage_name(rank, ep)} disagrees with the engine about {field}; start every rank with the same "
+        "--model folder (same files), --dtype, --buckets, --pp and --ep"
     )
 
 
-def engine_handshake(link: Link, plan: StagePlan, timeout_s: float) -> WeightReads:
-    """Rank 0: send the plan, collect statuses, send the verdict, wait for every stage. Returns the
-    workers' weight bytes, as a decode step reads them. Raises StageFailure naming the field and the
-    first rank that disagreed."""
+def engine_handshake(link: Link, plan: StagePlan, timeout_s: float) -> None:
+    """Rank 0: send the plan, collect statuses, send the verdict. Raises StageFailure naming the
+    field and the first rank that disagreed."""
     timeout = datetime.timedelta(seconds=timeout_s)
     encoded = plan.encode()
     for rank in range(1, link.world_size):
@@ -117,13 +121,19 @@ def engine_handshake(link: Link, plan: StagePlan, timeout_s: float) -> WeightRea
     for rank in range(1, link.world_size):
         link.send([torch.tensor(bad, dtype=torch.int64)], rank)
     if bad[0] != -1:
-        raise StageFailure(mismatch_message(bad[0], FIELDS[bad[1]]))
-    weight_reads = WeightReads(0)
+        raise StageFailure(mismatch_message(bad[0], FIELDS[bad[1]], link.ep))
+
+
+def wait_ready(link: Link, timeout_s: float) -> list[WeightReads]:
+    """Rank 0: wait for every worker to load and capture its stage. Returns each worker's weight
+    bytes (ranks 1..), as a decode step reads them."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    weight_reads = []
     for rank in range(1, link.world_size):
         failed, *reads = link.recv(torch.zeros(1 + READS_SIZE, dtype=torch.int64), rank, timeout).tolist()
         if failed:
-            raise StageFailure(f"{stage_name(rank)} could not load its stage; its own output says why")
-        weight_reads += WeightReads(*reads)
+            raise StageFailure(f"{link.name(rank)} could not load its stage; its own output says why")
+        weight_reads.append(WeightReads(*reads))
     return weight_reads
 
 
@@ -142,11 +152,12 @@ def worker_handshake(link: Link, view_of, timeout_s: float) -> StagePlan:
     bad_rank, bad_code = link.recv(torch.zeros(2, dtype=torch.int64), 0, timeout).tolist()
     if bad_rank != -1:
         extra = f" ({detail})" if bad_rank == link.rank and detail else ""
-        raise StageFailure(mismatch_message(bad_rank, FIELDS[bad_code]) + extra)
+        raise StageFailure(mismatch_message(bad_rank, FIELDS[bad_code], link.ep) + extra)
     return plan
 
 
-def report_ready(link: Link, weight_reads: WeightReads | None) -> None:
-    """A worker: its stage is loaded and captured (its weight bytes, as a decode step reads them), or failed to (None)."""
+def report_ready(link: Link, weight_reads: WeightReads | None, timeout_s: float) -> None:
+    """A worker: its stage is loaded and captured (its weight bytes, as a decode step reads them), or
+    failed to (None). Rank 0 may still be capturing its own stage: the send waits up to `timeout_s`."""
     values = [int(weight_reads is None), *dataclasses.astuple(weight_reads or WeightReads(0))]
-    link.send([torch.tensor(values, dtype=torch.int64)], 0)
+    link.send([torch.tensor(values, dtype=torch.int64)], 0, timeout=datetime.timedelta(seconds=timeout_s))

@@ -2,8 +2,10 @@
 
 Rank 0 holds stage 0 only. `RemoteRing` is the ring with the same interface as the local one: a
 micro-batch runs stage 0 on its stream, then the same stream sends the header, metadata and
-hidden states to rank 1; the slot's event completes when the receive thread gets the token ids
-back from the last rank. A heartbeat flows round the ring when it is idle, so every rank hears
+hidden states to stage 1; the slot's event completes when the receive thread gets the token ids
+back from the last stage. Under expert parallelism (--ep E) stage 0's other E - 1 ranks get each
+micro-batch's token ids first and run stage 0 with rank 0; with a single stage (pp 1) rank 0
+samples as the local ring does. A heartbeat flows round the ring when it is idle, so every rank hears
 from its neighbour within the watchdog, and a monitor thread watches the worker processes rank 0
 started. Any failure fails every micro-batch in flight with a `StageFailure` naming the stage.
 """
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphrt.distributed.handshake import StagePlan, engine_handshake
+from graphrt.distributed.handshake import StagePlan, engine_handshake, wait_ready
 from graphrt.distributed.transport import (
     DECODE,
     HEARTBEAT,
@@ -38,6 +40,7 @@ from graphrt.distributed.transport import (
     send_message,
     stage_name,
 )
+from graphrt.model.moe import WHOLE
 from graphrt.model.weight_reads import WeightReads
 from graphrt.runtime.pipeline import Pipeline, partition_layers
 from graphrt.runtime.ring import MicroBatch, Ring, RingSlot
@@ -49,10 +52,11 @@ EXIT_GRACE_S = 3.0  # after a failure, how long workers get to exit on their own
 MONITOR_INTERVAL_S = 0.1
 
 
-def load_first_stage(cfg, files, devices, dtype, max_position, kernels="auto", layers=None) -> Pipeline:
-    """Pipeline.load for rank 0: stage 0 of len(devices) stages, and nothing else."""
+def load_first_stage(cfg, files, devices, dtype, max_position, kernels="auto", layers=None, shard=WHOLE) -> Pipeline:
+    """Pipeline.load for rank 0: stage 0 of len(devices) stages (of its routed experts, the
+    `shard`'s), and nothing else."""
     first = (layers or partition_layers(cfg, len(devices)))[0]
-    return Pipeline([load_stage(cfg, 0, len(devices), first, devices[0], dtype, max_position, kernels, files)], [])
+    return Pipeline([load_stage(cfg, 0, len(devices), first, devices[0], dtype, max_position, kernels, files, shard)], [])
 
 
 def free_port() -> int:
@@ -62,15 +66,17 @@ def free_port() -> int:
 
 
 def spawn_workers(model_dir, config, port: int) -> list[subprocess.Popen]:
-    """Ranks 1..pp-1 on this host, as `python -m graphrt.worker` with torchrun's environment."""
+    """Ranks 1..pp * ep - 1 on this host, as `python -m graphrt.worker` with torchrun's environment."""
+    world_size = config.pp * config.ep
     args = [sys.executable, "-m", "graphrt.worker", "--model", str(model_dir), "--watchdog-s", str(config.watchdog_s)]
+    args += ["--ep", str(config.ep)] if config.ep > 1 else []
     if config.dtype != "auto":
         args += ["--dtype", str(config.dtype).removeprefix("torch.")]
     if config.devices:
         args += ["--devices", ",".join(config.devices)]
     children = []
-    for rank in range(1, config.pp):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(config.pp), LOCAL_RANK=str(rank))
+    for rank in range(1, world_size):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         children.append(subprocess.Popen(args, env=env))
     return children
 
@@ -108,7 +114,7 @@ class Cluster:
     def __init__(self, link: Link, children: list[subprocess.Popen], watchdog_s: float):
         self.link, self.children, self.watchdog_s = link, children, watchdog_s
         self.failure: StageFailure | None = None
-        self.remote_weight_reads = WeightReads(0)  # the workers' stages' weight bytes, once they report ready
+        self.rank_weight_reads: list[WeightReads] = []  # each worker's weights (ranks 1..), once they report ready
         self.ring: RemoteRing | None = None
         self._pending: dict[int, tuple[RemoteEvent, MicroBatch]] = {}  # micro-batch id -> (its event, it)
         self._lock = threading.Lock()
@@ -120,34 +126,56 @@ class Cluster:
         """Join torchrun's ranks (RANK=0 in the environment) or start pp-1 workers on this host."""
         device = torch.device(config.devices[0]) if config.devices else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = "nccl" if device.type == "cuda" else "gloo"
+        world_size = config.pp * config.ep
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(cpu_threads_per_stage(config.pp))
+            torch.set_num_threads(cpu_threads_per_stage(world_size))
         if os.environ.get("RANK") == "0" and "WORLD_SIZE" in os.environ:
-            if int(os.environ["WORLD_SIZE"]) != config.pp:
-                raise ValueError(f"--pp {config.pp} but WORLD_SIZE is {os.environ['WORLD_SIZE']}; one rank per stage")
+            if int(os.environ["WORLD_SIZE"]) != world_size:
+                raise ValueError(
+                    f"--pp {config.pp} --ep {config.ep} makes {world_size} ranks but WORLD_SIZE is {os.environ['WORLD_SIZE']}; "
+                    "start pp * ep ranks"
+                )
             children, init_method = [], "env://"
         else:
-            if backend == "nccl" and torch.cuda.device_count() < config.pp:
+            if backend == "nccl" and torch.cuda.device_count() < world_size:
                 # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") at the first send.
+                layout = f"--pp {config.pp}" + (f" --ep {config.ep}" if config.ep > 1 else "")
+                instead = "; drop --procs to run the stages as streams of one process" if config.ep == 1 else ""
                 raise ValueError(
-                    f"--procs with --pp {config.pp} needs {config.pp} GPUs on this host (one per stage process), "
-                    f"found {torch.cuda.device_count()}; drop --procs to run the stages as streams of one process"
+                    f"--procs with {layout} needs {world_size} GPUs on this host (one per rank), found {torch.cuda.device_count()}{instead}"
                 )
             port = free_port()
             children = spawn_workers(model_dir, config, port)
-            init_method = f"tcp://127.0.0.1:{port}?rank=0&world_size={config.pp}"
-        group = _open_watching(children, backend, init_method)
-        link = Link(group, 0, config.pp, device if backend == "nccl" else torch.device("cpu"), config.watchdog_s)
+            init_method = f"tcp://127.0.0.1:{port}?rank=0&world_size={world_size}"
+        group = _open_watching(children, backend, init_method, config.ep)
+        link = Link(group, 0, world_size, device if backend == "nccl" else torch.device("cpu"), config.watchdog_s, config.ep)
         cluster = Cluster(link, children, config.watchdog_s)
         atexit.register(cluster.close)  # a CLI that never closes its engine still stops its workers cleanly
         return cluster
 
     # -- start-up ---------------------------------------------------------------------------------
 
+    @property
+    def samples_here(self) -> bool:
+        """Whether rank 0 holds the last stage too (one stage, split over expert ranks) and samples."""
+        return self.link.pp == 1
+
     def handshake(self, plan: StagePlan) -> None:
         """Send every rank the plan rank 0 decided; on a mismatch every rank stops naming the field."""
+        self._starting(lambda: engine_handshake(self.link, plan, STARTUP_TIMEOUT_S))
+
+    def wait_ready(self) -> None:
+        """After stage 0's capture (its other expert ranks capture with it): every worker's."""
+        self.rank_weight_reads = self._starting(lambda: wait_ready(self.link, STARTUP_TIMEOUT_S))
+
+    @property
+    def remote_weight_reads(self) -> WeightReads:
+        """The workers' weight bytes, all together."""
+        return sum(self.rank_weight_reads, WeightReads(0))
+
+    def _starting(self, step):
         try:
-            self.remote_weight_reads = engine_handshake(self.link, plan, STARTUP_TIMEOUT_S)
+            return step()
         except StageFailure as exc:
             self.fail(str(exc))
             self.close()
@@ -155,7 +183,7 @@ class Cluster:
 
     def make_ring(self, pipeline, graphs, sampler, **options) -> RemoteRing:
         self.ring = RemoteRing(pipeline, graphs, sampler, cluster=self, **options)
-        self._receiver = self._run(self._receive, "graphrt-receive")
+        self._receiver = None if self.samples_here else self._run(self._receive, "graphrt-receive")
         self._run(self._heartbeat, "graphrt-heartbeat")
         return self.ring
 
@@ -170,12 +198,16 @@ class Cluster:
                 self._pending[mb.id] = (event, mb)
         return event
 
-    def send(self, message: Message) -> None:
-        """On stage 0's stream: pass a micro-batch (or heartbeat, or shutdown) to rank 1."""
+    def send(self, message: Message, to_stage_one: bool = True, to_expert_ranks: bool = True) -> None:
+        """On stage 0's stream: pass a micro-batch (or heartbeat, or shutdown) to stage 1, and what
+        stage 0's other expert ranks need of it to them."""
         if self.failure is not None:
             raise self.failure
         try:
-            send_message(self.link, message, 1)
+            for peer in self.link.expert_peers if to_expert_ranks else []:
+                send_message(self.link, message.for_expert_ranks(), peer)
+            if to_stage_one and self.link.pp > 1:
+                send_message(self.link, message, self.link.leader(1))
         except StageFailure as exc:
             self._fail_soon(str(exc))
             raise
@@ -188,7 +220,7 @@ class Cluster:
         except Exception as exc:  # noqa: BLE001 - no replies can be read: say so rather than hang
             self.fail(f"{stage_name(0)} cannot receive replies on {self.link.device} ({exc})")
             return
-        last = self.link.world_size - 1
+        last = self.link.leader(self.link.pp - 1)
         while True:
             try:
                 reply = recv_reply(self.link, last)
@@ -231,7 +263,7 @@ class Cluster:
         for rank, child in enumerate(self.children, start=1):
             code = child.poll()
             if code is not None and not self.closing.is_set():
-                self.fail(f"{stage_name(rank)} exited with code {code}")
+                self.fail(f"{self.link.name(rank)} exited with code {code}")
                 return
 
     def _fail_soon(self, message: str) -> None:
@@ -273,7 +305,8 @@ class Cluster:
         if self.failure is None and self.ring is not None:
             self.ring.streams[0].submit(lambda: self.send(Message(SHUTDOWN, -1, 0)))
             self.ring.streams[0].close()
-            self._receiver.join(self.watchdog_s)  # the receive thread ends at the shutdown reply
+            if self._receiver is not None:
+                self._receiver.join(self.watchdog_s)  # the receive thread ends at the shutdown reply
         for child in self.children:
             try:
                 child.wait(self.watchdog_s if self.failure is None else 2 * EXIT_GRACE_S + 1)
@@ -282,7 +315,7 @@ class Cluster:
                 child.wait()
         # Let gloo go now, while this process is whole: a group torn down at interpreter exit with
         # its peers gone aborts the process.
-        for group in (self.link.group, self.link.reply_group):
+        for group in filter(None, (self.link.group, self.link.reply_group, self.link.expert_group)):
             try:
                 (group.abort if self.failure is not None else group.shutdown)()
             except Exception:  # noqa: BLE001 - best effort; the peers are gone either way
@@ -294,13 +327,13 @@ class Cluster:
         return thread
 
 
-def _open_watching(children: list[subprocess.Popen], backend: str, init_method: str):
+def _open_watching(children: list[subprocess.Popen], backend: str, init_method: str, ep: int):
     """open_group, but a worker that dies while the ranks meet is reported at once, not after the timeout."""
     result: list = []
 
     def meet() -> None:
         try:
-            result.append(open_group(backend, init_method, STARTUP_TIMEOUT_S))
+            result.append(open_group(backend, init_method, STARTUP_TIMEOUT_S, ep))
         except Exception as exc:  # noqa: BLE001 - re-raised below
             result.append(exc)
 
@@ -312,7 +345,7 @@ def _open_watching(children: list[subprocess.Popen], backend: str, init_method: 
             if child.poll() is not None:
                 for other in children:
                     other.kill()
-                raise StageFailure(f"{stage_name(rank)} exited with code {child.returncode} before the ranks met; its output says why")
+                raise StageFailure(f"{stage_name(rank, ep)} exited with code {child.returncode} before the ranks met; its output says why")
     if isinstance(result[0], Exception):
         for child in children:
             child.kill()
@@ -323,7 +356,8 @@ def _open_watching(children: list[subprocess.Popen], backend: str, init_method: 
 @dataclass
 class RemoteRing(Ring):
     """The ring, with stages 1..pp-1 in other processes. Stage 0 runs here as in `Ring`, writing its
-    output into the slot's buffer for stage 1, from which the same stream sends it."""
+    output into the slot's buffer for stage 1, from which the same stream sends it. With one stage
+    (its expert ranks in other processes) it samples here, as `Ring` does."""
 
     cluster: Cluster | None = None
     last_sent: float = field(init=False, default_factory=time.monotonic)
@@ -334,26 +368,28 @@ class RemoteRing(Ring):
     def __post_init__(self) -> None:
         super().__post_init__()
         stage = self.pipeline.stages[0]
-        for slot in self.slots:
-            slot.recv.append(torch.empty(self.max_tokens, stage.cfg.hidden_size, dtype=stage.dtype, device=stage.device))
+        if not stage.is_last:
+            for slot in self.slots:
+                slot.recv.append(torch.empty(self.max_tokens, stage.cfg.hidden_size, dtype=stage.dtype, device=stage.device))
 
     @property
     def stage_busy_s(self) -> list[float]:
         """Stage 0's busy seconds, measured here, then the other stages' from the last reply."""
-        remote = self.remote_busy_s or [0.0] * (self.cluster.link.world_size - 1)
+        remote = self.remote_busy_s or [0.0] * (self.cluster.link.pp - 1)
         return [self.busy_s[0], *remote]
 
     def read_counters(self, counters: list[int]) -> None:
         """The stage counters of a reply: stages 1..'s busy seconds and expert load."""
-        width = len(counters) // self.cluster.link.world_size
-        records = [counters[rank * width : (rank + 1) * width] for rank in range(1, self.cluster.link.world_size)]
+        pp = self.cluster.link.pp
+        width = len(counters) // pp
+        records = [counters[stage * width : (stage + 1) * width] for stage in range(1, pp)]
         self.remote_busy_s = [record[0] / 1e6 for record in records]
         self.remote_expert_tokens = [record[1:] for record in records]
 
     @property
     def stage_expert_tokens(self) -> list[list[int]]:
         """Stage 0's tokens per expert, read here, then the other stages' from the last reply."""
-        remote = self.remote_expert_tokens or [[] for _ in range(self.cluster.link.world_size - 1)]
+        remote = self.remote_expert_tokens or [[] for _ in range(self.cluster.link.pp - 1)]
         return [self.pipeline.stages[0].seen_expert_tokens(), *remote]
 
     def _make_feed(self) -> torch.Tensor:
@@ -363,6 +399,9 @@ class RemoteRing(Ring):
         """Stage 0's thread waits for the earlier micro-batch's reply, and as it also sends the
         heartbeats, it keeps sending them meanwhile: rank 1 may be idle for as long as the reply
         takes, and must not take rank 0 for dead."""
+        if self.cluster.samples_here:  # done on this very stream
+            super()._wait_on_stage0(earlier)
+            return
         reply = earlier.done
         interval = self.cluster.watchdog_s / 4
 
@@ -382,12 +421,21 @@ class RemoteRing(Ring):
 
     def _enqueue(self, slot: RingSlot, mb: MicroBatch, token_ids, meta, producers: list[MicroBatch]) -> None:
         super()._enqueue(slot, mb, token_ids, meta, producers)
+        if self.cluster.samples_here:
+            return
         event = self.cluster.expect(mb)  # before the send is queued, so the reply always finds it
         sampling = self._sampling(mb)
         kind = PREFILL if mb.step.is_prefill else DECODE
         self.streams[0].submit(lambda: self._send(Message(kind, mb.id, slot.index, meta, mb.bucket, sampling), slot, token_ids.shape[0]))
         event.sent = self.streams[0].record()
         mb.done = event
+
+    def _run_stage(self, index, slot, mb, token_ids, meta, params, generators) -> None:
+        if self.cluster.link.expert_peers:  # stage 0's other expert ranks run it with this one: they need its input
+            kind = PREFILL if mb.step.is_prefill else DECODE
+            ids = self._input_ids(token_ids, mb)
+            self.cluster.send(Message(kind, mb.id, slot.index, meta, mb.bucket, hidden=ids), to_stage_one=False)
+        super()._run_stage(index, slot, mb, token_ids, meta, params, generators)
 
     def reset(self, cause: str) -> None:
         """Stage processes can't be drained from here: late writes of lost micro-batches could land
@@ -397,14 +445,14 @@ class RemoteRing(Ring):
 
     def _send(self, message: Message, slot: RingSlot, num_tokens: int) -> None:
         message.hidden = slot.recv[1][:num_tokens]
-        # each rank writes its own as it passes
-        message.counters = [0] * self.cluster.link.world_size * counter_width(self.pipeline.stages[0].cfg)
-        self.cluster.send(message)
+        # each stage writes its own as it passes
+        message.counters = [0] * self.cluster.link.pp * counter_width(self.pipeline.stages[0].cfg)
+        self.cluster.send(message, to_expert_ranks=False)  # they had theirs before stage 0 ran
         self.last_sent = time.monotonic()
 
     def _holds_state(self, params) -> bool:
         """The last rank also keeps each seeded request's generator, made from the seed it is sent."""
-        return params.seed is not None or super()._holds_state(params)
+        return (params.seed is not None and not self.cluster.samples_here) or super()._holds_state(params)
 
     def _sampling(self, mb: MicroBatch) -> Sampling:
         seqs = mb.sampled_seqs

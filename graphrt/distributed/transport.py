@@ -20,6 +20,13 @@ values, int64 alternatives' ids).
 Nothing is pickled, so every rank reads the same bytes the same way, and gloo (CPU) and NCCL (GPU,
 device tensors) carry it alike. Every wait is bounded by the watchdog, so a dead or silent peer
 becomes an error naming its stage instead of a hang.
+
+Under expert parallelism (--ep E) each stage is E ranks, stage-major: rank r runs stage r // E
+as expert rank r % E. Expert rank 0 of a stage (its leader) talks to the neighbouring stages as
+above, and first passes each message, unchanged but without what only the last stage needs, to
+its stage's other ranks (stage 0's get the token ids in place of hidden states); those run the
+stage and pass nothing on. The ranks of a stage sum their experts' shares on a third group of
+their own (`Link.combine_experts`).
 """
 
 from __future__ import annotations
@@ -54,12 +61,15 @@ def cpu_threads_per_stage(world_size: int, num_cores: int | None = None) -> int:
 
 
 def counter_width(cfg: ModelConfig) -> int:
-    """Each rank's stage counters: its busy microseconds, then a mixture of experts' tokens per expert."""
+    """Each stage's counters: its busy microseconds, then a mixture of experts' tokens per expert."""
     return 1 + (cfg.moe.num_experts if cfg.moe is not None else 0)
 
 
-def stage_name(rank: int) -> str:
-    return "stage 0 (the engine, rank 0)" if rank == 0 else f"stage {rank} (rank {rank})"
+def stage_name(rank: int, ep: int = 1) -> str:
+    stage, expert_rank = divmod(rank, ep)
+    if rank == 0:
+        return "stage 0 (the engine, rank 0)"
+    return f"stage {stage} (rank {rank})" if ep == 1 else f"stage {stage} expert rank {expert_rank} (rank {rank})"
 
 
 @dataclass
@@ -89,24 +99,75 @@ class Message:
     bucket: int | None = None
     sampling: Sampling | None = None
     hidden: torch.Tensor | None = None  # (tokens, hidden_size), a view into the slot's buffer
-    counters: list[int] | None = None  # per rank, `counter_width` of them (see the module docstring)
+    counters: list[int] | None = None  # per stage, `counter_width` of them (see the module docstring)
+
+    def for_expert_ranks(self) -> Message:
+        """What a stage's leader passes its other expert ranks: the step, not the sampling."""
+        return Message(self.kind, self.micro_batch, self.slot, self.meta, self.bucket, hidden=self.hidden)
 
 
 class Link:
     """Point-to-point sends and receives with a deadline. Micro-batches go down the stages on one
     process group, tokens come back to rank 0 on another: with pp = 2 both directions join the same
-    two ranks, and on NCCL one communicator's send would queue behind its own pending receive."""
+    two ranks, and on NCCL one communicator's send would queue behind its own pending receive. With
+    expert parallelism a third group joins the ranks of this rank's stage (None without)."""
 
-    def __init__(self, groups: tuple, rank: int, world_size: int, device: torch.device, timeout_s: float):
-        (self.group, self.reply_group), self.rank, self.world_size = groups, rank, world_size
+    def __init__(self, groups: tuple, rank: int, world_size: int, device: torch.device, timeout_s: float, ep: int = 1):
+        (self.group, self.reply_group, self.expert_group), self.rank, self.world_size = groups, rank, world_size
+        self.ep = ep
         self.device = device  # where tensors must live to travel (cuda with NCCL)
         self.timeout = datetime.timedelta(seconds=timeout_s)
 
-    def send(self, tensors: list[torch.Tensor], dst: int, reply: bool = False) -> None:
+    @property
+    def pp(self) -> int:
+        return self.world_size // self.ep
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.ep
+
+    @property
+    def expert_rank(self) -> int:
+        return self.rank % self.ep
+
+    def leader(self, stage: int) -> int:
+        """The rank that talks to the stages around `stage` (its expert rank 0)."""
+        return stage * self.ep
+
+    @property
+    def expert_peers(self) -> list[int]:
+        """A leader's other expert ranks, to which it passes each message ([] for the others)."""
+        return [self.rank + e for e in range(1, self.ep)] if self.expert_rank == 0 else []
+
+    def name(self, rank: int) -> str:
+        return stage_name(rank, self.ep)
+
+    def combine_experts(self, shares: torch.Tensor) -> None:
+        """Sum, in place, each expert rank's share of a sparse layer's output across this stage's
+        ranks (one all-reduce). On NCCL it is queued on the stream (a graph holds it); on gloo it
+        waits at most the watchdog, and a rank that died or went silent fails the step, naming the stage."""
+        if self.device.type == "cuda":
+            self.expert_group.allreduce([shares]).wait()
+            return
+        try:
+            self.expert_group.allreduce([shares]).wait(self.timeout)
+        except RuntimeError as exc:
+            first = self.leader(self.stage)
+            raise StageFailure(
+                f"the expert ranks of stage {self.stage} (ranks {first}-{first + self.ep - 1}) stopped summing "
+                f"their experts' shares within {self.timeout.total_seconds():g} s ({str(exc).splitlines()[0][:160]})"
+            ) from None
+
+    def send(
+        self, tensors: list[torch.Tensor], dst: int, reply: bool = False, timeout: datetime.timedelta | None = None
+    ) -> None:
         group = self.reply_group if reply else self.group
-        works = [group.send([t.to(self.device).contiguous()], dst, 0) for t in tensors]
+        try:
+            works = [group.send([t.to(self.device).contiguous()], dst, 0) for t in tensors]
+        except RuntimeError as exc:  # gloo refuses at once a peer it already knows is gone
+            raise self._failure(dst, "send to", "lost the connection", exc, timeout) from None
         for work in works:
-            self._wait(work, dst, "send to")
+            self._wait(work, dst, "send to", timeout)
 
     def recv(
         self, tensor: torch.Tensor, src: int, timeout: datetime.timedelta | None = None, reply: bool = False
@@ -114,21 +175,27 @@ class Link:
         """Receive into `tensor` (on the link's device; copied back if `tensor` lives elsewhere)."""
         target = tensor if tensor.device == self.device else torch.empty_like(tensor, device=self.device)
         group = self.reply_group if reply else self.group
-        self._wait(group.recv([target], src, 0), src, "receive from", timeout)
+        try:
+            work = group.recv([target], src, 0)
+        except RuntimeError as exc:
+            raise self._failure(src, "receive from", "lost the connection", exc, timeout) from None
+        self._wait(work, src, "receive from", timeout)
         if target is not tensor:
             tensor.copy_(target)
         return tensor
 
     def _wait(self, work, peer: int, what: str, timeout: datetime.timedelta | None = None) -> None:
-        timeout = timeout or self.timeout
         try:
-            work.wait(timeout)
+            work.wait(timeout or self.timeout)
         except RuntimeError as exc:
             reason = "timed out" if "imed out" in str(exc) or "timeout" in str(exc) else "lost the connection"
-            raise StageFailure(
-                f"{stage_name(peer)} stopped answering: {what} it {reason} after at most "
-                f"{timeout.total_seconds():g} s ({str(exc).splitlines()[0][:160]})"
-            ) from None
+            raise self._failure(peer, what, reason, exc, timeout) from None
+
+    def _failure(self, peer: int, what: str, reason: str, exc: Exception, timeout: datetime.timedelta | None) -> StageFailure:
+        return StageFailure(
+            f"{self.name(peer)} stopped answering: {what} it {reason} after at most "
+            f"{(timeout or self.timeout).total_seconds():g} s ({str(exc).splitlines()[0][:160]})"
+        )
 
 
 def encode(message: Message) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -286,17 +353,19 @@ def recv_reply(link: Link, src: int) -> Reply:
     return reply
 
 
-def open_group(backend: str, init_method: str, timeout_s: float) -> tuple:
-    """Two process groups of our own (not torch's global default), so several can come and go in one
-    process. `init_method`: env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or tcp://H:P?rank=R&world_size=W."""
+def open_group(backend: str, init_method: str, timeout_s: float, ep: int = 1) -> tuple:
+    """Process groups of our own (not torch's global default), so several can come and go in one
+    process: the stages', the replies', and with `ep` > 1 this rank's stage's expert ranks' (else
+    None). `init_method`: env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or tcp://H:P?rank=R&world_size=W."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store, rank, world_size = next(dist.rendezvous(init_method, timeout=timeout))
     store.set_timeout(timeout)
 
-    def group(name: str):
+    def group(name: str, rank: int, size: int):
         prefixed = dist.PrefixStore(name, store)
         if backend == "nccl":
-            return dist.ProcessGroupNCCL(prefixed, rank, world_size)
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            return dist.ProcessGroupNCCL(prefixed, rank, size)
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
-    return group("stages"), group("replies")  # see Link
+    experts = group(f"experts-of-stage-{rank // ep}", rank % ep, ep) if ep > 1 else None
+    return group("stages", rank, world_size), group("replies", rank, world_size), experts  # see Link

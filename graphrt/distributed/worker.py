@@ -2,7 +2,9 @@
 
 Rank k > 0 holds only stage k: its weights, its KV cache, its graphs (captured here). It receives
 micro-batches from rank k-1, runs them, and passes the hidden states to rank k+1; the last rank
-samples and sends the token ids back to rank 0. Rank 0 runs the engine: under torchrun, rank 0 of
+samples and sends the token ids back to rank 0. Under expert parallelism (--ep E) rank r runs stage
+r // E with its share of the routed experts; the stage's leader (expert rank 0) passes each message
+to the stage's other ranks before running it (graphrt/distributed/transport.py). Rank 0 runs the engine: under torchrun, rank 0 of
 this same command runs `graphrt ARGS --procs` (e.g. `python -m graphrt.worker serve --pp 8 ...`).
 
 Environment (torchrun sets it; `--procs` sets it for the workers it starts): RANK, WORLD_SIZE,
@@ -15,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +48,7 @@ from graphrt.kernels.cpu.kernel_choice import mode_from_env as cpu_kernel_mode_f
 from graphrt.kernels.cpu.matmul_choice import mode_from_env
 from graphrt.model.config import ModelConfig
 from graphrt.model.kv_cache import StageKVCache
+from graphrt.model.moe import ExpertShard
 from graphrt.model.weights import WeightFiles
 from graphrt.runtime.logprobs import score_rows
 from graphrt.runtime.pipeline import partition_layers
@@ -61,6 +65,7 @@ class WorkerOptions:
     dtype: str | None = None  # None: rank 0's
     buckets: list[int] | None = None  # None: rank 0's
     device: str | None = None  # None: cuda:LOCAL_RANK with CUDA, else cpu
+    ep: int = 1
     watchdog_s: float = DEFAULT_WATCHDOG_S
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
 
@@ -72,6 +77,7 @@ def parse_options(args: list[str]) -> WorkerOptions:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--buckets", default=None)
     parser.add_argument("--devices", default=None)
+    parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--watchdog-s", type=float, default=DEFAULT_WATCHDOG_S)
     parser.add_argument("--startup-timeout-s", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
     known, _ = parser.parse_known_args(args)
@@ -88,6 +94,7 @@ def parse_options(args: list[str]) -> WorkerOptions:
         device=devices[rank] if devices else None,
         watchdog_s=known.watchdog_s,
         startup_timeout_s=known.startup_timeout_s,
+        ep=known.ep,
     )
 
 
@@ -95,23 +102,31 @@ class StageWorker:
     """One stage's loop: receive, run, pass on (or sample and answer rank 0)."""
 
     def __init__(self, link: Link, plan: StagePlan, options: WorkerOptions, device: torch.device):
-        rank = link.rank
-        self.link, self.plan, self.rank = link, plan, rank
+        self.link, self.plan, self.rank = link, plan, link.rank
         cfg = ModelConfig.from_dir(options.model)
         dtype = parse_dtype(plan.dtype)
-        layers = plan.layers[rank]
+        index = link.stage
+        self.leads = link.expert_rank == 0  # talks to the stages around it; the others only run the stage
+        self.source = link.leader(index - 1) if self.leads else link.leader(index)
         # Built as rank 0 builds its stages (graphrt.runtime.stage_builder), then captured as it does.
-        self.stage = load_stage(cfg, rank, plan.pp, layers, device, dtype, plan.max_model_len, plan.kernels, WeightFiles(options.model))
+        shard = ExpertShard(link.expert_rank, link.ep)
+        files = WeightFiles(options.model)
+        self.stage = load_stage(cfg, index, plan.pp, plan.layers[index], device, dtype, plan.max_model_len, plan.kernels, files, shard)
+        if link.ep > 1:
+            self.stage.combine_experts_with(link.combine_experts)
         self.kernels = choose_stage_kernels(self.stage, max(plan.buckets), plan.block_size, mode_from_env(), cpu_kernel_mode_from_env())
-        self.cache = StageKVCache.allocate(cfg, len(layers), plan.num_blocks, plan.block_size, device, dtype)
+        self.cache = StageKVCache.allocate(cfg, len(plan.layers[index]), plan.num_blocks, plan.block_size, device, dtype)
         max_blocks = -(-plan.max_model_len // plan.block_size)
         self.graphs, _ = capture_stage(
             self.stage, self.cache, BucketPlan(tuple(plan.buckets)), max_blocks, plan.use_cuda_graphs,
             plan.allow_eager, set(), show_progress=False,
         )
-        self.buffers = [torch.empty(plan.max_tokens, cfg.hidden_size, dtype=dtype, device=device) for _ in range(plan.num_slots)]
+        # what arrives for each slot: hidden states, or on stage 0 (an expert rank beside the engine) token ids
+        width = () if self.stage.is_first else (cfg.hidden_size,)
+        input_dtype = torch.int64 if self.stage.is_first else dtype
+        self.buffers = [torch.empty(plan.max_tokens, *width, dtype=input_dtype, device=device) for _ in range(plan.num_slots)]
         self.sampler = None
-        if self.stage.is_last:
+        if self.stage.is_last and self.leads:
             greedy_argmax, _ = choose_greedy_argmax(device, cfg.vocab_size, max(plan.buckets), cpu_kernel_mode_from_env())
             self.sampler = Sampler(device, plan.seed, greedy_argmax)
         self.generators: dict[int, torch.Generator] = {}  # request id -> its seeded generator
@@ -121,7 +136,9 @@ class StageWorker:
     def run(self) -> None:
         """Until rank 0 says stop; a dead or silent neighbour raises StageFailure."""
         while True:
-            message = recv_message(self.link, self.rank - 1, self.buffers)
+            message = recv_message(self.link, self.source, self.buffers)
+            for peer in self.link.expert_peers:  # before running: they run the stage with this rank
+                send_message(self.link, message.for_expert_ranks(), peer)
             if message.kind in (HEARTBEAT, SHUTDOWN):
                 self._pass_on(message, None)
                 if message.kind == SHUTDOWN:
@@ -134,14 +151,15 @@ class StageWorker:
                 out = self.stage(message.hidden, meta, self.cache)
             else:
                 out = self.graphs.run(message.hidden, meta)
-            reply = self._sample(message, out) if self.stage.is_last else None
+            reply = self._sample(message, out) if self.sampler is not None else None
             self.busy_s += time.perf_counter() - started
             if message.counters:  # rank 0 reports every stage's busy time and expert load from these (/metrics)
                 self.stage.publish_expert_tokens()
                 record = [int(self.busy_s * 1e6), *self.stage.seen_expert_tokens()]
-                width = len(message.counters) // self.link.world_size
+                width = len(message.counters) // self.link.pp
                 record += [0] * (width - len(record))  # a dense stage of a mixture of experts routes nothing
-                message.counters[self.rank * width : (self.rank + 1) * width] = record
+                index = self.link.stage
+                message.counters[index * width : (index + 1) * width] = record
             self._pass_on(message, out if not self.stage.is_last else None, reply)
 
     def _sample(self, message: Message, out: torch.Tensor) -> Reply:
@@ -171,27 +189,30 @@ class StageWorker:
         return reply
 
     def _pass_on(self, message: Message, out: torch.Tensor | None, reply: Reply | None = None) -> None:
+        if not self.leads:
+            return
         if self.stage.is_last:
             reply = reply or Reply(message.kind, message.micro_batch, message.slot)
             reply.counters = message.counters or []
             send_reply(self.link, reply)
         else:
             message.hidden = out
-            send_message(self.link, message, self.rank + 1)
+            send_message(self.link, message, self.link.leader(self.link.stage + 1))
 
     def busy_report(self) -> str:
         if self.first_at is None:
-            return f"{stage_name(self.rank)}: ran no micro-batch"
+            return f"{self.link.name(self.rank)}: ran no micro-batch"
         span = time.perf_counter() - self.first_at
-        return f"{stage_name(self.rank)}: busy {self.busy_s:.2f} s of {span:.2f} s since its first micro-batch ({self.busy_s / span:.0%})"
+        return f"{self.link.name(self.rank)}: busy {self.busy_s:.2f} s of {span:.2f} s since its first micro-batch ({self.busy_s / span:.0%})"
 
 
 def worker_view(options: WorkerOptions, world_size: int, device: torch.device):
     def view(plan: StagePlan) -> WorkerView:
         cfg = ModelConfig.from_dir(options.model)
         dtype = str(parse_dtype(options.dtype)).removeprefix("torch.") if options.dtype else None
-        layers = partition_layers(cfg, world_size, plan.partition_rows)  # rank 0's rows: a MoE partition depends on them
-        return WorkerView(model_fingerprint(options.model), layers, world_size, dtype, options.buckets)
+        pp = world_size // options.ep
+        layers = partition_layers(cfg, pp, plan.partition_rows)  # rank 0's rows: a MoE partition depends on them
+        return WorkerView(model_fingerprint(options.model), layers, pp, dtype, options.buckets, options.ep)
 
     return view
 
@@ -209,20 +230,21 @@ def run_worker(options: WorkerOptions) -> int:
         torch.set_num_threads(cpu_threads_per_stage(world_size))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = open_group(backend, "env://", options.startup_timeout_s)
-    link = Link(group, rank, world_size, device if backend == "nccl" else torch.device("cpu"), options.watchdog_s)
+    group = open_group(backend, "env://", options.startup_timeout_s, options.ep)
+    link = Link(group, rank, world_size, device if backend == "nccl" else torch.device("cpu"), options.watchdog_s, options.ep)
     worker = None
     try:
         plan = worker_handshake(link, worker_view(options, world_size, device), options.startup_timeout_s)
         try:
             worker = StageWorker(link, plan, options, device)
         except Exception:
-            report_ready(link, None)
+            traceback.print_exc()  # this rank's output says why; rank 0 is told only that it failed
+            report_ready(link, None, options.startup_timeout_s)
             raise
-        report_ready(link, worker.stage.weight_reads())
+        report_ready(link, worker.stage.weight_reads(), options.startup_timeout_s)
         worker.run()
     except GraphrtError as exc:
-        print(f"[graphrt] {stage_name(rank)} stops: {exc}", file=sys.stderr, flush=True)
+        print(f"[graphrt] {stage_name(rank, options.ep)} stops: {exc}", file=sys.stderr, flush=True)
         return 1
     print(f"[graphrt] {worker.busy_report()}", file=sys.stderr, flush=True)
     return 0

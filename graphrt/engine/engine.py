@@ -46,6 +46,7 @@ from graphrt.kernels.cpu.openmp import LoadWatch, release_thread_pool
 from graphrt.model.config import ModelConfig
 from graphrt.model.eos import tokenizer_eos_token_id
 from graphrt.model.kv_cache import bytes_per_block
+from graphrt.model.moe import ExpertShard, check_expert_parallel
 from graphrt.model.weight_reads import WeightReads
 from graphrt.model.weights import WeightFiles
 from graphrt.profiling.nvtx import Ranges
@@ -86,7 +87,9 @@ class Engine:
         self.devices = [torch.device(d) for d in (config.devices or default_devices(config.pp))]
         self.dtype = config.resolve_dtype(self.model_config, self.devices[0])
         self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
-        # With procs, stages 1..pp-1 live in worker processes (started now, so they boot meanwhile).
+        check_expert_parallel(self.model_config, config.ep)
+        # With procs, stages 1..pp-1 (and with --ep every stage's other expert ranks) live in worker
+        # processes (started now, so they boot meanwhile).
         self.cluster = Cluster.start(self.model_dir, config) if config.procs else None
         try:
             self._start(files, cache_dir, show_progress, eos_id, load_watch)
@@ -104,9 +107,17 @@ class Engine:
         # Decided once here, before the KV cache is sized, and sent to stage processes in the plan.
         self.partition_rows = self._partition_rows()
         self.layers = partition_layers(self.model_config, config.pp, self.partition_rows)
-        self.pipeline = (load_first_stage if self.cluster else Pipeline.load)(
-            self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels, self.layers
-        )
+        if self.cluster:  # stage 0 (of its routed experts, expert rank 0's share)
+            self.pipeline = load_first_stage(
+                self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels, self.layers,
+                ExpertShard(0, config.ep),
+            )
+            if config.ep > 1:
+                self.pipeline.stages[0].combine_experts_with(self.cluster.link.combine_experts)
+        else:
+            self.pipeline = Pipeline.load(
+                self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels, self.layers
+            )
         self.backend = "cuda" if config.use_graphs and all(d.type == "cuda" for d in self.devices) else "eager"
         self.ranges = Ranges()
         # Before the KV cache is sized: a draft model's weights are in the free memory read, its K/V in a block's bytes.
@@ -128,12 +139,17 @@ class Engine:
         with load_watch.timing_team() if on_cpu else contextlib.nullcontext() as self.timing_note:
             # Before capture: graphs read the weights in the forms chosen here.
             self.pipeline.choose_kernels(self.plan.max_batch, config.block_size, cached_matmuls, cached_ops)
-            if not self.cluster:  # with stage processes the last one samples, and chooses for itself
+            if self.samples_here:  # with stage processes the last one samples, and chooses for itself
                 greedy_argmax, self.argmax_summary = choose_greedy_argmax(
                     self.devices[-1], self.model_config.vocab_size, self.plan.max_batch, cpu_kernel_mode_from_env(),
                     cached=cached_argmax,
                 )
+        self.stage_plan = self._stage_plan(num_blocks)
+        if self.cluster:  # the workers load and capture meanwhile; stage 0's other expert ranks capture with this one
+            self.cluster.handshake(self.stage_plan)
         self._capture_graphs(forced_eager, show_progress)
+        if self.cluster:
+            self.cluster.wait_ready()
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer_eos_id is not None:
             self.eos_ids.add(self.tokenizer_eos_id)
@@ -145,14 +161,11 @@ class Engine:
         self.grammars = Grammars(self.model_dir, self.model_config.vocab_size, sorted(self.eos_ids))
         # With stage processes the last rank samples (and makes each seeded request's generator from
         # the seed it is sent): a sampler here would open a CUDA context on a GPU this rank never uses.
-        self.sampler = None if self.cluster else Sampler(self.devices[-1], config.seed, greedy_argmax)
+        self.sampler = Sampler(self.devices[-1], config.seed, greedy_argmax) if self.samples_here else None
         local_devices = [stage.device for stage in self.pipeline.stages]
         self.timeline = Timeline(local_devices) if config.timeline else None
-        self.stage_plan = self._stage_plan(num_blocks)
         # Decode rows go to as many micro-batches as stages can run at once (+ depth), not to every slot.
         self.num_decode_micro_batches = config.num_decode_micro_batches(self.devices)
-        if self.cluster:
-            self.cluster.handshake(self.stage_plan)
         self.ring = (self.cluster.make_ring if self.cluster else Ring)(
             self.pipeline, self.graphs, self.sampler, num_slots=self.stage_plan.num_slots,
             max_tokens=self.stage_plan.max_tokens, block_size=config.block_size,
@@ -185,7 +198,7 @@ class Engine:
         if choice is None:
             return None
         record = {"ops": choice.to_json()}
-        if not self.cluster and self.devices[-1].type == "cpu":
+        if self.samples_here and self.devices[-1].type == "cpu":
             record["greedy_argmax"] = argmax_path(self.sampler.greedy_argmax)
         return record
 
@@ -218,6 +231,7 @@ class Engine:
             use_cuda_graphs=self.backend == "cuda",
             kernels=config.kernels,
             allow_eager=config.allow_eager,
+            ep=config.ep,
         )
 
     def _partition_rows(self) -> int:
@@ -246,6 +260,19 @@ class Engine:
         expected = " (expected experts)" if cfg.moe is not None else ""
         return f"a {rows}-row decode step's weight bytes{expected} by stage: {', '.join(described)}"
 
+    def rank_weight_reads(self) -> list[WeightReads]:
+        """Each rank's resident weights: this one's (stage 0), then every worker's in rank order."""
+        return [self.pipeline.weight_reads(), *(self.cluster.rank_weight_reads if self.cluster else [])]
+
+    def expert_rank_summary(self) -> str:
+        """The start-up banner's words on expert parallelism: what each rank holds."""
+        ep, mib = self.config.ep, 1 << 20
+        ranks = [
+            f"rank {rank} {reads.total_bytes / mib:.1f} MiB ({reads.expert_bytes / mib:.1f} MiB experts)"
+            for rank, reads in enumerate(self.rank_weight_reads())
+        ]
+        return f"--ep {ep}: each rank holds 1/{ep} of every sparse layer's routed experts; weights by rank: {', '.join(ranks)}"
+
     @property
     def depth(self) -> int:
         return self.stage_plan.num_slots - self.stage_plan.pp
@@ -253,10 +280,15 @@ class Engine:
     def describe(self) -> str:
         """The one line every start-up banner and report gives of this engine's shape."""
         return (
-            f"pp={self.stage_plan.pp} depth={self.depth} on {','.join(map(str, self.devices))}, "
+            f"pp={self.stage_plan.pp}{f' ep={self.config.ep}' if self.config.ep > 1 else ''} depth={self.depth} on {','.join(map(str, self.devices))}, "
             f"{str(self.dtype).removeprefix('torch.')}, {self.backend} decode, "
             f"{'async' if self.config.async_scheduling else 'no async'} scheduling"
         )
+
+    @property
+    def samples_here(self) -> bool:
+        """Whether this process samples: no stage processes, or one stage split over expert ranks."""
+        return self.cluster is None or self.cluster.samples_here
 
     @property
     def failure(self) -> StageFailure | None:

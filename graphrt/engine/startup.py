@@ -70,6 +70,8 @@ def load_and_warm_up(
         f"context {engine.max_model_len}, {engine.allocator.num_blocks - 1} KV blocks of "
         f"{describe_token_bytes(engine.model_config, engine.dtype)}{stages}{where}"
     )
+    if engine.config.ep > 1:
+        echo(f"[graphrt] {engine.expert_rank_summary()}")
     echo(f"[graphrt] {engine.pipeline.matmul_summary()}")
     echo(f"[graphrt] {engine.kernel_summary()}")
     start = time.perf_counter()

@@ -24,13 +24,13 @@ from graphrt.model.batch import StepMetadata
 from graphrt.model.config import ModelConfig
 from graphrt.model.kv_cache import StageKVCache
 from graphrt.model.mla import LatentAttention
-from graphrt.model.moe import SparseMoE
+from graphrt.model.moe import WHOLE, ExpertShard, SparseMoE
 from graphrt.model.weight_reads import WeightReads
 from graphrt.model.weights import WeightFiles
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: KernelSet, layer: int):
+    def __init__(self, cfg: ModelConfig, ops: KernelSet, layer: int, shard: ExpertShard = WHOLE):
         super().__init__()
         self.cfg = cfg
         self.ops = ops
@@ -50,13 +50,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = empty(cfg.hidden_size)
         # A sparse layer's MLP is its mixture of experts; a dense layer's, the gated MLP.
         sparse = cfg.moe is not None and cfg.moe.is_sparse(layer)
-        self.moe = SparseMoE(cfg) if sparse else None
+        self.moe = SparseMoE(cfg, shard) if sparse else None
         self.gate_up_proj = None if sparse else empty(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = None if sparse else empty(cfg.hidden_size, cfg.intermediate_size)
 
     @staticmethod
-    def hf_names(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
-        """Our parameter -> the Hugging Face tensors concatenated (in order) to make it."""
+    def hf_names(cfg: ModelConfig, layer: int, shard: ExpertShard = WHOLE) -> dict[str, list[str]]:
+        """Our parameter -> the Hugging Face tensors concatenated (in order) to make it (of the
+        routed experts, the shard's)."""
         p = f"model.layers.{layer}."
         names = {
             "input_norm": [p + "input_layernorm.weight"],
@@ -68,7 +69,7 @@ class DecoderLayer(nn.Module):
         else:
             names["qkv_proj"] = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
         if cfg.moe is not None and cfg.moe.is_sparse(layer):
-            names.update({f"moe.{ours}": theirs for ours, theirs in SparseMoE.hf_names(cfg, layer).items()})
+            names.update({f"moe.{ours}": theirs for ours, theirs in SparseMoE.hf_names(cfg, layer, shard).items()})
         else:
             names["gate_up_proj"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
             names["down_proj"] = [p + "mlp.down_proj.weight"]
@@ -146,9 +147,11 @@ class Stage(nn.Module):
         dtype: torch.dtype,
         max_position: int,
         ops: KernelSet,
+        shard: ExpertShard = WHOLE,
     ):
         super().__init__()
         self.cfg = cfg
+        self.shard = shard  # which of a sparse layer's routed experts this rank holds (--ep)
         self.ops = ops
         self.index = index
         self.is_first = index == 0
@@ -166,7 +169,7 @@ class Stage(nn.Module):
         self.synthetic_delay_s = 0.0
         meta = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         self.embed_tokens = meta(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, layer) for layer in layers)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, layer, shard) for layer in layers)
         self.norm = meta(cfg.hidden_size) if self.is_last else None
         self.lm_head = meta(cfg.vocab_size, cfg.hidden_size) if self.is_last else None
         cos, sin = rotary_cos_sin(cfg.rope, cfg.head_dim, max_position)
@@ -178,7 +181,7 @@ class Stage(nn.Module):
         if self.is_first:
             names["embed_tokens"] = ["model.embed_tokens.weight"]
         for i, layer_id in enumerate(self.layer_ids):
-            for ours, theirs in DecoderLayer.hf_names(self.cfg, layer_id).items():
+            for ours, theirs in DecoderLayer.hf_names(self.cfg, layer_id, self.shard).items():
                 names[f"layers.{i}.{ours}"] = theirs
         if self.is_last:
             names["norm"] = ["model.norm.weight"]
@@ -209,6 +212,11 @@ class Stage(nn.Module):
         # Stacked experts arrive concatenated along their first dimension: give them their shape.
         shapes = {name: p.shape for name, p in self.named_parameters()}
         state = {name: t if t.dim() == len(shapes[name]) else t.view(shapes[name]) for name, t in state.items()}
+        if self.shard.size > 1:  # a checkpoint of stacked experts is read whole, then the shard's kept
+            experts = self.shard.experts(self.cfg.moe.num_experts)
+            for name, t in state.items():
+                if name.endswith(("experts_gate_up", "experts_down")) and t.shape[0] != len(experts):
+                    state[name] = t[experts.start : experts.stop].clone()
         self.load_state_dict(state, strict=True, assign=True)
         for layer in self.layers:
             if layer.mla is not None:
@@ -223,6 +231,12 @@ class Stage(nn.Module):
                 moe.expert_tokens = self.expert_tokens
         # Weights stay dense until the stage's kernels are chosen (graphrt.runtime.stage_builder),
         # which may keep them in forms of their own and needs the largest decode bucket.
+
+    def combine_experts_with(self, combine: Callable[[torch.Tensor], None]) -> None:
+        """Under expert parallelism: what sums the expert ranks' shares of each sparse layer, in place."""
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.combine = combine
 
     def matmul_owners(self) -> dict[str, list[tuple[nn.Module, str]]]:
         """Weight shape name -> where each weight of that shape lives (one per layer; the LM head

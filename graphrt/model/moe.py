@@ -6,9 +6,18 @@ A router picks each token's top-k experts (`route_topk`, softmax in float32; Dee
 sums their outputs by the routing weights. Qwen2-MoE adds a shared expert that every token runs,
 scaled by sigmoid(shared_expert_gate(x)); DeepSeek-V3's shared experts (one MLP) are not gated.
 Every shape follows from the number of tokens alone, so a decode step's graph holds the whole block.
+
+Under expert parallelism (--ep N, issue 34) a layer holds only its rank's slice of the routed
+experts (`ExpertShard`): every rank routes every token over all the experts, runs the pairs that
+chose one of its own (the others get weight 0), and the shares are summed across the stage's ranks
+by one collective (`combine`, an all-reduce). The shared experts, the router and everything outside
+the block are replicated, so each rank's output is the whole layer's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,11 +27,46 @@ from graphrt.kernels.moe import route_grouped_topk, route_topk
 from graphrt.model.config import ModelConfig
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """Rank `rank` of the `size` ranks of a stage that split each sparse layer's routed experts:
+    it holds the contiguous slice `experts` (the experts divide evenly; ModelConfig checks)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def experts(self, num_experts: int) -> range:
+        per_rank = num_experts // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+
+WHOLE = ExpertShard()  # every expert, on one rank
+
+
+def check_expert_parallel(cfg: ModelConfig, ep: int) -> None:
+    """Refuse --ep N for a model whose routed experts can't be split evenly over N ranks."""
+    if ep == 1:
+        return
+    if cfg.moe is None:
+        raise ValueError(f"--ep {ep} splits a mixture of experts' routed experts over ranks, and {cfg.architecture} has none; drop --ep")
+    num_experts = cfg.moe.num_experts
+    if num_experts % ep:
+        field = {"MixtralForCausalLM": "num_local_experts", "DeepseekV3ForCausalLM": "n_routed_experts"}.get(cfg.architecture, "num_experts")
+        raise ValueError(
+            f"--ep {ep} must divide the model's {num_experts} routed experts (config.json's {field}) evenly; "
+            f"use one of {[n for n in range(1, num_experts + 1) if num_experts % n == 0]}"
+        )
+
+
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: ExpertShard = WHOLE):
         super().__init__()
         moe = cfg.moe
         self.moe_cfg = moe
+        self.experts = shard.experts(moe.num_experts)  # the routed experts this rank holds
+        # Under expert parallelism, what sums the ranks' shares in place (an all-reduce over the
+        # stage's ranks, set by the stage process); None on a single rank.
+        self.combine: Callable[[torch.Tensor], None] | None = None
         empty = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         inter, shared = moe.moe_intermediate_size, moe.shared_expert_size
         self.router = empty(moe.num_experts, cfg.hidden_size)
@@ -31,8 +75,8 @@ class SparseMoE(nn.Module):
         # Experts stacked as fused_moe reads them: each expert's gate rows, then its up rows. A kernel
         # set may keep them one weight per expert instead, in a form of its own, indexed and shaped as
         # the stack (what its fused_moe reads).
-        self.experts_gate_up = empty(moe.num_experts, 2 * inter, cfg.hidden_size)
-        self.experts_down = empty(moe.num_experts, cfg.hidden_size, inter)
+        self.experts_gate_up = empty(len(self.experts), 2 * inter, cfg.hidden_size)
+        self.experts_down = empty(len(self.experts), cfg.hidden_size, inter)
         self.shared_gate_up_proj = empty(2 * shared, cfg.hidden_size) if shared else None
         self.shared_down_proj = empty(cfg.hidden_size, shared) if shared else None
         self.shared_expert_gate = empty(1, cfg.hidden_size) if moe.shared_expert_gated else None
@@ -41,11 +85,12 @@ class SparseMoE(nn.Module):
         self.expert_tokens: torch.Tensor | None = None
 
     @staticmethod
-    def hf_names(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
+    def hf_names(cfg: ModelConfig, layer: int, shard: ExpertShard = WHOLE) -> dict[str, list[str]]:
         """Our parameter -> the Hugging Face tensors concatenated (in order) to make it, as
-        transformers writes them: one tensor per expert and projection. Concatenated, the experts'
-        tensors are the stacked parameter with its first two dimensions merged (Stage.load reshapes)."""
-        num_experts = cfg.moe.num_experts
+        transformers writes them: one tensor per expert and projection (only the shard's experts).
+        Concatenated, the experts' tensors are the stacked parameter with its first two dimensions
+        merged (Stage.load reshapes)."""
+        experts = shard.experts(cfg.moe.num_experts)
         if cfg.architecture == "MixtralForCausalLM":  # w1: gate, w3: up, w2: down
             p = f"model.layers.{layer}.block_sparse_moe."
             gate, up, down = "w1", "w3", "w2"
@@ -55,8 +100,8 @@ class SparseMoE(nn.Module):
         expert = lambda e, proj: f"{p}experts.{e}.{proj}.weight"  # noqa: E731
         names = {
             "router": [p + "gate.weight"],
-            "experts_gate_up": [expert(e, proj) for e in range(num_experts) for proj in (gate, up)],
-            "experts_down": [expert(e, down) for e in range(num_experts)],
+            "experts_gate_up": [expert(e, proj) for e in experts for proj in (gate, up)],
+            "experts_down": [expert(e, down) for e in experts],
         }
         if cfg.moe.scoring == "sigmoid":
             names["e_score_correction_bias"] = [p + "gate.e_score_correction_bias"]
@@ -90,7 +135,16 @@ class SparseMoE(nn.Module):
             # index_add_ of a static shape: a graph holds it, and nothing is read back here
             per_choice = real_tokens.to(torch.int64)[:, None].expand(topk_ids.shape).reshape(-1)
             self.expert_tokens.index_add_(0, topk_ids.reshape(-1), per_choice)
-        out = ops.fused_moe(hidden, self.experts_gate_up, self.experts_down, topk_weights, topk_ids)
+        if self.combine is None:
+            out = ops.fused_moe(hidden, self.experts_gate_up, self.experts_down, topk_weights, topk_ids)
+        else:
+            # This rank's pairs at their local index; another rank's weigh 0 (a static shape, so a
+            # graph holds it) on a clamped index, adding exactly 0.0 to the sum.
+            local = topk_ids - self.experts.start
+            mine = (local >= 0) & (local < len(self.experts))
+            weights = torch.where(mine, topk_weights, 0.0)
+            out = ops.fused_moe(hidden, self.experts_gate_up, self.experts_down, weights, local.clamp(0, len(self.experts) - 1))
+            self.combine(out)
         if self.shared_gate_up_proj is not None:
             shared = ops.linear(ops.gate_up_silu(hidden, self.shared_gate_up_proj), self.shared_down_proj)
             if self.shared_expert_gate is not None:

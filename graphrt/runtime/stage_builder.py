@@ -18,6 +18,7 @@ from graphrt.kernels.cpu.matmul_choice import MatmulChoice, MatmulPlan
 from graphrt.kernels.cpu.stage_kernels import choose_matmuls, cpu_kernel_set
 from graphrt.model.config import ModelConfig
 from graphrt.model.llama import Stage
+from graphrt.model.moe import WHOLE, ExpertShard
 from graphrt.model.weights import WeightFiles
 
 
@@ -33,11 +34,11 @@ class StageKernels:
 
 def load_stage(
     cfg: ModelConfig, index: int, num_stages: int, layers: range, device: torch.device, dtype: torch.dtype,
-    max_position: int, kernels: str, files: WeightFiles,
+    max_position: int, kernels: str, files: WeightFiles, shard: ExpertShard = WHOLE,
 ) -> Stage:
-    """Stage `index` of `num_stages`, holding `layers`, its weights loaded onto `device`; it runs
-    the `kernels` set (--kernels) until `choose_stage_kernels`."""
-    stage = Stage(cfg, index, num_stages, layers, device, dtype, max_position, kernel_set(kernels, device.type))
+    """Stage `index` of `num_stages`, holding `layers` (of their routed experts, the `shard`'s), its
+    weights loaded onto `device`; it runs the `kernels` set (--kernels) until `choose_stage_kernels`."""
+    stage = Stage(cfg, index, num_stages, layers, device, dtype, max_position, kernel_set(kernels, device.type), shard)
     stage.load(files)
     return stage
 

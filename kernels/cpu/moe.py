@@ -44,9 +44,12 @@ def fused_moe_by_expert(
     Experts kept one weight per expert in another form give the same result to that form's rounding."""
     top_k = topk_ids.shape[1]
     sum_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
-    pairs = topk_ids.reshape(-1)  # (tokens * top_k,): token t's k-th choice at t * top_k + k
+    num_experts = w_gate_up.shape[0]
+    # (tokens * top_k,): token t's k-th choice at t * top_k + k; a pair of weight 0 (another expert
+    # rank's, under --ep) goes past the last expert, after the others, and is never run
+    pairs = torch.where(topk_weights.reshape(-1) != 0, topk_ids.reshape(-1), num_experts)
     order = torch.argsort(pairs, stable=True)  # the pairs grouped by expert
-    counts = torch.bincount(pairs, minlength=w_gate_up.shape[0]).tolist()  # the host reads the routing
+    counts = torch.bincount(pairs, minlength=num_experts + 1)[:num_experts].tolist()  # the host reads the routing
     rows_of, weight_of = order // top_k, topk_weights.reshape(-1)[order].to(sum_dtype)
     out = torch.zeros(hidden.shape, dtype=sum_dtype, device=hidden.device)
     start = 0

@@ -243,7 +243,7 @@ def test_stage_zero_keeps_the_heartbeat_going_while_it_waits_for_a_reply():
 
     beats: list[float] = []
     stream = CpuStream("test-stage0")
-    ring = SimpleNamespace(cluster=SimpleNamespace(watchdog_s=0.2), streams=[stream], _beat=lambda: beats.append(time.monotonic()))
+    ring = SimpleNamespace(cluster=SimpleNamespace(watchdog_s=0.2, samples_here=False), streams=[stream], _beat=lambda: beats.append(time.monotonic()))
     try:
         reply = RemoteEvent()
         RemoteRing._wait_on_stage0(ring, SimpleNamespace(done=reply))

@@ -1,0 +1,224 @@
+"""Expert parallelism (`ep=N`, `--ep N`): each stage's routed experts split over N ranks, their
+shares summed by one all-reduce per sparse layer.
+
+The layer alone: N shards, each run on a thread with an all-reduce between them, give the whole
+layer's output (both fused-MoE forms, the CPU's by-expert kernel too). The engine: stage processes
+over gloo give the single-rank tokens exactly in float64 (greedy, seeded sampling, logprobs, prefix
+caching) for Mixtral, Qwen3-MoE and DeepSeek-V3 shapes at pp 1 and 2; each rank holds only its
+experts; a killed expert rank ends everything. Every wait is bounded, as in test_distributed.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from graphrt import LLM, SamplingParams
+from graphrt.config import EngineConfig
+from graphrt.distributed.transport import StageFailure
+from graphrt.errors import GraphrtError
+from graphrt.kernels import kernel_set
+from graphrt.kernels.cpu.moe import fused_moe_by_expert
+from graphrt.model.config import ModelConfig
+from graphrt.model.moe import ExpertShard
+from graphrt.model.weights import WeightFiles
+from graphrt.runtime.stage_builder import load_stage
+from graphrt.tools.synthetic import make_synthetic
+from test_distributed import OPTIONS, PROMPTS, wait_all_exited
+
+FAMILIES = ["mixtral", "qwen3-moe", "deepseek-v3"]  # 8, 8 and 16 experts; DeepSeek's with a shared expert
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
+LOGPROBS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+WATCHDOG_S = 3.0
+
+
+def all_reduce_between_threads(ep: int):
+    """What a stage's expert ranks do with one all-reduce, for `ep` threads in one process: each
+    share is summed into every rank's tensor, in rank order."""
+    barrier, shares = threading.Barrier(ep), [None] * ep
+
+    def combine_for(rank: int):
+        def combine(share: torch.Tensor) -> None:
+            shares[rank] = share.clone()
+            barrier.wait()
+            share.copy_(torch.stack(shares).sum(dim=0))
+            barrier.wait()  # every rank has read the shares before the next layer writes its own
+
+        return combine
+
+    return combine_for
+
+
+@pytest.mark.parametrize("fused_moe", ["reference", "cpu-by-expert"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 16])
+@pytest.mark.parametrize("ep", [2, 4])
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2-moe", "deepseek-v3"])
+def test_expert_shards_summed_give_the_whole_layer(tiny_model_factory, variant, ep, num_tokens, fused_moe):
+    """One token has fewer (token, k) pairs than a shard's experts, so the reference's gathered form
+    runs there (at ep 2); the other rows its every-expert form. Qwen2-MoE adds a gated shared expert."""
+    model = tiny_model_factory(variant)
+    cfg = ModelConfig.from_dir(model)
+    files = WeightFiles(model)
+    layers = range(cfg.num_layers)
+
+    def stage(shard: ExpertShard):
+        built = load_stage(cfg, 0, 1, layers, torch.device("cpu"), torch.float64, 64, "torch", files, shard)
+        if fused_moe == "cpu-by-expert":
+            built.use_kernels(dataclasses.replace(built.ops, fused_moe=fused_moe_by_expert))
+        return built
+
+    sparse = next(i for i in layers if cfg.moe.is_sparse(i))
+    whole = stage(ExpertShard())
+    hidden = torch.randn(num_tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(num_tokens), dtype=torch.float64)
+    expected = whole.layers[sparse].moe(hidden, whole.ops)
+
+    shards = [stage(ExpertShard(rank, ep)) for rank in range(ep)]
+    combine_for = all_reduce_between_threads(ep)
+    outputs = [None] * ep
+
+    def run(rank: int) -> None:
+        moe = shards[rank].layers[sparse].moe
+        moe.combine = combine_for(rank)
+        outputs[rank] = moe(hidden, shards[rank].ops)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(ep)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    per_rank = cfg.moe.num_experts // ep
+    for rank, shard in enumerate(shards):
+        moe = shard.layers[sparse].moe
+        assert moe.experts == range(rank * per_rank, (rank + 1) * per_rank)
+        # the shard's experts are the checkpoint's, those experts' and no others
+        torch.testing.assert_close(moe.experts_down, whole.layers[sparse].moe.experts_down[moe.experts.start : moe.experts.stop], rtol=0, atol=0)
+        torch.testing.assert_close(outputs[rank], expected, rtol=0, atol=1e-12)
+
+
+def run_all(llm: LLM) -> tuple:
+    greedy = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    seeded = [o.token_ids for o in llm.generate(PROMPTS, SEEDED)]
+    scored = llm.generate(PROMPTS[:3], LOGPROBS)
+    hits_before = llm.engine.allocator.num_hit_tokens
+    again = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]  # each prompt's whole blocks are cached now
+    return greedy, seeded, scored, again, llm.engine.allocator.num_hit_tokens - hits_before
+
+
+def assert_same_logprobs(got, expected) -> None:
+    for ours, theirs in zip(got, expected):
+        assert ours.token_ids == theirs.token_ids
+        pairs = list(zip(ours.logprobs, theirs.logprobs)) + list(zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]))
+        for a, b in pairs:
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-9)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_expert_ranks_give_the_single_rank_tokens(tiny_model_factory, variant, pp):
+    model = tiny_model_factory(variant)
+    alone = LLM(model=model, pp=pp, **OPTIONS)
+    greedy, seeded, scored, again, hits = run_all(alone)
+    expert_tokens = alone.engine.ring.stage_expert_tokens
+    single_rank_reads = alone.engine.weight_reads
+    alone.engine.close()
+    assert again == greedy and hits > 0
+
+    llm = LLM(model=model, pp=pp, ep=2, watchdog_s=30, **OPTIONS)
+    children = llm.engine.cluster.children
+    try:
+        assert len(children) == 2 * pp - 1  # every rank but this one
+        ours = run_all(llm)
+        assert ours[0] == greedy and ours[1] == seeded and ours[3] == again and ours[4] == hits
+        assert_same_logprobs(ours[2], scored)
+        # the stage leaders count every expert's tokens (routing is whole on each rank)
+        assert llm.engine.ring.stage_expert_tokens == expert_tokens
+        # Each rank holds half the experts and the rest of its stage: the experts add up to the single
+        # rank's once; each stage's dense weights are held by both its ranks.
+        ranks = llm.engine.rank_weight_reads()
+        assert len(ranks) == 2 * pp
+        assert sum(r.expert_bytes for r in ranks) == single_rank_reads.expert_bytes
+        for stage in range(pp):
+            first, second = ranks[2 * stage], ranks[2 * stage + 1]
+            assert first.expert_bytes == second.expert_bytes and first.dense_bytes == second.dense_bytes
+        assert sum(r.dense_bytes for r in ranks) == 2 * single_rank_reads.dense_bytes
+        assert "each rank holds 1/2" in llm.engine.expert_rank_summary()
+    finally:
+        llm.engine.close()
+        codes = wait_all_exited(children, within_s=10)
+    assert codes == [0] * (2 * pp - 1)
+
+
+def test_rank_zero_loads_only_its_experts_from_the_checkpoint(tiny_model_factory):
+    """Stage 0's experts on rank 0 are the first half of the checkpoint's, tensor for tensor."""
+    model = tiny_model_factory("mixtral")
+    llm = LLM(model=model, pp=1, ep=2, watchdog_s=30, **OPTIONS)
+    children = llm.engine.cluster.children
+    try:
+        moe = llm.engine.pipeline.stages[0].layers[0].moe
+        assert moe.experts == range(0, 4) and moe.experts_down.shape[0] == 4
+        with safe_open(str(next(model.glob("*.safetensors"))), "pt") as f:
+            for index, expert in enumerate(moe.experts):
+                stored = f.get_tensor(f"model.layers.0.block_sparse_moe.experts.{expert}.w2.weight").double()
+                assert torch.equal(moe.experts_down[index], stored)
+    finally:
+        llm.engine.close()
+        wait_all_exited(children, within_s=10)
+
+
+def test_killing_an_expert_rank_ends_everything(tiny_model_factory):
+    """Stage 1's second expert rank dies mid-stream: the requests fail naming it, every other
+    process exits non-zero within the watchdog, and the engine stays failed."""
+    llm = LLM(model=tiny_model_factory("qwen3-moe"), pp=2, ep=2, watchdog_s=WATCHDOG_S, **OPTIONS)
+    make_synthetic(llm.engine, stage_ms=10)  # stage 0 takes 10 ms, so the requests are still running at the kill
+    children = llm.engine.cluster.children  # ranks 1, 2, 3
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            llm.generate(PROMPTS, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        thread.start()
+        time.sleep(1.0)
+        assert thread.is_alive(), "the requests finished before the kill; the test needs a slower stage"
+        killed_at = time.monotonic()
+        children[2].send_signal(signal.SIGKILL)  # rank 3: stage 1, expert rank 1
+        thread.join(WATCHDOG_S + 10)
+        assert not thread.is_alive(), "generate did not return after an expert rank died"
+        codes = wait_all_exited(children, within_s=WATCHDOG_S + 10 - (time.monotonic() - killed_at))
+    finally:
+        for child in children:
+            child.kill()
+    assert len(errors) == 1 and isinstance(errors[0], GraphrtError), errors
+    assert "stage 1 expert rank 1 (rank 3) exited with code -9" in str(errors[0])
+    assert isinstance(errors[0], StageFailure) or isinstance(errors[0].__cause__, StageFailure)
+    assert codes[2] == -9 and all(code not in (None, 0) for code in codes), codes
+    with pytest.raises(GraphrtError, match=r"rank 3"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))
+
+
+def test_expert_parallelism_is_refused_where_it_cannot_run(tiny_model_factory):
+    with pytest.raises(ValueError, match=r"llama.*has none; drop --ep|has none; drop --ep"):
+        LLM(model=tiny_model_factory("llama-gqa-tied"), ep=2, **OPTIONS)
+    with pytest.raises(ValueError, match=r"--ep 3 must divide the model's 8 routed experts \(config.json's num_local_experts\).*\[1, 2, 4, 8\]"):
+        LLM(model=tiny_model_factory("mixtral"), ep=3, **OPTIONS)
+    with pytest.raises(ValueError, match="n_routed_experts"):
+        LLM(model=tiny_model_factory("deepseek-v3"), ep=3, **OPTIONS)
+    with pytest.raises(ValueError, match="speculative decoding with --ep"):
+        EngineConfig(ep=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="--devices with --ep"):
+        EngineConfig(pp=1, ep=2, devices=["cpu"])
+    with pytest.raises(ValueError, match="ep must be a positive integer"):
+        EngineConfig(ep=0)
+    assert EngineConfig(ep=2).procs  # the expert ranks are processes
