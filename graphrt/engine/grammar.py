@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from graphrt.errors import RequestError
+from graphrt.errors import RequestError, RequestFailure
 from graphrt.sampling_params import StructuredOutput
 
 logger = logging.getLogger("graphrt")
@@ -91,14 +91,17 @@ def check_structured_output(spec: StructuredOutput) -> None:
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(spec.grammar)
     except Exception as exc:  # xgrammar raises RuntimeError or ValueError with the parser's message
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise RequestError(f"structured_output.{kind} cannot be used: {_without_source_location(reason)}") from None
+        raise RequestError(f"structured_output.{kind} cannot be used: {xgrammar_reason(exc)}") from None
 
 
-def _without_source_location(message: str) -> str:
-    """xgrammar's messages start with a timestamp and its C++ file and line; the rest is the reason."""
-    head, sep, rest = message.partition(": ")
-    return rest if sep and (".cc:" in head or ".h:" in head) else message
+def xgrammar_reason(exc: Exception) -> str:
+    """The reason in an xgrammar error: its last line, without the timestamp, C++ file and line
+    its messages start with."""
+    message = str(exc).strip()
+    if not message:
+        return type(exc).__name__
+    head, sep, rest = message.splitlines()[-1].partition(": ")
+    return rest if sep and (".cc:" in head or ".h:" in head) else head + sep + rest
 
 
 def check_schema_keywords(schema: Any) -> None:
@@ -192,20 +195,28 @@ class Grammars:
         return xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES)
 
     def _compile(self, spec: StructuredOutput):
+        """The compiled grammar; raises RequestError where xgrammar will not compile the request's
+        grammar, and anything else where the compiler itself could not be made (the server's fault)."""
         compiler = self._compiler.result()
         start = time.perf_counter()
         kind = spec.kind
-        if kind == "json":
-            # Compact JSON: with any whitespace allowed, small models can emit blank lines forever.
-            compiled = compiler.compile_json_schema(spec.json, any_whitespace=False)
-        elif kind == "json_object":
-            compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        elif kind == "regex":
-            compiled = compiler.compile_regex(spec.regex)
-        elif kind == "choice":
-            compiled = compiler.compile_grammar(choice_grammar(spec.choice))
-        else:
-            compiled = compiler.compile_grammar(spec.grammar)
+        try:
+            if kind == "json":
+                # Compact JSON: with any whitespace allowed, small models can emit blank lines forever.
+                compiled = compiler.compile_json_schema(spec.json, any_whitespace=False)
+            elif kind == "json_object":
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(spec.regex)
+            elif kind == "choice":
+                compiled = compiler.compile_grammar(choice_grammar(spec.choice))
+            else:
+                compiled = compiler.compile_grammar(spec.grammar)
+        except Exception as exc:  # xgrammar raises RuntimeError or ValueError with its reason
+            raise RequestError(
+                f"structured_output.{kind} passed the checks but failed to compile against the model's vocabulary: "
+                f"{xgrammar_reason(exc)}; simplify the grammar, or drop it and check the output after the response"
+            ) from exc
         seconds = time.perf_counter() - start
         self.compile_counts[bisect.bisect_left(COMPILE_SECONDS_BUCKETS, seconds)] += 1
         self.compile_seconds_sum += seconds
@@ -223,19 +234,24 @@ class GrammarState:
         self._compiled = compiled
         self.vocab_size = vocab_size
         self.matcher = None
-        self.error: str | None = None
+        self.failure: RequestFailure | None = None
 
     def ready(self) -> bool:
-        """Whether its grammar is compiled (or failed to: then `error` says why)."""
-        if self.matcher is not None or self.error is not None:
+        """Whether its grammar is compiled (or failed to: then `failure` says why, for the client)."""
+        if self.matcher is not None or self.failure is not None:
             return True
         if not self._compiled.done():
             return False
         try:
             self.matcher = _xgrammar().GrammarMatcher(self._compiled.result())
+        except RequestError as exc:
+            logger.warning("a request's grammar failed to compile: %s", exc)
+            self.failure = RequestFailure(str(exc), request_fault=True)
         except Exception as exc:
             logger.exception("compiling a request's grammar failed")
-            self.error = f"its grammar failed to compile ({type(exc).__name__}: {exc})"
+            self.failure = RequestFailure(
+                f"structured outputs failed on this server ({type(exc).__name__}: {exc}); see the server log", request_fault=False
+            )
         return True
 
     def wait(self, timeout: float) -> None:

@@ -137,9 +137,9 @@ class Scheduler:
                 break
             if seq.grammar is not None and not seq.grammar.ready():
                 continue  # its grammar is compiling: it waits here, not in the ring, and the requests after it go on
-            if seq.grammar is not None and seq.grammar.error is not None:
+            if seq.grammar is not None and seq.grammar.failure is not None:
                 self.finish(seq, FinishReason.ERROR)
-                self.ended.append(SequenceOutput(seq.request_id, [], FinishReason.ERROR))
+                self.ended.append(SequenceOutput(seq.request_id, [], FinishReason.ERROR, failure=seq.grammar.failure))
                 continue
             cached = self._cached_prefix(seq)
             needed = allocator.blocks_for(seq.prefill_len + 1) - len(cached)

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 # Imported for real, not for type checking only: msgspec reads SequenceOutput's field types to
-# decode it (graphrt.engine.messages). Both are plain data; this module still loads no torch.
+# decode it (graphrt.engine.messages). All are plain data; this module still loads no torch.
 from graphrt.engine.drafter import Acceptance
+from graphrt.errors import RequestFailure
 from graphrt.sampling_params import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
-    ERROR = "error"  # a pipeline stage failed while this request was in flight
+    ERROR = "error"  # a pipeline stage failed while this request was in flight, or its grammar failed to compile
 
 
 @dataclass(eq=False)  # identity, not field-by-field: sequences are looked up in lists every tick
@@ -114,3 +115,4 @@ class SequenceOutput:
     finish_reason: FinishReason | None  # EOS or the length; a stop string is the front's to find
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, for a request that asks
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with its first output, for a request that asks
+    failure: RequestFailure | None = None  # with FinishReason.ERROR where the engine ended it unrun: why

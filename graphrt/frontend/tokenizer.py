@@ -91,40 +91,42 @@ class Tokenizer:
         try:
             return self._render(messages, tools, add_generation_prompt=True)
         except Exception as exc:  # a Jinja template raises whatever its code runs into
-            tools_error = self._tools_error(messages[:1], tools) if tools else None
-            if tools_error is not None:
-                raise RequestError(f"tools: the model's chat template cannot render them ({tools_error})") from None
-            index, error = self._first_unrenderable(messages, tools, exc)
+            error = self._error_without_tools(messages) if tools else exc
+            if error is None:  # the whole conversation renders without the tools: they are what fails
+                raise RequestError(f"tools: the model's chat template cannot render them ({exc})") from None
+            index, error = self._first_unrenderable(messages, error)
             raise RequestError(f"messages[{index}]: the model's chat template cannot render this message ({error})") from None
 
     def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         return self._tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False)
 
-    def _tools_error(self, messages: list[dict], tools: list[dict]) -> Exception | None:
-        """What rendering `messages` raises with `tools` and not without: the tools are what fails."""
+    def _error_without_tools(self, messages: list[dict]) -> Exception | None:
+        """What rendering the whole conversation raises without the tools (None: it renders).
+
+        The whole of it, not its first messages: a template may write the tools into a message of
+        the conversation (Llama 3.1's, into the first user message), so part of a conversation may
+        fail with the tools for want of that message while the whole renders."""
         try:
-            self._render(messages, None, add_generation_prompt=False)
-        except Exception:
-            return None  # the messages fail alone
-        try:
-            self._render(messages, tools, add_generation_prompt=False)
+            self._render(messages, None, add_generation_prompt=True)
         except Exception as exc:
             return exc
         return None
 
-    def _first_unrenderable(self, messages: list[dict], tools: list[dict] | None, error: Exception) -> tuple[int, Exception]:
-        """The message whose inclusion makes rendering fail, and the template's error for it.
+    def _first_unrenderable(self, messages: list[dict], error: Exception) -> tuple[int, Exception]:
+        """The message whose inclusion makes rendering fail, and the template's error for it, given
+        that the whole conversation fails without the tools with `error`.
 
         Bisects over prefixes (log2 of the number of renders, not one per message) between one
         that renders (or none) and one that fails; the message that ends the failing prefix is it.
-        Prefixes render without the generation prompt, which a template may refuse after an
-        assistant turn; the whole conversation is known to fail with it.
+        Prefixes render without the tools (with them, a prefix may fail only for lacking the
+        message the template writes them into) and without the generation prompt, which a
+        template may refuse after an assistant turn; the whole conversation is known to fail with it.
         """
         renders, fails = 0, len(messages)
         while fails - renders > 1:
             middle = (renders + fails) // 2
             try:
-                self._render(messages[:middle], tools, add_generation_prompt=False)
+                self._render(messages[:middle], None, add_generation_prompt=False)
                 renders = middle
             except Exception as exc:
                 fails, error = middle, exc

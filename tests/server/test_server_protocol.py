@@ -608,6 +608,65 @@ def test_a_template_that_cannot_render_the_tools_says_so(tokenizer, monkeypatch)
         tokenizer.apply_chat_template(messages, chat(tools=TOOLS).tool_use().template_tools())
 
 
+# Llama 3.1's chat template, cut to what places the tools and refuses things (its lines kept as they
+# are): the tools go into the first user message, which must exist, and an assistant turn may make
+# one call only.
+LLAMA_31_STYLE_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if not tools is defined %}{%- set tools = none %}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- set system_message = messages[0]['content']|trim %}{%- set messages = messages[1:] %}"
+    "{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{%- if tools is not none %}{{- 'Environment: ipython\\n' }}{%- endif %}"
+    "{{- system_message }}{{- '<|eot_id|>' }}"
+    "{%- if not tools is none %}"
+    "{%- if messages | length != 0 %}"
+    "{%- set first_user_message = messages[0]['content']|trim %}{%- set messages = messages[1:] %}"
+    "{%- else %}"
+    "{{- raise_exception(\"Cannot put tools in the first user message when there's no first user message!\") }}"
+    "{%- endif %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}"
+    "{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}"
+    "{{- first_user_message + '<|eot_id|>'}}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}"
+    "{%- elif 'tool_calls' in message %}"
+    "{%- if not message.tool_calls|length == 1 %}"
+    "{{- raise_exception('This model only supports single tool-calls at once!') }}"
+    "{%- endif %}"
+    "{%- set tool_call = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
+    "{{- '{\"name\": \"' + tool_call.name + '\", \"parameters\": ' + tool_call.arguments | tojson + '}<|eot_id|>' }}"
+    "{%- else %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.slow
+def test_a_template_that_puts_the_tools_in_the_first_user_message_blames_the_message_that_fails(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer._tok, "chat_template", LLAMA_31_STYLE_TEMPLATE)
+    tools = chat(tools=TOOLS).tool_use().template_tools()
+    text = tokenizer.apply_chat_template(template_messages(TOOL_HISTORY), tools)  # one call a turn: it renders
+    assert text.index('"name": "get_weather"') < text.index("What is the weather in Paris?")  # the tools, in the first user message
+    two_calls = [*TOOL_HISTORY[:2], {"role": "assistant", "content": None, "tool_calls": [CALL, {**CALL, "id": "call_2"}]},
+                 {"role": "tool", "content": "sunny, 24 C", "tool_call_id": "call_1"},
+                 {"role": "tool", "content": "sunny, 24 C", "tool_call_id": "call_2"}]
+    # The system message alone fails with the tools (no user message to put them in), but that is
+    # not what is wrong with this conversation.
+    with pytest.raises(RequestError) as caught:
+        tokenizer.apply_chat_template(template_messages(two_calls), tools)
+    assert str(caught.value) == "messages[2]: the model's chat template cannot render this message (This model only supports single tool-calls at once!)"
+    # Where the tools are what fails, they are named.
+    with pytest.raises(RequestError, match=r"^tools: the model's chat template cannot render them \(Cannot put tools in the first user message"):
+        tokenizer.apply_chat_template(template_messages(TOOL_HISTORY[:1]), tools)
+
+
 @pytest.mark.parametrize(("request_of", "fields", "names"), [
     (completion, {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     (chat, {"response_format": {"type": "json_object"}}, "response_format"),

@@ -144,6 +144,60 @@ def test_a_stream_keeps_a_call_whose_arguments_were_cut_off_and_says_nothing_mor
     assert parse_tool_calls(HermesReader(TOOLS), text) == (text, [])  # whole, it is no call
 
 
+# (reader, output, content, calls a stream sends): under "auto", a call whose object breaks after its
+# name and the start of its arguments went out. Whole, each is content; streamed, the call stays a
+# call and the rest of the output is its arguments, never content sent again.
+BROKEN_AFTER_OPENING = [
+    (HermesReader, 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"} "oops"}</tool_call>', "Sure.",
+     [("get_weather", '{"city": "Paris"} "oops"}</tool_call>')]),
+    (Llama3JsonReader, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}, 7: 1}', "",
+     [("get_weather", '{"city": "Paris"}, 7: 1}')]),
+    (MistralReader, 'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}] and so on', "Checking.",
+     [("get_weather", '{"city": "Paris"}] and so on')]),
+    (HermesReader, '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>\n'
+                   '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}; x</tool_call>', "",
+     [("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "Paris"}; x</tool_call>')]),  # the second call breaks
+]
+
+
+@pytest.mark.parametrize(("reader", "text", "content", "calls"), BROKEN_AFTER_OPENING, ids=lambda v: v.__name__ if isinstance(v, type) else None)
+def test_a_call_that_breaks_after_it_went_out_stays_a_call_and_the_rest_is_its_arguments(reader, text, content, calls):
+    assert parse_tool_calls(reader(TOOLS), text) == (text, [])  # whole, as vLLM reads it, no call
+    for seed in range(10):
+        streamed_content, streamed_calls, deltas = streamed(reader(TOOLS), text, random.Random(seed))
+        assert streamed_content == content
+        assert streamed_calls == [{"name": name, "arguments": arguments} for name, arguments in calls]
+        first_call = next(number for number, delta in enumerate(deltas) if "tool_calls" in delta)
+        assert not any("content" in delta for delta in deltas[first_call:])
+
+
+def test_a_chat_stream_whose_call_broke_after_it_went_out_ends_with_tool_calls():
+    """The chat response's stream (graphrt.server.responses), as a client reads its chunks."""
+    from graphrt.server.responses import ChatFormat, ChoiceState
+    from graphrt.server.tool_choice import ToolCalling
+
+    text = BROKEN_AFTER_OPENING[0][1]
+    chat = ChatFormat("m", tool_calling=ToolCalling(HermesReader(TOOLS), max_calls=None, named=False))
+    choice, pieces = ChoiceState(), []
+    for end in range(1, len(text) + 1):
+        choice.text, choice.num_streamable = text[:end], end
+        choice.finish_reason = "stop" if end == len(text) else None
+        pieces += chat.delta_choices(0, choice, choice.take_delta())
+    assert "".join(piece["delta"].get("content", "") for piece in pieces) == "Sure."
+    assert [piece["finish_reason"] for piece in pieces if piece["finish_reason"]] == ["tool_calls"]
+
+
+def test_a_key_written_again_neither_renames_nor_rewrites_a_call_that_went_out():
+    renamed = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}, "name": "get_time"}</tool_call>'
+    _, calls, _ = streamed(HermesReader(TOOLS), renamed, random.Random(3))
+    assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}, "name": "get_time"}</tool_call>'}]
+    rewritten = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}, "arguments": {"city": "Rome"}}</tool_call>'
+    _, calls, _ = streamed(HermesReader(TOOLS), rewritten, random.Random(4))
+    assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}, "arguments": {"city": "Rome"}}</tool_call>'}]
+    # Whole, the JSON reads as json.loads reads it: the last key counts.
+    assert parse_tool_calls(HermesReader(TOOLS), renamed) == (None, [ParsedToolCall("get_time", '{"city": "Paris"}')])
+
+
 def test_max_calls_keeps_the_first():
     text = WELL_FORMED[1][1]
     assert parse_tool_calls(HermesReader(TOOLS), text, max_calls=1) == ("Let me look.", [WEATHER])
