@@ -29,8 +29,10 @@ from graphrt.distributed.transport import (
     HEARTBEAT,
     PREFILL,
     SHUTDOWN,
+    STATS_INTERVAL_S,
     Link,
     Message,
+    RankStats,
     Sampling,
     StageFailure,
     counter_width,
@@ -115,6 +117,7 @@ class Cluster:
         self.link, self.children, self.watchdog_s = link, children, watchdog_s
         self.failure: StageFailure | None = None
         self.rank_weight_reads: list[WeightReads] = []  # each worker's weights (ranks 1..), once they report ready
+        self.rank_stats: list[RankStats] = [RankStats()] * (link.world_size - 1)  # under --ep, each worker's, as last read
         self.ring: RemoteRing | None = None
         self._pending: dict[int, tuple[RemoteEvent, MicroBatch]] = {}  # micro-batch id -> (its event, it)
         self._lock = threading.Lock()
@@ -163,6 +166,7 @@ class Cluster:
     def handshake(self, plan: StagePlan) -> None:
         """Send every rank the plan rank 0 decided; on a mismatch every rank stops naming the field."""
         self._starting(lambda: engine_handshake(self.link, plan, STARTUP_TIMEOUT_S))
+        self.link.join_expert_group()
 
     def wait_ready(self) -> None:
         """After stage 0's capture (its other expert ranks capture with it): every worker's."""
@@ -185,6 +189,8 @@ class Cluster:
         self.ring = RemoteRing(pipeline, graphs, sampler, cluster=self, **options)
         self._receiver = None if self.samples_here else self._run(self._receive, "graphrt-receive")
         self._run(self._heartbeat, "graphrt-heartbeat")
+        if self.link.ep > 1:
+            self._run(self._read_rank_stats, "graphrt-rank-stats")
         return self.ring
 
     # -- micro-batches ----------------------------------------------------------------------------
@@ -252,6 +258,17 @@ class Cluster:
             if time.monotonic() - self.ring.last_sent >= interval and not self.ring.heartbeat_queued:
                 self.ring.queue_heartbeat()
 
+    def _read_rank_stats(self) -> None:
+        """The workers' figures from the store, every STATS_INTERVAL_S: the engine's snapshot reads
+        them each step, so they are read here, off its thread."""
+        while not self.closing.wait(STATS_INTERVAL_S):
+            if self.failure is not None:
+                return
+            try:
+                self.rank_stats = [self.link.read_stats(rank) for rank in range(1, self.link.world_size)]
+            except Exception:  # noqa: BLE001 - the store went with rank 0's failure or close; the figures stay as they were
+                return
+
     # -- failure ----------------------------------------------------------------------------------
 
     def _monitor(self) -> None:
@@ -260,11 +277,15 @@ class Cluster:
                 self._check_children()
 
     def _check_children(self) -> None:
-        for rank, child in enumerate(self.children, start=1):
-            code = child.poll()
-            if code is not None and not self.closing.is_set():
-                self.fail(f"{self.link.name(rank)} exited with code {code}")
-                return
+        exited = [(rank, code) for rank, child in enumerate(self.children, start=1) if (code := child.poll()) is not None]
+        if not exited or self.closing.is_set():
+            return
+        # Its neighbours exit soon after one dies (they lose it), and may be seen first: a process
+        # a signal ended is named first, the others after it.
+        exited.sort(key=lambda exit: exit[1] >= 0)
+        (rank, code), others = exited[0], exited[1:]
+        after = "; then " + ", ".join(f"{self.link.name(r)} with code {c}" for r, c in others) if others else ""
+        self.fail(f"{self.link.name(rank)} exited with code {code}{after}")
 
     def _fail_soon(self, message: str) -> None:
         """A broken link: if a process rank 0 started has died, name it rather than its neighbour."""
@@ -333,7 +354,7 @@ def _open_watching(children: list[subprocess.Popen], backend: str, init_method: 
 
     def meet() -> None:
         try:
-            result.append(open_group(backend, init_method, STARTUP_TIMEOUT_S, ep))
+            result.append(open_group(backend, init_method, STARTUP_TIMEOUT_S))
         except Exception as exc:  # noqa: BLE001 - re-raised below
             result.append(exc)
 

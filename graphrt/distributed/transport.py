@@ -26,12 +26,15 @@ as expert rank r % E. Expert rank 0 of a stage (its leader) talks to the neighbo
 above, and first passes each message, unchanged but without what only the last stage needs, to
 its stage's other ranks (stage 0's get the token ids in place of hidden states); those run the
 stage and pass nothing on. The ranks of a stage sum their experts' shares on a third group of
-their own (`Link.combine_experts`).
+their own (`Link.combine_experts`). Each rank's own figures (`RankStats`: busy time, time in those
+all-reduces, tokens its experts served) go through the rendezvous store, off the micro-batches' path.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +50,7 @@ from graphrt.sampling_params import SamplingParams
 HEADER_SIZE = 16
 REPLY_SIZE = 7
 PREFILL, DECODE, HEARTBEAT, SHUTDOWN = 0, 1, 2, 3
+STATS_INTERVAL_S = 0.5  # under expert parallelism, how often a rank publishes its figures (RankStats), and rank 0 reads them
 
 
 class StageFailure(GraphrtError):
@@ -106,6 +110,15 @@ class Message:
         return Message(self.kind, self.micro_batch, self.slot, self.meta, self.bucket, hidden=self.hidden)
 
 
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's figures under expert parallelism, as it last published them (/metrics, profile)."""
+
+    busy_s: float = 0.0  # running micro-batches
+    combine_s: float = 0.0  # waiting in its sparse layers' all-reduces (gloo only: on NCCL the graph holds them)
+    expert_tokens: int = 0  # tokens routed to its experts, one per sparse layer and choice
+
+
 class Link:
     """Point-to-point sends and receives with a deadline. Micro-batches go down the stages on one
     process group, tokens come back to rank 0 on another: with pp = 2 both directions join the same
@@ -113,8 +126,10 @@ class Link:
     expert parallelism a third group joins the ranks of this rank's stage (None without)."""
 
     def __init__(self, groups: tuple, rank: int, world_size: int, device: torch.device, timeout_s: float, ep: int = 1):
-        (self.group, self.reply_group, self.expert_group), self.rank, self.world_size = groups, rank, world_size
+        (self.group, self.reply_group, self._make_group, self.store), self.rank, self.world_size = groups, rank, world_size
         self.ep = ep
+        self.expert_group = None  # join_expert_group, once the handshake has agreed on ep
+        self.combine_s = 0.0  # seconds this rank has waited in combine_experts (gloo)
         self.device = device  # where tensors must live to travel (cuda with NCCL)
         self.timeout = datetime.timedelta(seconds=timeout_s)
 
@@ -142,6 +157,12 @@ class Link:
     def name(self, rank: int) -> str:
         return stage_name(rank, self.ep)
 
+    def join_expert_group(self) -> None:
+        """Under expert parallelism, meet this stage's other ranks on a group of their own. After the
+        handshake: a rank that disagrees about ep would leave the others waiting here, unnamed."""
+        if self.ep > 1:
+            self.expert_group = self._make_group(f"experts-of-stage-{self.stage}", self.expert_rank, self.ep)
+
     def combine_experts(self, shares: torch.Tensor) -> None:
         """Sum, in place, each expert rank's share of a sparse layer's output across this stage's
         ranks (one all-reduce). On NCCL it is queued on the stream (a graph holds it); on gloo it
@@ -149,6 +170,7 @@ class Link:
         if self.device.type == "cuda":
             self.expert_group.allreduce([shares]).wait()
             return
+        started = time.perf_counter()
         try:
             self.expert_group.allreduce([shares]).wait(self.timeout)
         except RuntimeError as exc:
@@ -157,6 +179,16 @@ class Link:
                 f"the expert ranks of stage {self.stage} (ranks {first}-{first + self.ep - 1}) stopped summing "
                 f"their experts' shares within {self.timeout.total_seconds():g} s ({str(exc).splitlines()[0][:160]})"
             ) from None
+        self.combine_s += time.perf_counter() - started
+
+    def publish_stats(self, stats: RankStats) -> None:
+        """This rank's figures, for rank 0 to read (`read_stats`) when it reports."""
+        self.store.set(f"rank-stats/{self.rank}", json.dumps([stats.busy_s, stats.combine_s, stats.expert_tokens]))
+
+    def read_stats(self, rank: int) -> RankStats:
+        """What `rank` last published (zeros before it first did)."""
+        key = f"rank-stats/{rank}"
+        return RankStats(*json.loads(self.store.get(key))) if self.store.check([key]) else RankStats()
 
     def send(
         self, tensors: list[torch.Tensor], dst: int, reply: bool = False, timeout: datetime.timedelta | None = None
@@ -353,10 +385,11 @@ def recv_reply(link: Link, src: int) -> Reply:
     return reply
 
 
-def open_group(backend: str, init_method: str, timeout_s: float, ep: int = 1) -> tuple:
+def open_group(backend: str, init_method: str, timeout_s: float) -> tuple:
     """Process groups of our own (not torch's global default), so several can come and go in one
-    process: the stages', the replies', and with `ep` > 1 this rank's stage's expert ranks' (else
-    None). `init_method`: env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or tcp://H:P?rank=R&world_size=W."""
+    process: the stages' and the replies'; then a function making another over the same store (the
+    expert ranks'), and the store for the ranks' figures. `init_method`: env:// (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) or tcp://H:P?rank=R&world_size=W."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store, rank, world_size = next(dist.rendezvous(init_method, timeout=timeout))
     store.set_timeout(timeout)
@@ -367,5 +400,5 @@ def open_group(backend: str, init_method: str, timeout_s: float, ep: int = 1) ->
             return dist.ProcessGroupNCCL(prefixed, rank, size)
         return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
-    experts = group(f"experts-of-stage-{rank // ep}", rank % ep, ep) if ep > 1 else None
-    return group("stages", rank, world_size), group("replies", rank, world_size), experts  # see Link
+    stats = dist.PrefixStore("graphrt", store)
+    return group("stages", rank, world_size), group("replies", rank, world_size), group, stats  # see Link

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from graphrt.distributed.transport import (
     SHUTDOWN,
     Link,
     Message,
+    STATS_INTERVAL_S,
+    RankStats,
     Reply,
     cpu_threads_per_stage,
     open_group,
@@ -124,6 +127,7 @@ class StageWorker:
         # what arrives for each slot: hidden states, or on stage 0 (an expert rank beside the engine) token ids
         width = () if self.stage.is_first else (cfg.hidden_size,)
         input_dtype = torch.int64 if self.stage.is_first else dtype
+        link.combine_s = 0.0  # the figures count micro-batches, not the capture's checks
         self.buffers = [torch.empty(plan.max_tokens, *width, dtype=input_dtype, device=device) for _ in range(plan.num_slots)]
         self.sampler = None
         if self.stage.is_last and self.leads:
@@ -132,6 +136,7 @@ class StageWorker:
         self.generators: dict[int, torch.Generator] = {}  # request id -> its seeded generator
         self.busy_s = 0.0
         self.first_at: float | None = None
+        self.experts = shard.experts(cfg.moe.num_experts) if cfg.moe is not None else range(0)
 
     def run(self) -> None:
         """Until rank 0 says stop; a dead or silent neighbour raises StageFailure."""
@@ -153,14 +158,28 @@ class StageWorker:
                 out = self.graphs.run(message.hidden, meta)
             reply = self._sample(message, out) if self.sampler is not None else None
             self.busy_s += time.perf_counter() - started
+            self.stage.publish_expert_tokens()
             if message.counters:  # rank 0 reports every stage's busy time and expert load from these (/metrics)
-                self.stage.publish_expert_tokens()
                 record = [int(self.busy_s * 1e6), *self.stage.seen_expert_tokens()]
                 width = len(message.counters) // self.link.pp
                 record += [0] * (width - len(record))  # a dense stage of a mixture of experts routes nothing
                 index = self.link.stage
                 message.counters[index * width : (index + 1) * width] = record
             self._pass_on(message, out if not self.stage.is_last else None, reply)
+
+    def publish_stats(self, stop: threading.Event) -> None:
+        """Under --ep, on a thread of its own: this rank's figures whenever they changed, at most every
+        STATS_INTERVAL_S, off the micro-batches' path (the store is a round trip to rank 0's host)."""
+        published = None
+        while not stop.wait(STATS_INTERVAL_S):
+            expert_tokens = sum(self.stage.seen_expert_tokens()[self.experts.start : self.experts.stop])
+            stats = RankStats(self.busy_s, self.link.combine_s, expert_tokens)
+            if stats != published:
+                try:
+                    self.link.publish_stats(stats)
+                except Exception:  # noqa: BLE001 - the store went with rank 0; the loop finds out and says so
+                    return
+                published = stats
 
     def _sample(self, message: Message, out: torch.Tensor) -> Reply:
         """The last stage's answer: the sampled rows' tokens, and the logprobs asked for."""
@@ -230,11 +249,12 @@ def run_worker(options: WorkerOptions) -> int:
         torch.set_num_threads(cpu_threads_per_stage(world_size))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = open_group(backend, "env://", options.startup_timeout_s, options.ep)
+    group = open_group(backend, "env://", options.startup_timeout_s)
     link = Link(group, rank, world_size, device if backend == "nccl" else torch.device("cpu"), options.watchdog_s, options.ep)
     worker = None
     try:
         plan = worker_handshake(link, worker_view(options, world_size, device), options.startup_timeout_s)
+        link.join_expert_group()
         try:
             worker = StageWorker(link, plan, options, device)
         except Exception:
@@ -242,7 +262,13 @@ def run_worker(options: WorkerOptions) -> int:
             report_ready(link, None, options.startup_timeout_s)
             raise
         report_ready(link, worker.stage.weight_reads(), options.startup_timeout_s)
-        worker.run()
+        stop = threading.Event()
+        if options.ep > 1:
+            threading.Thread(target=worker.publish_stats, args=(stop,), name="graphrt-rank-stats", daemon=True).start()
+        try:
+            worker.run()
+        finally:
+            stop.set()
     except GraphrtError as exc:
         print(f"[graphrt] {stage_name(rank, options.ep)} stops: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -71,6 +71,9 @@ class EngineSnapshot:
     # A mixture of experts: per stage, the tokens its sparse layers routed to each expert (() for a
     # dense stage; stage processes: as of their last reply)
     stage_expert_tokens: tuple[tuple[int, ...], ...] = ()
+    # Expert parallelism (--ep): per rank, (stage, expert rank, busy s, s in its all-reduces, tokens
+    # its experts served); the other ranks' as they last published them
+    expert_ranks: tuple[tuple[int, int, float, float, int], ...] = ()
     # Structured outputs (graphrt.engine.grammar): requests added with a grammar, how long grammars
     # took to compile (counts per graphrt.engine.grammar.COMPILE_SECONDS_BUCKETS bucket, then +Inf),
     # and the constrained rows that waited on their newest token for their next mask at the last schedule.
@@ -203,6 +206,7 @@ class EngineCore:
             spec_num_accepted_tokens=engine.stats.spec.num_accepted_tokens,
             spec_accepted_per_position=tuple(engine.stats.spec.accepted_per_position),
             stage_expert_tokens=tuple(map(tuple, engine.ring.stage_expert_tokens)),
+            expert_ranks=tuple((stage, rank, s.busy_s, s.combine_s, s.expert_tokens) for stage, rank, s in engine.expert_rank_stats()),
             num_constrained=engine.grammars.num_constrained,
             grammar_compile_counts=tuple(engine.grammars.compile_counts),
             grammar_compile_seconds=engine.grammars.compile_seconds_sum,

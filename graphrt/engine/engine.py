@@ -29,7 +29,7 @@ from graphrt.capture.manifest import (
 from graphrt.config import EngineConfig, default_devices
 from graphrt.distributed.handshake import StagePlan
 from graphrt.distributed.remote import Cluster, load_first_stage
-from graphrt.distributed.transport import StageFailure
+from graphrt.distributed.transport import RankStats, StageFailure
 from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.draft_model import DraftModelDrafter
 from graphrt.engine.drafter import Drafter, NgramDrafter, StepCosts
@@ -150,6 +150,7 @@ class Engine:
         self._capture_graphs(forced_eager, show_progress)
         if self.cluster:
             self.cluster.wait_ready()
+            self.cluster.link.combine_s = 0.0  # the figures count micro-batches, not the capture's checks
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer_eos_id is not None:
             self.eos_ids.add(self.tokenizer_eos_id)
@@ -263,6 +264,16 @@ class Engine:
     def rank_weight_reads(self) -> list[WeightReads]:
         """Each rank's resident weights: this one's (stage 0), then every worker's in rank order."""
         return [self.pipeline.weight_reads(), *(self.cluster.rank_weight_reads if self.cluster else [])]
+
+    def expert_rank_stats(self) -> list[tuple[int, int, RankStats]]:
+        """Under --ep, (stage, expert rank, figures) of every rank: this one's now, the workers' as
+        they last published them (graphrt.distributed.transport.RankStats); [] without."""
+        if self.config.ep == 1:
+            return []
+        stage = self.pipeline.stages[0]
+        experts = stage.shard.experts(self.model_config.moe.num_experts)
+        own = RankStats(self.ring.busy_s[0], self.cluster.link.combine_s, sum(stage.seen_expert_tokens()[experts.start : experts.stop]))
+        return [(*divmod(rank, self.config.ep), stats) for rank, stats in enumerate([own, *self.cluster.rank_stats])]
 
     def expert_rank_summary(self) -> str:
         """The start-up banner's words on expert parallelism: what each rank holds."""

@@ -78,6 +78,8 @@ class EngineCollector(Collector):
         yield per_position
         if any(snap.stage_expert_tokens):
             yield from expert_load(snap.stage_expert_tokens)
+        if snap.expert_ranks:
+            yield from expert_ranks(snap.expert_ranks)
         yield from structured_outputs(snap)
 
 
@@ -116,6 +118,27 @@ def expert_load(stage_expert_tokens: tuple[tuple[int, ...], ...]):
             imbalance.add_metric([str(stage)], max(counts) * len(counts) / sum(counts))
     yield tokens
     yield imbalance
+
+
+def expert_ranks(ranks: tuple[tuple[int, int, float, float, int], ...]):
+    """Expert parallelism, rank by rank (labelled by stage and global rank): busy time, time waiting
+    in the sparse layers' all-reduces (its share of busy is what the collective costs; gloo only),
+    and the tokens the rank's own experts served (how even the split is)."""
+    families = [
+        CounterMetricFamily("graphrt_ep_rank_busy_seconds", "Seconds each expert rank spent on micro-batches", labels=["stage", "rank"]),
+        CounterMetricFamily(
+            "graphrt_ep_combine_seconds", "Seconds each expert rank waited in its sparse layers' all-reduces (gloo; 0 on NCCL, inside the graphs)",
+            labels=["stage", "rank"],
+        ),
+        CounterMetricFamily(
+            "graphrt_ep_rank_expert_tokens", "Tokens routed to each expert rank's experts (one per sparse layer and choice)", labels=["stage", "rank"],
+        ),
+    ]
+    ep = 1 + max(expert_rank for _, expert_rank, *_ in ranks)
+    for stage, expert_rank, *values in ranks:
+        for family, value in zip(families, values):
+            family.add_metric([str(stage), str(stage * ep + expert_rank)], value)
+    yield from families
 
 
 class ServerMetrics:

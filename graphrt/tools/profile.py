@@ -4,10 +4,12 @@ trace JSON, timeline PNGs, report.md and (for a sweep) depth.png into one folder
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from graphrt.distributed.transport import STATS_INTERVAL_S
 from graphrt.frontend.output_processor import OutputProcessor
 from graphrt.llm import LLM
 from graphrt.profiling.plots import plot_depth_sweep, plot_timeline
@@ -45,8 +47,9 @@ class ProfileOptions:
             raise ValueError("--output-len must be at least 2, or there is no decode to profile")
 
 
-def profile_once(options: ProfileOptions, depth: int, model_dir: Path | None) -> tuple[RunSummary, list[str]]:
-    """One engine at one depth, run to completion; writes its trace and timeline PNG."""
+def profile_once(options: ProfileOptions, depth: int, model_dir: Path | None) -> tuple[RunSummary, list[str], list[str]]:
+    """One engine at one depth, run to completion; writes its trace and timeline PNG. Returns the
+    summary, the files written and, under --ep, a line per expert rank."""
     kwargs = {**options.engine_kwargs, "depth": depth, "timeline": True}
     if model_dir is not None:
         kwargs["model"] = model_dir
@@ -74,9 +77,25 @@ def profile_once(options: ProfileOptions, depth: int, model_dir: Path | None) ->
         ) + (f", host {options.host_ms:g} ms per micro-batch" if options.host_ms else "")
         trace = write_trace(timeline, pp, options.out / f"trace{suffix}.json", title=title)
         picture = plot_timeline(timeline, pp, options.out / f"timeline{suffix}.png", title, window=summary.window)
-        return summary, [trace.name, picture.name]
+        return summary, [trace.name, picture.name], expert_rank_lines(engine)
     finally:
         engine.close()
+
+
+def expert_rank_lines(engine) -> list[str]:
+    """Under --ep, each rank's busy time, its share in the sparse layers' all-reduces and the tokens
+    its experts served, once the workers have published their figures for the whole run."""
+    if engine.config.ep == 1:
+        return []
+    time.sleep(3 * STATS_INTERVAL_S)  # a worker publishes, then rank 0 reads, each every STATS_INTERVAL_S
+    lines = []
+    for stage, expert_rank, stats in engine.expert_rank_stats():
+        share = stats.combine_s / stats.busy_s if stats.busy_s else 0.0
+        lines.append(
+            f"stage {stage} expert rank {expert_rank}: busy {stats.busy_s:.2f} s, {stats.combine_s:.2f} s ({share:.0%}) in the "
+            f"experts' all-reduces, {stats.expert_tokens} tokens to its experts"
+        )
+    return lines
 
 
 def run_profile(options: ProfileOptions, echo: Callable[[str], None] = print) -> list[RunSummary]:
@@ -87,10 +106,13 @@ def run_profile(options: ProfileOptions, echo: Callable[[str], None] = print) ->
         if options.synthetic_ms is not None:
             # One layer per stage, so each stage's own compute is small beside its known sleep.
             model_dir = make_tiny_model(Path(tmp) / "tiny", SYNTHETIC_VARIANT, num_layers=options.engine_kwargs.get("pp") or 1)
+        rank_lines = []
         for depth in options.depths:
-            summary, names = profile_once(options, depth, model_dir)
+            summary, names, rank_lines = profile_once(options, depth, model_dir)
             busy = ", ".join(f"{100 * s.busy:.0f}%" for s in summary.stages)
             echo(f"[graphrt] depth {depth}: stage busy {busy}; {summary.tokens_per_s:.1f} tok/s; wrote {', '.join(names)}")
+            for line in rank_lines:
+                echo(f"[graphrt]   {line}")
             summaries.append(summary)
             files.append(names)
     if options.sweep:
@@ -103,6 +125,8 @@ def run_profile(options: ProfileOptions, echo: Callable[[str], None] = print) ->
         + (f"; {options.host_ms:g} ms host time per micro-batch read back" if options.host_ms else "")
     )
     report = options.out / "report.md"
-    report.write_text(render_report(summaries, files, options.command, workload))
+    ranks = "".join(f"\n- {line}" for line in rank_lines)
+    ranks = f"\n## Expert ranks (the last run)\n{ranks}\n" if ranks else ""
+    report.write_text(render_report(summaries, files, options.command, workload) + ranks)
     echo(f"[graphrt] wrote {report}")
     return summaries

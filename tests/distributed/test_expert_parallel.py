@@ -21,7 +21,8 @@ from safetensors import safe_open
 
 from graphrt import LLM, SamplingParams
 from graphrt.config import EngineConfig
-from graphrt.distributed.transport import StageFailure
+from graphrt.distributed.remote import free_port
+from graphrt.distributed.transport import STATS_INTERVAL_S, StageFailure
 from graphrt.errors import GraphrtError
 from graphrt.kernels import kernel_set
 from graphrt.kernels.cpu.moe import fused_moe_by_expert
@@ -30,7 +31,7 @@ from graphrt.model.moe import ExpertShard
 from graphrt.model.weights import WeightFiles
 from graphrt.runtime.stage_builder import load_stage
 from graphrt.tools.synthetic import make_synthetic
-from test_distributed import OPTIONS, PROMPTS, wait_all_exited
+from test_distributed import OPTIONS, PROMPTS, start_rank, wait_all_exited
 
 FAMILIES = ["mixtral", "qwen3-moe", "deepseek-v3"]  # 8, 8 and 16 experts; DeepSeek's with a shared expert
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -150,6 +151,14 @@ def test_expert_ranks_give_the_single_rank_tokens(tiny_model_factory, variant, p
             assert first.expert_bytes == second.expert_bytes and first.dense_bytes == second.dense_bytes
         assert sum(r.dense_bytes for r in ranks) == 2 * single_rank_reads.dense_bytes
         assert "each rank holds 1/2" in llm.engine.expert_rank_summary()
+        if pp == 2:  # each rank's figures, the workers' through the store (published and read every STATS_INTERVAL_S)
+            time.sleep(3 * STATS_INTERVAL_S)
+            stats = llm.engine.expert_rank_stats()
+            assert [(stage, rank) for stage, rank, _ in stats] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+            for stage, rank, figures in stats:
+                half = len(expert_tokens[stage]) // 2
+                assert figures.expert_tokens == sum(expert_tokens[stage][rank * half : (rank + 1) * half]), (stage, rank)
+                assert 0 < figures.combine_s < figures.busy_s, (stage, rank, figures)
     finally:
         llm.engine.close()
         codes = wait_all_exited(children, within_s=10)
@@ -222,3 +231,31 @@ def test_expert_parallelism_is_refused_where_it_cannot_run(tiny_model_factory):
     with pytest.raises(ValueError, match="ep must be a positive integer"):
         EngineConfig(ep=0)
     assert EngineConfig(ep=2).procs  # the expert ranks are processes
+
+
+def test_ranks_that_disagree_about_ep_are_refused_naming_it(tiny_model_factory):
+    """torchrun's way, two ranks: rank 0 asks for one stage of two expert ranks, rank 1 was started
+    without --ep (so it takes itself for stage 1 of two)."""
+    model = str(tiny_model_factory("mixtral"))
+    port = free_port()
+    engine_args = ["generate", "--model", model, "--pp", "1", "--ep", "2", "--dtype", "float64", "--prompt", "hi", "--watchdog-s", "5"]
+    ranks = [start_rank(0, port, engine_args), start_rank(1, port, ["--model", model])]
+    try:
+        logs = [rank.communicate(timeout=90)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [1, 1], logs
+    # each names rank 1 as it sees it: the engine as stage 0's second expert rank, rank 1 as stage 1
+    assert "stage 0 expert rank 1 (rank 1) disagrees with the engine about ep" in logs[0], logs[0]
+    assert "(rank 1) disagrees with the engine about ep" in logs[1] and "the engine has 2, this rank 1" in logs[1], logs[1]
+
+
+def test_expert_rank_metrics_are_labelled_by_stage_and_rank():
+    from graphrt.server.metrics import expert_ranks
+
+    families = {f.name: f for f in expert_ranks(((0, 0, 2.0, 0.5, 10), (0, 1, 2.5, 0.25, 30), (1, 0, 1.0, 0.1, 7), (1, 1, 1.5, 0.2, 9)))}
+    tokens = {(s.labels["stage"], s.labels["rank"]): s.value for s in families["graphrt_ep_rank_expert_tokens"].samples}
+    assert tokens == {("0", "0"): 10, ("0", "1"): 30, ("1", "2"): 7, ("1", "3"): 9}
+    combine = {s.labels["rank"]: s.value for s in families["graphrt_ep_combine_seconds"].samples}
+    assert combine == {"0": 0.5, "1": 0.25, "2": 0.1, "3": 0.2}
