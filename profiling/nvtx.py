@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-COLORS = {"stage": "green", "tick": "blue", "prefill": "orange", "sample": "purple", "transfer": "yellow", "capture": "red", "verify": "cyan", "draft": "magenta"}
+COLORS = {"stage": "green", "tick": "blue", "prefill": "orange", "sample": "purple", "transfer": "yellow", "capture": "red", "verify": "cyan", "draft": "magenta", "experts": "darkgreen"}
 
 
 class TorchNvtxDomain:
@@ -113,6 +113,11 @@ class Ranges:
     def draft(self, rows: int, rounds: int):
         """A draft model's guesses for a decode step (on the scheduler's thread): `draft rows{r} rounds{n}`."""
         return self.range(f"draft rows{rows} rounds{rounds}", "draft")
+
+    def experts(self, part: str):
+        """Under expert parallelism, a sparse layer's parts on this rank: `experts dispatch` (its pairs
+        picked out), `experts run` (its experts on them), `experts combine` (the all-reduce)."""
+        return self.range(f"experts {part}", "experts")
 
     def capture(self, stage: int, bucket: int):
         return self.range(f"capture stage{stage} bs{bucket}", "capture")

@@ -9,7 +9,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -235,3 +237,21 @@ class RequestLog:
         import httpx  # the server stack's: not on every GPU image
 
         return httpx.Client(event_hooks={"request": [self]}, timeout=120)
+
+
+class RecordingDomain:
+    """Stands in for an nvtx domain: attributes are the message itself; pushes and pops are logged."""
+
+    def __init__(self):
+        self.events: list[tuple[str, str | None, str]] = []  # (push | pop, message, thread name)
+        self.attribute_calls = Counter()
+
+    def get_event_attributes(self, message=None, color=None):
+        self.attribute_calls[message] += 1
+        return message
+
+    def push_range(self, attributes):
+        self.events.append(("push", attributes, threading.current_thread().name))
+
+    def pop_range(self):
+        self.events.append(("pop", None, threading.current_thread().name))

@@ -33,9 +33,9 @@ from graphrt.distributed.transport import (
     HEARTBEAT,
     PREFILL,
     SHUTDOWN,
+    STATS_INTERVAL_S,
     Link,
     Message,
-    STATS_INTERVAL_S,
     RankStats,
     Reply,
     cpu_threads_per_stage,
@@ -53,6 +53,7 @@ from graphrt.model.config import ModelConfig
 from graphrt.model.kv_cache import StageKVCache
 from graphrt.model.moe import ExpertShard
 from graphrt.model.weights import WeightFiles
+from graphrt.profiling.nvtx import Ranges
 from graphrt.runtime.logprobs import score_rows
 from graphrt.runtime.pipeline import partition_layers
 from graphrt.runtime.sampler import Sampler
@@ -116,7 +117,7 @@ class StageWorker:
         files = WeightFiles(options.model)
         self.stage = load_stage(cfg, index, plan.pp, plan.layers[index], device, dtype, plan.max_model_len, plan.kernels, files, shard)
         if link.ep > 1:
-            self.stage.combine_experts_with(link.combine_experts)
+            self.stage.combine_experts_with(link.combine_experts, Ranges())
         self.kernels = choose_stage_kernels(self.stage, max(plan.buckets), plan.block_size, mode_from_env(), cpu_kernel_mode_from_env())
         self.cache = StageKVCache.allocate(cfg, len(plan.layers[index]), plan.num_blocks, plan.block_size, device, dtype)
         max_blocks = -(-plan.max_model_len // plan.block_size)

@@ -107,19 +107,19 @@ class Engine:
         # Decided once here, before the KV cache is sized, and sent to stage processes in the plan.
         self.partition_rows = self._partition_rows()
         self.layers = partition_layers(self.model_config, config.pp, self.partition_rows)
+        self.ranges = Ranges()
         if self.cluster:  # stage 0 (of its routed experts, expert rank 0's share)
             self.pipeline = load_first_stage(
                 self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels, self.layers,
                 ExpertShard(0, config.ep),
             )
             if config.ep > 1:
-                self.pipeline.stages[0].combine_experts_with(self.cluster.link.combine_experts)
+                self.pipeline.stages[0].combine_experts_with(self.cluster.link.combine_experts, self.ranges)
         else:
             self.pipeline = Pipeline.load(
                 self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels, self.layers
             )
         self.backend = "cuda" if config.use_graphs and all(d.type == "cuda" for d in self.devices) else "eager"
-        self.ranges = Ranges()
         # Before the KV cache is sized: a draft model's weights are in the free memory read, its K/V in a block's bytes.
         draft_model = self._load_draft_model()
         num_blocks = self._num_kv_blocks(draft_model)

@@ -27,6 +27,7 @@ from graphrt.model.mla import LatentAttention
 from graphrt.model.moe import WHOLE, ExpertShard, SparseMoE
 from graphrt.model.weight_reads import WeightReads
 from graphrt.model.weights import WeightFiles
+from graphrt.profiling.nvtx import Ranges
 
 
 class DecoderLayer(nn.Module):
@@ -232,11 +233,12 @@ class Stage(nn.Module):
         # Weights stay dense until the stage's kernels are chosen (graphrt.runtime.stage_builder),
         # which may keep them in forms of their own and needs the largest decode bucket.
 
-    def combine_experts_with(self, combine: Callable[[torch.Tensor], None]) -> None:
-        """Under expert parallelism: what sums the expert ranks' shares of each sparse layer, in place."""
+    def combine_experts_with(self, combine: Callable[[torch.Tensor], None], ranges: Ranges) -> None:
+        """Under expert parallelism: what sums the expert ranks' shares of each sparse layer, in
+        place, and the NVTX ranges its parts are marked with."""
         for layer in self.layers:
             if layer.moe is not None:
-                layer.moe.combine = combine
+                layer.moe.combine, layer.moe.ranges = combine, ranges
 
     def matmul_owners(self) -> dict[str, list[tuple[nn.Module, str]]]:
         """Weight shape name -> where each weight of that shape lives (one per layer; the LM head

@@ -25,6 +25,7 @@ from torch import nn
 from graphrt.kernels import KernelSet
 from graphrt.kernels.moe import route_grouped_topk, route_topk
 from graphrt.model.config import ModelConfig
+from graphrt.profiling.nvtx import Ranges
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class SparseMoE(nn.Module):
         # Under expert parallelism, what sums the ranks' shares in place (an all-reduce over the
         # stage's ranks, set by the stage process); None on a single rank.
         self.combine: Callable[[torch.Tensor], None] | None = None
+        self.ranges: Ranges | None = None  # with combine: NVTX ranges for its parts
         empty = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         inter, shared = moe.moe_intermediate_size, moe.shared_expert_size
         self.router = empty(moe.num_experts, cfg.hidden_size)
@@ -138,13 +140,16 @@ class SparseMoE(nn.Module):
         if self.combine is None:
             out = ops.fused_moe(hidden, self.experts_gate_up, self.experts_down, topk_weights, topk_ids)
         else:
-            # This rank's pairs at their local index; another rank's weigh 0 (a static shape, so a
-            # graph holds it) on a clamped index, adding exactly 0.0 to the sum.
-            local = topk_ids - self.experts.start
-            mine = (local >= 0) & (local < len(self.experts))
-            weights = torch.where(mine, topk_weights, 0.0)
-            out = ops.fused_moe(hidden, self.experts_gate_up, self.experts_down, weights, local.clamp(0, len(self.experts) - 1))
-            self.combine(out)
+            with self.ranges.experts("dispatch"):
+                # This rank's pairs at their local index; another rank's weigh 0 (a static shape, so
+                # a graph holds it) on a clamped index, adding exactly 0.0 to the sum.
+                local = topk_ids - self.experts.start
+                mine = (local >= 0) & (local < len(self.experts))
+                weights, local = torch.where(mine, topk_weights, 0.0), local.clamp(0, len(self.experts) - 1)
+            with self.ranges.experts("run"):
+                out = ops.fused_moe(hidden, self.experts_gate_up, self.experts_down, weights, local)
+            with self.ranges.experts("combine"):
+                self.combine(out)
         if self.shared_gate_up_proj is not None:
             shared = ops.linear(ops.gate_up_silu(hidden, self.shared_gate_up_proj), self.shared_down_proj)
             if self.shared_expert_gate is not None:

@@ -18,20 +18,21 @@ import time
 import pytest
 import torch
 from safetensors import safe_open
+from test_distributed import OPTIONS, PROMPTS, start_rank, wait_all_exited
 
 from graphrt import LLM, SamplingParams
 from graphrt.config import EngineConfig
 from graphrt.distributed.remote import free_port
 from graphrt.distributed.transport import STATS_INTERVAL_S, StageFailure
 from graphrt.errors import GraphrtError
-from graphrt.kernels import kernel_set
 from graphrt.kernels.cpu.moe import fused_moe_by_expert
 from graphrt.model.config import ModelConfig
 from graphrt.model.moe import ExpertShard
 from graphrt.model.weights import WeightFiles
+from graphrt.profiling.nvtx import Ranges
 from graphrt.runtime.stage_builder import load_stage
 from graphrt.tools.synthetic import make_synthetic
-from test_distributed import OPTIONS, PROMPTS, start_rank, wait_all_exited
+from helpers import RecordingDomain
 
 FAMILIES = ["mixtral", "qwen3-moe", "deepseek-v3"]  # 8, 8 and 16 experts; DeepSeek's with a shared expert
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -85,10 +86,10 @@ def test_expert_shards_summed_give_the_whole_layer(tiny_model_factory, variant, 
     outputs = [None] * ep
 
     def run(rank: int) -> None:
-        moe = shards[rank].layers[sparse].moe
-        moe.combine = combine_for(rank)
-        outputs[rank] = moe(hidden, shards[rank].ops)
+        shards[rank].combine_experts_with(combine_for(rank), Ranges(domain=domains[rank]))
+        outputs[rank] = shards[rank].layers[sparse].moe(hidden, shards[rank].ops)
 
+    domains = [RecordingDomain() for _ in range(ep)]
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(ep)]
     for thread in threads:
         thread.start()
@@ -101,6 +102,8 @@ def test_expert_shards_summed_give_the_whole_layer(tiny_model_factory, variant, 
         # the shard's experts are the checkpoint's, those experts' and no others
         torch.testing.assert_close(moe.experts_down, whole.layers[sparse].moe.experts_down[moe.experts.start : moe.experts.stop], rtol=0, atol=0)
         torch.testing.assert_close(outputs[rank], expected, rtol=0, atol=1e-12)
+        pushed = [message for kind, message, _ in domains[rank].events if kind == "push"]
+        assert pushed == ["experts dispatch", "experts run", "experts combine"]  # the layer's parts, for Nsight
 
 
 def run_all(llm: LLM) -> tuple:

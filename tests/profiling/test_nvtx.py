@@ -7,8 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
-from collections import Counter
 
 import pytest
 
@@ -16,24 +14,7 @@ from graphrt import LLM, SamplingParams
 from graphrt.capture.buckets import BucketPlan
 from graphrt.capture.capture import capture_stage
 from graphrt.profiling.nvtx import Ranges
-
-
-class RecordingDomain:
-    """Stands in for an nvtx domain: attributes are the message itself; pushes and pops are logged."""
-
-    def __init__(self):
-        self.events: list[tuple[str, str | None, str]] = []  # (push | pop, message, thread name)
-        self.attribute_calls = Counter()
-
-    def get_event_attributes(self, message=None, color=None):
-        self.attribute_calls[message] += 1
-        return message
-
-    def push_range(self, attributes):
-        self.events.append(("push", attributes, threading.current_thread().name))
-
-    def pop_range(self):
-        self.events.append(("pop", None, threading.current_thread().name))
+from helpers import RecordingDomain
 
 
 def nested(events):
