@@ -126,7 +126,7 @@ class Cluster:
 
     @staticmethod
     def start(model_dir, config) -> Cluster:
-        """Join torchrun's ranks (RANK=0 in the environment) or start pp-1 workers on this host."""
+        """Join torchrun's ranks (RANK=0 in the environment) or start the pp * ep - 1 workers on this host."""
         device = torch.device(config.devices[0]) if config.devices else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         backend = "nccl" if device.type == "cuda" else "gloo"
         world_size = config.pp * config.ep
@@ -151,7 +151,9 @@ class Cluster:
             children = spawn_workers(model_dir, config, port)
             init_method = f"tcp://127.0.0.1:{port}?rank=0&world_size={world_size}"
         group = _open_watching(children, backend, init_method, config.ep)
-        link = Link(group, 0, world_size, device if backend == "nccl" else torch.device("cpu"), config.watchdog_s, config.ep)
+        link = Link(
+            group, 0, world_size, device if backend == "nccl" else torch.device("cpu"), config.watchdog_s, config.ep, STARTUP_TIMEOUT_S
+        )
         cluster = Cluster(link, children, config.watchdog_s)
         atexit.register(cluster.close)  # a CLI that never closes its engine still stops its workers cleanly
         return cluster
@@ -181,7 +183,7 @@ class Cluster:
         try:
             return step()
         except StageFailure as exc:
-            self.fail(str(exc))
+            self.fail_soon(str(exc))
             self.close()
             raise
 
@@ -215,7 +217,7 @@ class Cluster:
             if to_stage_one and self.link.pp > 1:
                 send_message(self.link, message, self.link.leader(1))
         except StageFailure as exc:
-            self._fail_soon(str(exc))
+            self.fail_soon(str(exc))
             raise
 
     def _receive(self) -> None:
@@ -232,7 +234,7 @@ class Cluster:
                 reply = recv_reply(self.link, last)
             except StageFailure as exc:
                 if not self.closing.is_set():
-                    self._fail_soon(str(exc))
+                    self.fail_soon(str(exc))
                 return
             if reply.kind == SHUTDOWN:
                 return
@@ -287,8 +289,9 @@ class Cluster:
         after = "; then " + ", ".join(f"{self.link.name(r)} with code {c}" for r, c in others) if others else ""
         self.fail(f"{self.link.name(rank)} exited with code {code}{after}")
 
-    def _fail_soon(self, message: str) -> None:
-        """A broken link: if a process rank 0 started has died, name it rather than its neighbour."""
+    def fail_soon(self, message: str) -> None:
+        """A broken link, or a failed collective: if a process rank 0 started has died (within a
+        second), name it rather than the neighbour that lost it."""
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline and self.failure is None and self.children:
             self._check_children()
@@ -346,6 +349,10 @@ class Cluster:
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
         return thread
+
+
+def _kind(mb: MicroBatch) -> int:
+    return PREFILL if mb.step.is_prefill else DECODE
 
 
 def _open_watching(children: list[subprocess.Popen], backend: str, init_method: str, ep: int):
@@ -446,22 +453,24 @@ class RemoteRing(Ring):
             return
         event = self.cluster.expect(mb)  # before the send is queued, so the reply always finds it
         sampling = self._sampling(mb)
-        kind = PREFILL if mb.step.is_prefill else DECODE
-        self.streams[0].submit(lambda: self._send(Message(kind, mb.id, slot.index, meta, mb.bucket, sampling), slot, token_ids.shape[0]))
+        self.streams[0].submit(lambda: self._send(Message(_kind(mb), mb.id, slot.index, meta, mb.bucket, sampling), slot, token_ids.shape[0]))
         event.sent = self.streams[0].record()
         mb.done = event
 
     def _run_stage(self, index, slot, mb, token_ids, meta, params, generators) -> None:
         if self.cluster.link.expert_peers:  # stage 0's other expert ranks run it with this one: they need its input
-            kind = PREFILL if mb.step.is_prefill else DECODE
             ids = self._input_ids(token_ids, mb)
-            self.cluster.send(Message(kind, mb.id, slot.index, meta, mb.bucket, hidden=ids), to_stage_one=False)
+            self.cluster.send(Message(_kind(mb), mb.id, slot.index, meta, mb.bucket, hidden=ids), to_stage_one=False)
         super()._run_stage(index, slot, mb, token_ids, meta, params, generators)
+        device = self.pipeline.stages[0].device
+        if self.cluster.samples_here and device.type == "cuda":
+            # This thread's event is the micro-batch's: its tokens must be on the host when it is set.
+            torch.cuda.current_stream(device).synchronize()
 
     def reset(self, cause: str) -> None:
         """Stage processes can't be drained from here: late writes of lost micro-batches could land
         in freed blocks, so the whole pipeline stops instead (workers exit, naming the cause)."""
-        self.cluster.fail(cause)
+        self.cluster.fail_soon(cause)
         self._forget_in_flight()
 
     def _send(self, message: Message, slot: RingSlot, num_tokens: int) -> None:
@@ -472,7 +481,8 @@ class RemoteRing(Ring):
         self.last_sent = time.monotonic()
 
     def _holds_state(self, params) -> bool:
-        """The last rank also keeps each seeded request's generator, made from the seed it is sent."""
+        """The last rank also keeps each seeded request's generator, made from the seed it is sent
+        (unless this rank samples: one stage split over expert ranks)."""
         return (params.seed is not None and not self.cluster.samples_here) or super()._holds_state(params)
 
     def _sampling(self, mb: MicroBatch) -> Sampling:

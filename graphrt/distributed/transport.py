@@ -41,10 +41,12 @@ import torch
 import torch.distributed as dist
 
 from graphrt.errors import GraphrtError
+from graphrt.kernels.cpu.matmul_choice import MatmulPlan
 from graphrt.kernels.cpu.placement import usable_cores
 from graphrt.model.batch import StepMetadata
 from graphrt.model.config import ModelConfig
 from graphrt.runtime.logits_plan import LogitsPlan
+from graphrt.runtime.stage_builder import StageKernels
 from graphrt.sampling_params import SamplingParams
 
 HEADER_SIZE = 16
@@ -125,13 +127,19 @@ class Link:
     two ranks, and on NCCL one communicator's send would queue behind its own pending receive. With
     expert parallelism a third group joins the ranks of this rank's stage (None without)."""
 
-    def __init__(self, groups: tuple, rank: int, world_size: int, device: torch.device, timeout_s: float, ep: int = 1):
+    def __init__(
+        self, groups: tuple, rank: int, world_size: int, device: torch.device, timeout_s: float, ep: int = 1,
+        startup_timeout_s: float = 0.0,
+    ):
         (self.group, self.reply_group, self._make_group, self.store), self.rank, self.world_size = groups, rank, world_size
         self.ep = ep
         self.expert_group = None  # join_expert_group, once the handshake has agreed on ep
-        self.combine_s = 0.0  # seconds this rank has waited in combine_experts (gloo)
+        self.combine_s = 0.0  # seconds this rank has waited in combine_experts (gloo), since `started`
         self.device = device  # where tensors must live to travel (cuda with NCCL)
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        # Until every rank has loaded and captured (`started`), a collective may wait on a rank still
+        # loading: it waits as long as start-up may take.
+        self.collective_timeout = max(self.timeout, datetime.timedelta(seconds=startup_timeout_s))
 
     @property
     def pp(self) -> int:
@@ -157,6 +165,25 @@ class Link:
     def name(self, rank: int) -> str:
         return stage_name(rank, self.ep)
 
+    def started(self) -> None:
+        """Every rank is up: from now on a collective waits at most the watchdog, and its time counts."""
+        self.collective_timeout, self.combine_s = self.timeout, 0.0
+
+    def publish_kernels(self, kernels: StageKernels) -> None:
+        """This rank's kernel choices (its matmul forms and CPU op paths), under its rank; a stage
+        leader's under its stage too, for its other expert ranks to run: chosen by timing, two ranks
+        could otherwise run the replicated work differently, round differently, and route a near tie
+        to different experts."""
+        chosen = json.dumps({"matmuls": kernels.matmuls.to_json(), "ops": kernels.cpu.to_json() if kernels.cpu is not None else None})
+        self.store.set(f"kernels/rank-{self.rank}", chosen)
+        if self.expert_rank == 0:
+            self.store.set(f"kernels/stage-{self.stage}", chosen)
+
+    def leader_kernels(self) -> tuple[MatmulPlan, dict[str, str] | None]:
+        """What this rank's stage leader chose (waiting for it, up to the start-up timeout)."""
+        chosen = json.loads(self.store.get(f"kernels/stage-{self.stage}"))
+        return MatmulPlan.from_json(chosen["matmuls"]), chosen["ops"]
+
     def join_expert_group(self) -> None:
         """Under expert parallelism, meet this stage's other ranks on a group of their own. After the
         handshake: a rank that disagrees about ep would leave the others waiting here, unnamed."""
@@ -170,16 +197,17 @@ class Link:
         if self.device.type == "cuda":
             self.expert_group.allreduce([shares]).wait()
             return
-        started = time.perf_counter()
+        since = time.perf_counter()
         try:
-            self.expert_group.allreduce([shares]).wait(self.timeout)
+            self.expert_group.allreduce([shares]).wait(self.collective_timeout)
         except RuntimeError as exc:
             first = self.leader(self.stage)
+            reason = "timed out" if "imed out" in str(exc) or "timeout" in str(exc) else "lost the connection"
             raise StageFailure(
-                f"the expert ranks of stage {self.stage} (ranks {first}-{first + self.ep - 1}) stopped summing "
-                f"their experts' shares within {self.timeout.total_seconds():g} s ({str(exc).splitlines()[0][:160]})"
+                f"the expert ranks of stage {self.stage} (ranks {first}-{first + self.ep - 1}) stopped summing their "
+                f"experts' shares: the all-reduce {reason} ({str(exc).splitlines()[0][:160]})"
             ) from None
-        self.combine_s += time.perf_counter() - started
+        self.combine_s += time.perf_counter() - since
 
     def publish_stats(self, stats: RankStats) -> None:
         """This rank's figures, for rank 0 to read (`read_stats`) when it reports."""

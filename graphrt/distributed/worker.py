@@ -14,6 +14,7 @@ MASTER_ADDR, MASTER_PORT, and LOCAL_RANK for the GPU of this process.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 import threading
@@ -85,6 +86,9 @@ def parse_options(args: list[str]) -> WorkerOptions:
     parser.add_argument("--watchdog-s", type=float, default=DEFAULT_WATCHDOG_S)
     parser.add_argument("--startup-timeout-s", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
     known, _ = parser.parse_known_args(args)
+    world_size = int(os.environ["WORLD_SIZE"])
+    if known.ep < 1 or world_size % known.ep:
+        raise SystemExit(f"error: --ep {known.ep} must be a positive divisor of WORLD_SIZE ({world_size}): pp * ep ranks")
     if known.model is None:
         from graphrt.model.default_model import default_model_dir
 
@@ -107,6 +111,7 @@ class StageWorker:
 
     def __init__(self, link: Link, plan: StagePlan, options: WorkerOptions, device: torch.device):
         self.link, self.plan, self.rank = link, plan, link.rank
+        self.startup_timeout_s = options.startup_timeout_s
         cfg = ModelConfig.from_dir(options.model)
         dtype = parse_dtype(plan.dtype)
         index = link.stage
@@ -118,7 +123,16 @@ class StageWorker:
         self.stage = load_stage(cfg, index, plan.pp, plan.layers[index], device, dtype, plan.max_model_len, plan.kernels, files, shard)
         if link.ep > 1:
             self.stage.combine_experts_with(link.combine_experts, Ranges())
-        self.kernels = choose_stage_kernels(self.stage, max(plan.buckets), plan.block_size, mode_from_env(), cpu_kernel_mode_from_env())
+        if self.leads:
+            self.kernels = choose_stage_kernels(self.stage, max(plan.buckets), plan.block_size, mode_from_env(), cpu_kernel_mode_from_env())
+        else:  # the leader's choices, so that the replicated work runs (and rounds) alike on every rank
+            matmuls, ops = link.leader_kernels()
+            self.kernels = choose_stage_kernels(
+                self.stage, max(plan.buckets), plan.block_size, mode_from_env(), cpu_kernel_mode_from_env(),
+                previous_matmuls=matmuls.by_name(), cached_ops=ops,
+            )
+        if link.ep > 1:
+            link.publish_kernels(self.kernels)
         self.cache = StageKVCache.allocate(cfg, len(plan.layers[index]), plan.num_blocks, plan.block_size, device, dtype)
         max_blocks = -(-plan.max_model_len // plan.block_size)
         self.graphs, _ = capture_stage(
@@ -128,7 +142,6 @@ class StageWorker:
         # what arrives for each slot: hidden states, or on stage 0 (an expert rank beside the engine) token ids
         width = () if self.stage.is_first else (cfg.hidden_size,)
         input_dtype = torch.int64 if self.stage.is_first else dtype
-        link.combine_s = 0.0  # the figures count micro-batches, not the capture's checks
         self.buffers = [torch.empty(plan.max_tokens, *width, dtype=input_dtype, device=device) for _ in range(plan.num_slots)]
         self.sampler = None
         if self.stage.is_last and self.leads:
@@ -141,8 +154,13 @@ class StageWorker:
 
     def run(self) -> None:
         """Until rank 0 says stop; a dead or silent neighbour raises StageFailure."""
+        # Rank 0 sends nothing until every rank is ready, which may take as long as start-up.
+        timeout = datetime.timedelta(seconds=self.startup_timeout_s)
         while True:
-            message = recv_message(self.link, self.source, self.buffers)
+            message = recv_message(self.link, self.source, self.buffers, timeout)
+            if timeout is not None:
+                self.link.started()
+                timeout = None
             for peer in self.link.expert_peers:  # before running: they run the stage with this rank
                 send_message(self.link, message.for_expert_ranks(), peer)
             if message.kind in (HEARTBEAT, SHUTDOWN):
@@ -251,7 +269,10 @@ def run_worker(options: WorkerOptions) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = open_group(backend, "env://", options.startup_timeout_s)
-    link = Link(group, rank, world_size, device if backend == "nccl" else torch.device("cpu"), options.watchdog_s, options.ep)
+    link = Link(
+        group, rank, world_size, device if backend == "nccl" else torch.device("cpu"), options.watchdog_s, options.ep,
+        options.startup_timeout_s,
+    )
     worker = None
     try:
         plan = worker_handshake(link, worker_view(options, world_size, device), options.startup_timeout_s)
@@ -260,7 +281,9 @@ def run_worker(options: WorkerOptions) -> int:
             worker = StageWorker(link, plan, options, device)
         except Exception:
             traceback.print_exc()  # this rank's output says why; rank 0 is told only that it failed
-            report_ready(link, None, options.startup_timeout_s)
+            # Not waiting long: rank 0 may be capturing with this stage's other ranks, who learn of
+            # the failure when this process exits and their all-reduce loses it.
+            report_ready(link, None, min(options.watchdog_s, 1.0))
             raise
         report_ready(link, worker.stage.weight_reads(), options.startup_timeout_s)
         stop = threading.Event()

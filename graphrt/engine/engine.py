@@ -95,7 +95,7 @@ class Engine:
             self._start(files, cache_dir, show_progress, eos_id, load_watch)
         except BaseException as exc:
             if self.cluster is not None:  # workers must not wait out their timeouts for a dead engine
-                self.cluster.fail(f"the engine (rank 0) failed to start: {exc}")
+                self.cluster.fail_soon(f"the engine (rank 0) failed to start: {exc}")
                 self.cluster.close()
             raise
 
@@ -113,8 +113,6 @@ class Engine:
                 self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels, self.layers,
                 ExpertShard(0, config.ep),
             )
-            if config.ep > 1:
-                self.pipeline.stages[0].combine_experts_with(self.cluster.link.combine_experts, self.ranges)
         else:
             self.pipeline = Pipeline.load(
                 self.model_config, files, self.devices, self.dtype, self.max_model_len, config.kernels, self.layers
@@ -127,6 +125,9 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.plan = self._bucket_plan(num_blocks)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        if self.cache_dir is not None and config.ep > 1:
+            # the cache's eager buckets would be rank 0's alone, and its other expert ranks must capture as it does
+            raise ValueError("a graph cache (--cache, graphrt capture) with --ep is not supported yet; drop one of them")
         forced_eager = self._check_graph_cache() if self.cache_dir is not None else set()
         # Before timing the matmuls, which the tokenizer's thread would disturb.
         self.tokenizer_eos_id = eos_id.result()
@@ -139,7 +140,7 @@ class Engine:
         with load_watch.timing_team() if on_cpu else contextlib.nullcontext() as self.timing_note:
             # Before capture: graphs read the weights in the forms chosen here.
             self.pipeline.choose_kernels(self.plan.max_batch, config.block_size, cached_matmuls, cached_ops)
-            if self.samples_here:  # with stage processes the last one samples, and chooses for itself
+            if self.samples_here:  # else the last stage's process samples, and chooses its own
                 greedy_argmax, self.argmax_summary = choose_greedy_argmax(
                     self.devices[-1], self.model_config.vocab_size, self.plan.max_batch, cpu_kernel_mode_from_env(),
                     cached=cached_argmax,
@@ -147,10 +148,14 @@ class Engine:
         self.stage_plan = self._stage_plan(num_blocks)
         if self.cluster:  # the workers load and capture meanwhile; stage 0's other expert ranks capture with this one
             self.cluster.handshake(self.stage_plan)
+            if config.ep > 1:
+                # Only now: the KV budget's probe above ran stage 0 alone. Its other ranks run what it chose.
+                self.cluster.link.publish_kernels(self.pipeline.kernels[0])
+                self.pipeline.stages[0].combine_experts_with(self.cluster.link.combine_experts, self.ranges)
         self._capture_graphs(forced_eager, show_progress)
         if self.cluster:
             self.cluster.wait_ready()
-            self.cluster.link.combine_s = 0.0  # the figures count micro-batches, not the capture's checks
+            self.cluster.link.started()  # collectives wait at most the watchdog now, and count for the figures
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer_eos_id is not None:
             self.eos_ids.add(self.tokenizer_eos_id)

@@ -86,7 +86,7 @@ def measure_headroom(
         for device, bytes_ in _prefill_peaks(pipeline, chunk, block_size).items():
             headroom[device].transient = max(headroom[device].transient, bytes_)
         last = stages[-1]
-        if last.is_last:  # rank 0 of stage processes does not sample
+        if last.is_last:  # rank 0 of stage processes samples only when it holds the last stage (pp 1, --ep)
             logits = torch.zeros(max_batch, last.cfg.vocab_size, dtype=last.dtype, device=last.device)
             sampler = Sampler(last.device, seed=0)
             random_rows = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * max_batch  # sorts every row

@@ -31,7 +31,7 @@ from graphrt.profiling.nvtx import Ranges
 @dataclass(frozen=True)
 class ExpertShard:
     """Rank `rank` of the `size` ranks of a stage that split each sparse layer's routed experts:
-    it holds the contiguous slice `experts` (the experts divide evenly; ModelConfig checks)."""
+    it holds the contiguous slice `experts` (the experts divide evenly: check_expert_parallel)."""
 
     rank: int = 0
     size: int = 1

@@ -145,7 +145,7 @@ class RingSlot:
 class Ring:
     pipeline: Pipeline
     graphs: list[StageGraphs]
-    sampler: Sampler | None  # None on rank 0 of stage processes: the last rank samples
+    sampler: Sampler | None  # None on rank 0 of stage processes, where the last rank samples (unless pp is 1: --ep)
     num_slots: int
     max_tokens: int  # per micro-batch: max(prefill chunk, largest bucket)
     block_size: int

@@ -11,6 +11,7 @@ experts; a killed expert rank ends everything. Every wait is bounded, as in test
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import threading
 import time
@@ -192,16 +193,8 @@ def test_killing_an_expert_rank_ends_everything(tiny_model_factory):
     make_synthetic(llm.engine, stage_ms=10)  # stage 0 takes 10 ms, so the requests are still running at the kill
     children = llm.engine.cluster.children  # ranks 1, 2, 3
     errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            llm.generate(PROMPTS, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
-        except BaseException as exc:  # noqa: BLE001 - inspected below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
     try:
-        thread.start()
+        thread = generate_in_thread(llm, errors)
         time.sleep(1.0)
         assert thread.is_alive(), "the requests finished before the kill; the test needs a slower stage"
         killed_at = time.monotonic()
@@ -218,6 +211,86 @@ def test_killing_an_expert_rank_ends_everything(tiny_model_factory):
     assert codes[2] == -9 and all(code not in (None, 0) for code in codes), codes
     with pytest.raises(GraphrtError, match=r"rank 3"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))
+
+
+def generate_in_thread(llm: LLM, errors: list) -> threading.Thread:
+    def run() -> None:
+        try:
+            llm.generate(PROMPTS, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        except BaseException as exc:  # noqa: BLE001 - inspected by the caller
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_an_expert_rank_of_stage_zero_that_dies_or_goes_silent_ends_everything(tiny_model_factory, how):
+    """pp 1: rank 0's own all-reduce loses its peer (killed: at once, naming it) or waits the
+    watchdog for it (stopped with SIGSTOP, so nothing closes); either way the requests fail and no
+    process outlives the watchdog by much."""
+    llm = LLM(model=tiny_model_factory("qwen3-moe"), pp=1, ep=2, watchdog_s=WATCHDOG_S, **OPTIONS)
+    make_synthetic(llm.engine, stage_ms=10)
+    children = llm.engine.cluster.children  # rank 1
+    errors: list[BaseException] = []
+    try:
+        thread = generate_in_thread(llm, errors)
+        time.sleep(1.0)
+        assert thread.is_alive(), "the requests finished before the failure; the test needs a slower stage"
+        stopped_at = time.monotonic()
+        children[0].send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        thread.join(WATCHDOG_S + 10)
+        assert not thread.is_alive(), "generate did not return after an expert rank failed"
+        failed_within = time.monotonic() - stopped_at
+        codes = wait_all_exited(children, within_s=WATCHDOG_S + 10 - failed_within)
+    finally:
+        for child in children:
+            child.kill()
+    assert len(errors) == 1 and isinstance(errors[0], GraphrtError), errors
+    if how == "killed":  # a closed connection is seen at once, and the dead process named
+        assert failed_within < WATCHDOG_S, failed_within
+        assert "lost the connection" in str(errors[0]) and "timed out" not in str(errors[0])
+        assert "stage 0 expert rank 1 (rank 1) exited with code -9" in str(llm.engine.failure)
+    else:  # a silent rank is only known to be one of the stage's
+        assert WATCHDOG_S * 0.9 < failed_within < WATCHDOG_S + 5, failed_within
+        assert "the expert ranks of stage 0 (ranks 0-1) stopped summing their experts' shares: the all-reduce timed out" in str(errors[0])
+    assert codes[0] not in (None, 0), codes  # the silent one is stopped by rank 0 (SIGTERM, then SIGKILL)
+
+
+def test_expert_ranks_stay_up_through_an_idle_spell_longer_than_the_watchdog(tiny_model_factory):
+    """Heartbeats reach every rank, stage 0's other expert ranks included, while nothing runs."""
+    model = tiny_model_factory("mixtral")
+    alone = LLM(model=model, pp=2, **OPTIONS)
+    expected = [o.token_ids for o in alone.generate(PROMPTS[:2], GREEDY)]
+    alone.engine.close()
+    llm = LLM(model=model, pp=2, ep=2, watchdog_s=1.0, **OPTIONS)
+    children = llm.engine.cluster.children
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == expected
+        time.sleep(3.0)  # three watchdogs with nothing to run
+        assert [c.poll() for c in children] == [None] * 3 and llm.engine.failure is None
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == expected
+    finally:
+        llm.engine.close()
+        codes = wait_all_exited(children, within_s=10)
+    assert codes == [0, 0, 0]
+
+
+def test_each_stage_runs_its_leaders_kernel_choices_on_every_rank(tiny_model_factory, monkeypatch):
+    """With the matmul forms chosen by timing (not forced, as the rest of the suite forces them),
+    a stage's other expert ranks run its leader's choices rather than timing their own."""
+    monkeypatch.delenv("GRAPHRT_MATMUL", raising=False)
+    llm = LLM(model=tiny_model_factory("qwen3-moe"), pp=2, ep=2, watchdog_s=30, **OPTIONS)
+    children = llm.engine.cluster.children
+    try:
+        store = llm.engine.cluster.link.store
+        chosen = [json.loads(store.get(f"kernels/rank-{rank}")) for rank in range(4)]
+        assert chosen[1] == chosen[0] and chosen[3] == chosen[2]
+        assert chosen[0]["matmuls"] == llm.engine.pipeline.kernels[0].matmuls.to_json()
+    finally:
+        llm.engine.close()
+        wait_all_exited(children, within_s=10)
 
 
 def test_expert_parallelism_is_refused_where_it_cannot_run(tiny_model_factory):
