@@ -69,11 +69,14 @@ def fused_moe(
     w_gate_up: torch.Tensor,  # (num_experts, 2 * inter, hidden_size): each expert's gate rows, then its up rows
     w_down: torch.Tensor,  # (num_experts, hidden_size, inter)
     topk_weights: torch.Tensor,  # (tokens, top_k) float
-    topk_ids: torch.Tensor,  # (tokens, top_k) int64
+    topk_ids: torch.Tensor,  # (tokens, top_k) int64 in [0, num_experts]
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k].
 
-    An expert chosen twice by one token counts twice. The weighted sum is taken in the wider of the
+    An expert chosen twice by one token counts twice. The id `num_experts`, one past the last, marks
+    a pair another expert rank holds (--ep: graphrt/model/moe.py): it adds nothing, whatever its
+    weight, and the fast paths (the CPU's by-expert form, the Triton kernel) never run it; here it
+    runs on the last expert at weight 0, as a static shape must. The weighted sum is taken in the wider of the
     hidden and weight dtypes (float32 for bfloat16 activations, float64 stays float64), then cast
     back to the hidden dtype.
 
@@ -91,7 +94,9 @@ def fused_moe(
     num_tokens, top_k = topk_ids.shape
     num_experts = w_gate_up.shape[0]
     sum_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
-    weights = topk_weights.to(sum_dtype)
+    elsewhere = topk_ids == num_experts  # another expert rank's pairs
+    weights = torch.where(elsewhere, 0.0, topk_weights).to(sum_dtype)
+    topk_ids = topk_ids.clamp(max=num_experts - 1)
     if num_tokens * top_k < num_experts:
         out = _chosen_experts_gathered(hidden, w_gate_up, w_down, weights, topk_ids)
     else:

@@ -303,7 +303,8 @@ def fused_moe(
     gated MLP of hidden[t]; same contract as `moe.fused_moe`.
 
     w_gate_up: (experts, 2 * inter, hidden), gate rows first; w_down: (experts, hidden, inter);
-    topk_weights: (tokens, top_k) float32; topk_ids: (tokens, top_k) int64 in [0, experts). Only the
+    topk_weights: (tokens, top_k) float32; topk_ids: (tokens, top_k) int64 in [0, experts], where
+    `experts` marks another expert rank's pair: dropped by moe_align, it adds nothing. Only the
     chosen experts' weights are read. `tiles` overrides `default_tiles`.
     """
     _check_shapes(hidden, w_gate_up, w_down, topk_weights, topk_ids)
@@ -332,7 +333,8 @@ def fused_moe(
         num_pairs, hidden_size, inter_size, hidden.stride(0), *w_gate_up.stride(),
         TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **compute,
     )
-    expert_out = torch.empty(num_pairs, hidden_size, dtype=compute_dtype, device=hidden.device)  # weighted, per pair
+    # weighted, per pair; zeros where moe_align dropped a pair (another expert rank's, id num_experts)
+    expert_out = torch.zeros(num_pairs, hidden_size, dtype=compute_dtype, device=hidden.device)
     _down_kernel[(max_blocks, triton.cdiv(hidden_size, tiles.block_n))](
         act, w_down, topk_weights, blocks.sorted_pair_ids, blocks.block_experts, blocks.num_valid_blocks, expert_out,
         num_pairs, hidden_size, inter_size, *w_down.stride(),

@@ -16,6 +16,8 @@
 #   pytest_cuda        tests/kernels/test_kernels.py, test_moe_triton.py and test_mla_triton.py whole (their Triton tests,
 #                      bfloat16 too), then pytest -m cuda
 #                      (the server tests skip where fastapi, uvicorn or openai are missing)
+#   moe_graphs         scripts/moe_graph_check.py: tiny Qwen3-MoE and DeepSeek-V3 at pp 1, ep 1, Triton
+#                      kernels, captured as graphs, greedy = eager (EP across GPUs needs several: not run)
 #   graph_replay_gpu   decode step per bucket, graph replay against eager; capture per (stage, bucket)
 #   pp_throughput_gpu  pp 1, 2, 4 on the one GPU at batch 1 and 64; share of the HBM peak
 #   kernels_gpu        each Triton kernel against its torch reference: error and GB/s
@@ -56,8 +58,8 @@ DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
 SELF_CHECK=${GPU_CHECK_SELF_CHECK:-0}
 # Each step's limit in seconds, in the order the steps run. Sized for a warm Triton cache: compiling
 # all 227 variants there would take about 20-30 s more, spread over the steps.
-STEP_LIMITS=(setup:20 smoke:60 write_model:15 capture:30 pytest_cuda:60 graph_replay_gpu:25 pp_throughput_gpu:30
-    kernels_gpu:10 generate:20 serve:20 doctor:10)
+STEP_LIMITS=(setup:20 smoke:50 write_model:15 capture:25 pytest_cuda:55 moe_graphs:25 graph_replay_gpu:25
+    pp_throughput_gpu:25 kernels_gpu:10 generate:20 serve:20 doctor:10)
 REPORT_SECONDS=20   # the machine report and the CUDA probe, outside any step
 SUMMARY_SECONDS=10  # kept back at the end for writing the summary
 MARGIN_SECONDS=15
@@ -365,6 +367,7 @@ else
     run_step pytest_cuda "$(limit_of pytest_cuda)" "'$PY' -m pytest -v -rfEs -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_moe_triton.py tests/kernels/test_mla_triton.py; kernels=\$?; \
         '$PY' -m pytest -m cuda -v -rfEs --continue-on-collection-errors -p no:cacheprovider --ignore=tests/kernels/test_kernels.py --ignore=tests/kernels/test_moe_triton.py --ignore=tests/kernels/test_mla_triton.py tests; \
         marked=\$?; exit \$(( kernels != 0 ? kernels : marked ))"
+    run_step moe_graphs "$(limit_of moe_graphs)" "$(cpu_first 'scripts/moe_graph_check.py --device cpu')'$PY' scripts/moe_graph_check.py"
 
     run_step graph_replay_gpu "$(limit_of graph_replay_gpu)" "$(cpu_first 'benchmarks/graph_replay_gpu.py --device cpu --buckets 1,2 --repeats 2')\
         '$PY' benchmarks/graph_replay_gpu.py --models 1b --model '$MODEL_DIR' --buckets 1,8,32,64"

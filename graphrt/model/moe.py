@@ -141,11 +141,11 @@ class SparseMoE(nn.Module):
             out = ops.fused_moe(hidden, self.experts_gate_up, self.experts_down, topk_weights, topk_ids)
         else:
             with self.ranges.experts("dispatch"):
-                # This rank's pairs at their local index; another rank's weigh 0 (a static shape, so
-                # a graph holds it) on a clamped index, adding exactly 0.0 to the sum.
+                # This rank's pairs at their local index; another rank's at one past its last expert,
+                # which fused_moe skips (the shapes stay static, so a graph holds it), at weight 0.
                 local = topk_ids - self.experts.start
                 mine = (local >= 0) & (local < len(self.experts))
-                weights, local = torch.where(mine, topk_weights, 0.0), local.clamp(0, len(self.experts) - 1)
+                weights, local = torch.where(mine, topk_weights, 0.0), torch.where(mine, local, len(self.experts))
             with self.ranges.experts("run"):
                 out = ops.fused_moe(hidden, self.experts_gate_up, self.experts_down, weights, local)
             with self.ranges.experts("combine"):

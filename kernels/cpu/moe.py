@@ -39,14 +39,14 @@ def fused_moe_by_expert(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """kernels/moe.py's `fused_moe` (the same arguments, shapes and result), summed in the same dtype
+    """kernels/moe.py's `fused_moe` (the same arguments, shapes and result, id num_experts included), summed in the same dtype
     (the wider of hidden's and the weights'); an expert a row names twice runs on that row twice.
     Experts kept one weight per expert in another form give the same result to that form's rounding."""
     top_k = topk_ids.shape[1]
     sum_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
     num_experts = w_gate_up.shape[0]
-    # (tokens * top_k,): token t's k-th choice at t * top_k + k; a pair of weight 0 (another expert
-    # rank's, under --ep) goes past the last expert, after the others, and is never run
+    # (tokens * top_k,): token t's k-th choice at t * top_k + k; a pair of weight 0, or another
+    # expert rank's (id num_experts, under --ep), sorts past the last expert and is never run
     pairs = torch.where(topk_weights.reshape(-1) != 0, topk_ids.reshape(-1), num_experts)
     order = torch.argsort(pairs, stable=True)  # the pairs grouped by expert
     counts = torch.bincount(pairs, minlength=num_experts + 1)[:num_experts].tolist()  # the host reads the routing

@@ -114,6 +114,18 @@ def test_fused_moe_with_other_tiles(poisoned_empty, tiles):
     assert_matches_loop(fused_moe(*inputs, tiles=tiles), inputs)
 
 
+@pytest.mark.parametrize("num_tokens", [3, 33])
+def test_another_expert_ranks_pairs_add_nothing(poisoned_empty, num_tokens):
+    """Under --ep a pair whose expert another rank holds comes as id num_experts (one past the last),
+    at weight 0: moe_align drops it and its output row stays zero, as if the pair were not there."""
+    hidden, w_gate_up, w_down, topk_weights, topk_ids = moe_inputs(num_tokens, 6, 4, torch.float32, seed=num_tokens)
+    elsewhere = torch.rand(topk_ids.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE) < 0.5
+    elsewhere[0] = True  # a token all of whose experts are elsewhere: its output is exactly zero
+    got = fused_moe(hidden, w_gate_up, w_down, torch.where(elsewhere, 0.0, topk_weights), torch.where(elsewhere, 6, topk_ids))
+    assert_matches_loop(got, (hidden, w_gate_up, w_down, torch.where(elsewhere, 0.0, topk_weights), topk_ids))
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
 def test_a_row_choosing_one_expert_twice_gets_both_weights():
     hidden, w_gate_up, w_down, _, _ = moe_inputs(5, 4, 2, torch.float32, seed=9)
     topk_ids = torch.tensor([[2, 2], [0, 3], [3, 3], [1, 1], [2, 0]], device=DEVICE)

@@ -72,6 +72,21 @@ def test_fused_moe_equals_a_per_token_loop(num_tokens, top_k, num_experts, dtype
     torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=0)
 
 
+@pytest.mark.parametrize("fused_moe", [fused_moe, fused_moe_by_expert], ids=["reference", "cpu-by-expert"])
+@pytest.mark.parametrize("num_tokens", [1, 6], ids=["gathered", "every-expert"])  # 2 or 12 pairs, 4 experts
+def test_another_expert_ranks_pairs_add_nothing(num_tokens, fused_moe):
+    """Under --ep another rank's pairs come as id num_experts at weight 0 (graphrt/model/moe.py): they
+    add nothing, even where the expert they would land on overflows."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(num_tokens, 16, generator=gen, dtype=torch.float64)
+    w_gate_up, w_down = torch.randn(4, 20, 16, generator=gen, dtype=torch.float64), torch.randn(4, 16, 10, generator=gen, dtype=torch.float64)
+    topk_ids = torch.tensor([[1, 4]] * num_tokens)  # expert 1, and one held elsewhere
+    topk_weights = torch.tensor([[0.75, 0.0]] * num_tokens)
+    expected = per_token_loop(hidden, w_gate_up, w_down, topk_weights[:, :1], topk_ids[:, :1])
+    w_gate_up[3], w_down[3] = torch.inf, torch.inf  # the last expert, which a clamped id would run
+    torch.testing.assert_close(fused_moe(hidden, w_gate_up, w_down, topk_weights, topk_ids), expected, atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 6], ids=["gathered", "every-expert"])  # 2 or 12 pairs, 4 experts
 def test_an_expert_no_row_chose_changes_nothing(num_tokens):
     """The gathered form never reads an expert no row chose; the every-expert form runs it and keeps
