@@ -120,7 +120,10 @@ class StageWorker:
         # Built as rank 0 builds its stages (graphrt.runtime.stage_builder), then captured as it does.
         shard = ExpertShard(link.expert_rank, link.ep)
         files = WeightFiles(options.model)
-        self.stage = load_stage(cfg, index, plan.pp, plan.layers[index], device, dtype, plan.max_model_len, plan.kernels, files, shard)
+        # the leader of the last stage samples; its other expert ranks need no LM head
+        self.stage = load_stage(
+            cfg, index, plan.pp, plan.layers[index], device, dtype, plan.max_model_len, plan.kernels, files, shard, head=self.leads
+        )
         if link.ep > 1:
             self.stage.combine_experts_with(link.combine_experts, Ranges())
         if self.leads:

@@ -149,7 +149,11 @@ class Stage(nn.Module):
         max_position: int,
         ops: KernelSet,
         shard: ExpertShard = WHOLE,
+        head: bool = True,
     ):
+        """`head`: on the last stage, whether it holds the final norm and LM head and returns logits
+        (an expert rank that does not sample returns the hidden states instead); `shard`: which of a
+        sparse layer's routed experts it holds."""
         super().__init__()
         self.cfg = cfg
         self.shard = shard  # which of a sparse layer's routed experts this rank holds (--ep)
@@ -157,6 +161,7 @@ class Stage(nn.Module):
         self.index = index
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
+        self.has_head = self.is_last and head
         self.layer_ids = layers
         self.device = device
         self.dtype = dtype
@@ -171,8 +176,8 @@ class Stage(nn.Module):
         meta = lambda *shape: nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)  # noqa: E731
         self.embed_tokens = meta(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops, layer, shard) for layer in layers)
-        self.norm = meta(cfg.hidden_size) if self.is_last else None
-        self.lm_head = meta(cfg.vocab_size, cfg.hidden_size) if self.is_last else None
+        self.norm = meta(cfg.hidden_size) if self.has_head else None
+        self.lm_head = meta(cfg.vocab_size, cfg.hidden_size) if self.has_head else None
         cos, sin = rotary_cos_sin(cfg.rope, cfg.head_dim, max_position)
         self.register_buffer("cos", cos.to(device), persistent=False)
         self.register_buffer("sin", sin.to(device), persistent=False)
@@ -184,7 +189,7 @@ class Stage(nn.Module):
         for i, layer_id in enumerate(self.layer_ids):
             for ours, theirs in DecoderLayer.hf_names(self.cfg, layer_id, self.shard).items():
                 names[f"layers.{i}.{ours}"] = theirs
-        if self.is_last:
+        if self.has_head:
             names["norm"] = ["model.norm.weight"]
             # A tied LM head is stored once, as the embedding; the last stage keeps its own copy.
             names["lm_head"] = ["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
@@ -192,7 +197,7 @@ class Stage(nn.Module):
 
     def load(self, files: WeightFiles) -> None:
         names = self.hf_names()
-        if self.is_last and not self.cfg.tie_word_embeddings and "lm_head.weight" not in files:
+        if self.has_head and not self.cfg.tie_word_embeddings and "lm_head.weight" not in files:
             names["lm_head"] = ["model.embed_tokens.weight"]  # checkpoints that tie without saying so
         for i, layer in enumerate(self.layers):
             if layer.moe is not None:  # a checkpoint that stores the experts already stacked
@@ -259,7 +264,7 @@ class Stage(nn.Module):
             sparse = [layer.moe for layer in self.layers if layer.moe is not None]
             owners[name] = [(moe, name) for moe in sparse if getattr(moe, name) is not None]
         owners = {name: places for name, places in owners.items() if places}
-        if self.is_last:
+        if self.has_head:
             owners["lm_head"] = [(self, "lm_head")]
         return owners
 
@@ -313,8 +318,8 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor, meta: StepMetadata, kv: StageKVCache) -> torch.Tensor:
         """x: token ids (tokens,) on stage 0, else hidden states (tokens, hidden_size).
 
-        Returns hidden states for the next stage, or on the last stage the logits of each
-        sequence's last token (batch, vocab_size).
+        Returns hidden states for the next stage, or on the last stage (with its head) the logits
+        of each sequence's last token (batch, vocab_size).
         """
         if self.synthetic_delay_s:
             time.sleep(self.synthetic_delay_s)
@@ -326,7 +331,7 @@ class Stage(nn.Module):
         else:
             for i, layer in enumerate(self.layers):
                 hidden, residual = layer(hidden, residual, meta, cos, sin, kv.k[i], kv.v[i])
-        if not self.is_last:
+        if not self.has_head:
             return hidden + residual
         hidden, _ = self.ops.rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, residual)
         return self.ops.linear(hidden[meta.logits_indices], self.lm_head)

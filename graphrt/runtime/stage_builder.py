@@ -34,11 +34,12 @@ class StageKernels:
 
 def load_stage(
     cfg: ModelConfig, index: int, num_stages: int, layers: range, device: torch.device, dtype: torch.dtype,
-    max_position: int, kernels: str, files: WeightFiles, shard: ExpertShard = WHOLE,
+    max_position: int, kernels: str, files: WeightFiles, shard: ExpertShard = WHOLE, head: bool = True,
 ) -> Stage:
-    """Stage `index` of `num_stages`, holding `layers` (of their routed experts, the `shard`'s), its
-    weights loaded onto `device`; it runs the `kernels` set (--kernels) until `choose_stage_kernels`."""
-    stage = Stage(cfg, index, num_stages, layers, device, dtype, max_position, kernel_set(kernels, device.type), shard)
+    """Stage `index` of `num_stages`, holding `layers` (of their routed experts, the `shard`'s; on the
+    last stage the LM head unless not `head`), its weights loaded onto `device`; it runs the
+    `kernels` set (--kernels) until `choose_stage_kernels`."""
+    stage = Stage(cfg, index, num_stages, layers, device, dtype, max_position, kernel_set(kernels, device.type), shard, head)
     stage.load(files)
     return stage
 

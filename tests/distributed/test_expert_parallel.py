@@ -146,14 +146,18 @@ def test_expert_ranks_give_the_single_rank_tokens(tiny_model_factory, variant, p
         # the stage leaders count every expert's tokens (routing is whole on each rank)
         assert llm.engine.ring.stage_expert_tokens == expert_tokens
         # Each rank holds half the experts and the rest of its stage: the experts add up to the single
-        # rank's once; each stage's dense weights are held by both its ranks.
+        # rank's once; each stage's dense weights are held by both its ranks, but the final norm and
+        # LM head only by the last stage's leader, which samples.
         ranks = llm.engine.rank_weight_reads()
+        cfg = llm.engine.model_config
+        head_bytes = (cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) * 8  # float64
         assert len(ranks) == 2 * pp
         assert sum(r.expert_bytes for r in ranks) == single_rank_reads.expert_bytes
         for stage in range(pp):
             first, second = ranks[2 * stage], ranks[2 * stage + 1]
-            assert first.expert_bytes == second.expert_bytes and first.dense_bytes == second.dense_bytes
-        assert sum(r.dense_bytes for r in ranks) == 2 * single_rank_reads.dense_bytes
+            assert first.expert_bytes == second.expert_bytes
+            assert first.dense_bytes - second.dense_bytes == (head_bytes if stage == pp - 1 else 0)
+        assert sum(r.dense_bytes for r in ranks) == 2 * single_rank_reads.dense_bytes - head_bytes
         assert "each rank holds 1/2" in llm.engine.expert_rank_summary()
         if pp == 2:  # each rank's figures, the workers' through the store (published and read every STATS_INTERVAL_S)
             time.sleep(3 * STATS_INTERVAL_S)
@@ -281,12 +285,19 @@ def test_each_stage_runs_its_leaders_kernel_choices_on_every_rank(tiny_model_fac
     """With the matmul forms chosen by timing (not forced, as the rest of the suite forces them),
     a stage's other expert ranks run its leader's choices rather than timing their own."""
     monkeypatch.delenv("GRAPHRT_MATMUL", raising=False)
-    llm = LLM(model=tiny_model_factory("qwen3-moe"), pp=2, ep=2, watchdog_s=30, **OPTIONS)
+    options = {**OPTIONS, "dtype": "float32"}  # float64 has one matmul form only, so nothing would be timed
+    llm = LLM(model=tiny_model_factory("qwen3-moe"), pp=2, ep=2, watchdog_s=30, **options)
     children = llm.engine.cluster.children
     try:
         store = llm.engine.cluster.link.store
         chosen = [json.loads(store.get(f"kernels/rank-{rank}")) for rank in range(4)]
-        assert chosen[1] == chosen[0] and chosen[3] == chosen[2]
+        paths = [{c["name"]: c["path"] for c in rank["matmuls"]["choices"]} for rank in chosen]
+        assert paths[1] == paths[0] and chosen[1]["ops"] == chosen[0]["ops"]
+        # the last stage's other rank has no LM head to choose for: the rest is its leader's
+        assert "lm_head" in paths[2] and paths[3] == {name: path for name, path in paths[2].items() if name != "lm_head"}
+        assert chosen[3]["ops"] == chosen[2]["ops"]
+        # the leaders timed their matmuls; the other ranks timed none (a follower timing its own fails here)
+        assert [rank["matmuls"]["measure_s"] > 0 for rank in chosen] == [True, False, True, False]
         assert chosen[0]["matmuls"] == llm.engine.pipeline.kernels[0].matmuls.to_json()
     finally:
         llm.engine.close()
