@@ -199,17 +199,20 @@ class Stage(nn.Module):
         names = self.hf_names()
         if self.has_head and not self.cfg.tie_word_embeddings and "lm_head.weight" not in files:
             names["lm_head"] = ["model.embed_tokens.weight"]  # checkpoints that tie without saying so
+        rows = {}  # of a checkpoint's stacked experts, the rows this rank holds (all on one rank)
         for i, layer in enumerate(self.layers):
             if layer.moe is not None:  # a checkpoint that stores the experts already stacked
                 for ours, stacked in SparseMoE.stacked_hf_names(self.layer_ids[i]).items():
                     if stacked in files:
                         names[f"layers.{i}.moe.{ours}"] = [stacked]
+                        if ours in ("experts_gate_up", "experts_down"):
+                            rows[stacked] = layer.moe.experts
         wide = {  # checkpoint names read in float32 at least (a bfloat16 model's DeepSeek router)
             n for i, layer in enumerate(self.layers) if layer.moe is not None
             for ours in layer.moe.float32_at_least() for n in names[f"layers.{i}.moe.{ours}"]
         }
         wanted = {n for group in names.values() for n in group} - wide
-        tensors = files.load(sorted(wanted), self.device, self.dtype)
+        tensors = files.load(sorted(wanted), self.device, self.dtype, rows)
         tensors.update(files.load(sorted(wide), self.device, torch.promote_types(self.dtype, torch.float32)))
         state = {
             ours: tensors[theirs[0]] if len(theirs) == 1 else torch.cat([tensors[n] for n in theirs])
@@ -218,11 +221,6 @@ class Stage(nn.Module):
         # Stacked experts arrive concatenated along their first dimension: give them their shape.
         shapes = {name: p.shape for name, p in self.named_parameters()}
         state = {name: t if t.dim() == len(shapes[name]) else t.view(shapes[name]) for name, t in state.items()}
-        if self.shard.size > 1:  # a checkpoint of stacked experts is read whole, then the shard's kept
-            experts = self.shard.experts(self.cfg.moe.num_experts)
-            for name, t in state.items():
-                if name.endswith(("experts_gate_up", "experts_down")) and t.shape[0] != len(experts):
-                    state[name] = t[experts.start : experts.stop].clone()
         self.load_state_dict(state, strict=True, assign=True)
         for layer in self.layers:
             if layer.mla is not None:

@@ -42,8 +42,12 @@ class WeightFiles:
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.files)
 
-    def load(self, names: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Read `names` (and nothing else) onto `device` as `dtype`."""
+    def load(
+        self, names: list[str], device: torch.device, dtype: torch.dtype, rows: dict[str, range] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Read `names` (and nothing else) onto `device` as `dtype`; of a name in `rows`, only those
+        rows of its first dimension (an expert rank's experts of a stacked tensor)."""
+        rows = rows or {}
         missing = [n for n in names if n not in self.location]
         if missing:
             raise ModelLoadError(
@@ -58,7 +62,7 @@ class WeightFiles:
             handle = self._open(path)
             for name in file_names:
                 try:
-                    tensor = handle.get_tensor(name)
+                    tensor = handle.get_slice(name)[rows[name].start : rows[name].stop] if name in rows else handle.get_tensor(name)
                 except Exception as exc:
                     raise ModelLoadError(f"cannot read {name!r} from {path} ({exc}); the file may be truncated") from None
                 tensors[name] = tensor.to(device=device, dtype=dtype)

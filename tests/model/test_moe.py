@@ -26,8 +26,10 @@ from graphrt.errors import ModelLoadError
 from graphrt.kernels.cpu.moe import fused_moe_by_expert
 from graphrt.kernels.moe import fused_moe, route_topk
 from graphrt.model.config import ModelConfig
+from graphrt.model.moe import ExpertShard
 from graphrt.model.weights import WeightFiles
 from graphrt.runtime.pipeline import Pipeline
+from graphrt.runtime.stage_builder import load_stage
 from helpers import hf_model, prompt_logits
 
 MOE_VARIANTS = ["mixtral", "qwen2-moe", "qwen3-moe", "qwen3-moe-dense-first"]
@@ -201,6 +203,16 @@ def test_router_jitter_noise_is_ignored_as_transformers_does_at_inference(tiny_m
     assert ModelConfig.from_hf({**raw, "router_jitter_noise": 0.1}) == ModelConfig.from_hf(raw)
 
 
+def save_stacked(model_dir, out_dir):
+    """The model as transformers holds it in memory: each layer's experts stacked in one tensor."""
+    out_dir.mkdir()
+    shutil.copy(model_dir / "config.json", out_dir / "config.json")
+    state = {name: t.contiguous() for name, t in hf_model(model_dir, torch.float32).state_dict().items()}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+    save_file(state, str(out_dir / "model.safetensors"))
+    return out_dir
+
+
 @pytest.mark.parametrize("variant", ["mixtral", "qwen2-moe"])
 def test_experts_stored_stacked_load_as_experts_stored_one_by_one(tiny_model_factory, tmp_path, variant, monkeypatch):
     """transformers writes one tensor per expert; a checkpoint saved under its in-memory names holds
@@ -209,12 +221,7 @@ def test_experts_stored_stacked_load_as_experts_stored_one_by_one(tiny_model_fac
     thread teams may differ in size, and a CPU matmul's sums with them)."""
     monkeypatch.setenv("GRAPHRT_MATMUL", "dense")
     model_dir = tiny_model_factory(variant)
-    stacked_dir = tmp_path / "stacked"
-    stacked_dir.mkdir()
-    shutil.copy(model_dir / "config.json", stacked_dir / "config.json")
-    state = {name: t.contiguous() for name, t in hf_model(model_dir, torch.float32).state_dict().items()}
-    assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
-    save_file(state, str(stacked_dir / "model.safetensors"))
+    stacked_dir = save_stacked(model_dir, tmp_path / "stacked")
     one_by_one, stacked = (LLM(model=d, pp=2, dtype="float32", kv_cache_tokens=128).engine for d in (model_dir, stacked_dir))
     for ours, theirs in zip(one_by_one.pipeline.stages, stacked.pipeline.stages):
         ours, theirs = dict(ours.named_parameters()), dict(theirs.named_parameters())
@@ -222,6 +229,42 @@ def test_experts_stored_stacked_load_as_experts_stored_one_by_one(tiny_model_fac
         assert all(torch.equal(ours[name], theirs[name]) for name in ours), [n for n in ours if not torch.equal(ours[n], theirs[n])]
     prompt = list(range(3, 20))
     torch.testing.assert_close(prompt_logits(one_by_one, prompt), prompt_logits(stacked, prompt), atol=1e-5, rtol=0)
+
+
+def test_an_expert_rank_reads_only_its_rows_of_stacked_experts(tiny_model_factory, tmp_path, monkeypatch):
+    """Under --ep a rank reads its slice of a stacked tensor from the file, not the whole: each
+    rank's experts equal the same experts stored one by one, and nothing reads the stacked tensor whole."""
+    model_dir = tiny_model_factory("mixtral")
+    stacked_dir = save_stacked(model_dir, tmp_path / "stacked")
+    cfg = ModelConfig.from_dir(model_dir)
+    read_whole = []
+    real_open = WeightFiles._open
+
+    class Recording:  # a shard's handle that notes each tensor read whole
+        def __init__(self, handle):
+            self.handle = handle
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_slice(self, name):
+            return self.handle.get_slice(name)
+
+        def get_tensor(self, name):
+            read_whole.append(name)
+            return self.handle.get_tensor(name)
+
+    monkeypatch.setattr(WeightFiles, "_open", staticmethod(lambda path: Recording(real_open(path))))
+    for rank in range(4):
+        shard = ExpertShard(rank, 4)
+        stages = [
+            load_stage(cfg, 0, 1, range(cfg.num_layers), torch.device("cpu"), torch.float32, 64, "torch", WeightFiles(d), shard)
+            for d in (model_dir, stacked_dir)
+        ]
+        for name in ("experts_gate_up", "experts_down"):
+            ours, theirs = (getattr(stage.layers[1].moe, name) for stage in stages)
+            assert ours.shape[0] == 2 and torch.equal(ours, theirs), (rank, name)
+    assert not [name for name in read_whole if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
 
 
 @pytest.mark.parametrize("variant", MOE_VARIANTS)
