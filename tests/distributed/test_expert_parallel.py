@@ -268,11 +268,11 @@ def test_expert_ranks_stay_up_through_an_idle_spell_longer_than_the_watchdog(tin
     alone = LLM(model=model, pp=2, **OPTIONS)
     expected = [o.token_ids for o in alone.generate(PROMPTS[:2], GREEDY)]
     alone.engine.close()
-    llm = LLM(model=model, pp=2, ep=2, watchdog_s=1.0, **OPTIONS)
+    llm = LLM(model=model, pp=2, ep=2, watchdog_s=2.0, **OPTIONS)
     children = llm.engine.cluster.children
     try:
         assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == expected
-        time.sleep(3.0)  # three watchdogs with nothing to run
+        time.sleep(5.0)  # two and a half watchdogs with nothing to run
         assert [c.poll() for c in children] == [None] * 3 and llm.engine.failure is None
         assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == expected
     finally:
