@@ -3,7 +3,7 @@ and how long grammars take to compile.
 
     python benchmarks/structured_bench.py [--requests 64] [--max-tokens 128] [--rounds 3] [--pp 1]
                                           [--no-async] [--model DIR]
-    python benchmarks/structured_bench.py --validate [--schemas 50]
+    python benchmarks/structured_bench.py --validate [--stream] [--schemas 50] [--concurrency 8]
 
 Each request asks the default model for a JSON record (graphrt.tools.schemas: seeded random schemas
 of objects, arrays, enums, nested required fields, string patterns, number ranges). `constrained`:
@@ -13,7 +13,10 @@ output tok/s of each, the spread (min-max) and their ratio are printed. Then eve
 is compiled once, cold (no cache), and the p50 / p99 of those times printed.
 
 `--validate`: every schema's output through pp 1 and 2, async scheduling on and off, greedy and
-sampled, parsed and validated with the `jsonschema` package; the counts of valid outputs printed.
+sampled, parsed and validated with the `jsonschema` package; the counts of valid outputs printed, and
+the exit status 1 if any is invalid. `--validate --stream`: the same requests through `graphrt serve`
+(one server per pp / async combination) with the `openai` client, streamed as chat completions under
+`response_format` json_schema, `--concurrency` at a time; each output is its deltas joined.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import argparse
 import json
 import random
 import statistics
+import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from graphrt import LLM, SamplingParams
 from graphrt.engine.grammar import Grammars
@@ -60,7 +66,7 @@ def compile_times(llm: LLM, num: int) -> list[float]:
         start = time.perf_counter()
         state = grammars.compile(spec)
         state.wait(120)
-        assert state.ready() and state.error is None
+        assert state.ready() and state.failure is None, state.failure
         times.append(time.perf_counter() - start)
     grammars.close()
     return times
@@ -71,28 +77,116 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def validate(model, num_schemas: int) -> None:
+# Both --validate paths send the same requests, so an invalid streamed output can be checked offline.
+VALIDATE_MAX_TOKENS = 256
+VALIDATE_TEMPERATURES = (0.0, 1.0)  # greedy; sampled, seeded with the schema's index
+
+
+def validation_error(text: str, schema: dict) -> str | None:
+    """Why `text` is not a JSON value of `schema`, or None if it is."""
     import jsonschema
 
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return None
+
+
+def count_valid(schemas: list[dict], texts: list[str], label: str) -> int:
+    """How many texts are valid outputs of their schemas; each invalid one printed whole."""
+    valid = 0
+    for index, (schema, text) in enumerate(zip(schemas, texts)):
+        error = validation_error(text, schema)
+        if error is None:
+            valid += 1
+        else:
+            print(f"  {label}, schema {index} invalid ({error}): {text!r}\n  schema: {json.dumps(schema)}", flush=True)
+    return valid
+
+
+def validate(model, num_schemas: int) -> list[tuple[int, bool, float, int]]:
+    """(pp, async scheduling, temperature, valid outputs) for every combination, through the offline LLM."""
     schemas = [random_schema(random.Random(seed)) for seed in range(num_schemas)]
+    rows = []
     for pp in (1, 2):
         for async_scheduling in (True, False):
             llm = LLM(model=model, dtype="float32", pp=pp, async_scheduling=async_scheduling, max_num_seqs=32)
             prompts = [llm.chat_prompt(schema_prompt(schema, index)) for index, schema in enumerate(schemas)]
-            for temperature in (0.0, 1.0):
+            for temperature in VALIDATE_TEMPERATURES:
                 params = [
-                    SamplingParams(max_tokens=256, temperature=temperature, seed=index, structured_output=StructuredOutput(json=schema))
+                    SamplingParams(
+                        max_tokens=VALIDATE_MAX_TOKENS, temperature=temperature, seed=index,
+                        structured_output=StructuredOutput(json=schema),
+                    )
                     for index, schema in enumerate(schemas)
                 ]
-                valid = 0
-                for schema, out in zip(schemas, llm.generate(prompts, params)):
-                    try:
-                        jsonschema.validate(json.loads(out.text), schema)
-                        valid += 1
-                    except (ValueError, jsonschema.ValidationError) as exc:
-                        print(f"  invalid ({type(exc).__name__}): {out.text[:120]!r}")
-                print(f"pp {pp}, async {'on' if async_scheduling else 'off'}, temperature {temperature}: {valid}/{num_schemas} valid")
+                texts = [out.text for out in llm.generate(prompts, params)]
+                label = f"pp {pp}, async {'on' if async_scheduling else 'off'}, temperature {temperature}"
+                rows.append((pp, async_scheduling, temperature, count_valid(schemas, texts, label)))
+                print(f"{label}: {rows[-1][3]}/{num_schemas} valid", flush=True)
             llm.engine.close()
+    return rows
+
+
+def streamed_text(client, model_id: str, schema: dict, index: int, temperature: float) -> str:
+    """The content of one streamed chat completion under `schema`, its deltas joined."""
+    stream = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "user", "content": schema_prompt(schema, index)}],
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": f"record_{index}", "schema": schema, "strict": True}},
+        temperature=temperature,
+        seed=index,
+        max_tokens=VALIDATE_MAX_TOKENS,
+    )
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+def drain(stream) -> None:
+    """Read the server's log after start-up so that its pipe never fills."""
+    for _ in stream:
+        pass
+
+
+def validate_streamed(model, num_schemas: int, concurrency: int) -> list[tuple[int, bool, float, int]]:
+    """validate()'s requests, streamed through `graphrt serve` with the openai client."""
+    from openai import OpenAI
+    from serve_bench import start_server
+
+    schemas = [random_schema(random.Random(seed)) for seed in range(num_schemas)]
+    rows = []
+    for pp in (1, 2):
+        for async_scheduling in (True, False):
+            extra = ["--dtype", "float32", "--max-num-seqs", "32"] + ([] if async_scheduling else ["--no-async-scheduling"])
+            proc, url = start_server(model, pp, extra)
+            threading.Thread(target=drain, args=(proc.stdout,), daemon=True).start()
+            try:
+                # No retries: a request that fails must show, not be sent again.
+                client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=1800)
+                model_id = client.models.list().data[0].id
+                for temperature in VALIDATE_TEMPERATURES:
+                    start = time.perf_counter()
+                    with ThreadPoolExecutor(concurrency) as pool:
+                        texts = list(pool.map(
+                            lambda index: streamed_text(client, model_id, schemas[index], index, temperature), range(num_schemas)
+                        ))
+                    label = f"pp {pp}, async {'on' if async_scheduling else 'off'}, temperature {temperature}, streamed"
+                    rows.append((pp, async_scheduling, temperature, count_valid(schemas, texts, label)))
+                    print(f"{label}: {rows[-1][3]}/{num_schemas} valid ({time.perf_counter() - start:.0f} s)", flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    return rows
+
+
+def validity_table(rows: list[tuple[int, bool, float, int]], num_schemas: int) -> str:
+    counts = {(pp, async_scheduling, temperature): valid for pp, async_scheduling, temperature, valid in rows}
+    lines = ["| pp | async scheduling | greedy | sampled (temperature 1, seeded) |", "|---|---|---|---|"]
+    for pp, async_scheduling in dict.fromkeys((pp, a) for pp, a, _, _ in rows):
+        cells = [counts.get((pp, async_scheduling, t)) for t in VALIDATE_TEMPERATURES]
+        lines.append(f"| {pp} | {'on' if async_scheduling else 'off'} | " + " | ".join("-" if c is None else f"{c}/{num_schemas}" for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -104,11 +198,16 @@ def main() -> None:
     parser.add_argument("--no-async", action="store_true")
     parser.add_argument("--model", default=None)
     parser.add_argument("--validate", action="store_true")
+    parser.add_argument("--stream", action="store_true", help="With --validate: through graphrt serve, streamed.")
     parser.add_argument("--schemas", type=int, default=50)
+    parser.add_argument("--concurrency", type=int, default=8, help="With --validate --stream: requests in flight.")
     args = parser.parse_args()
+    if args.stream and not args.validate:
+        parser.error("--stream goes with --validate")
     if args.validate:
-        validate(args.model, args.schemas)
-        return
+        rows = validate_streamed(args.model, args.schemas, args.concurrency) if args.stream else validate(args.model, args.schemas)
+        print(validity_table(rows, args.schemas))
+        sys.exit(0 if all(valid == args.schemas for *_, valid in rows) else 1)
     llm = LLM(model=args.model, dtype="float32", pp=args.pp, async_scheduling=not args.no_async, max_num_seqs=args.requests)
     sides = {name: requests(llm, args.requests, args.max_tokens, constrained=name == "constrained") for name in ("free", "constrained")}
     run(llm, *sides["constrained"])  # warm-up: these grammars compile here (compile_times measures other schemas, cold)
