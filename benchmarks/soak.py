@@ -1,7 +1,7 @@
 """Soak: N streaming clients for M minutes against `graphrt serve`, some hanging up mid-stream.
 
     python benchmarks/soak.py [--clients 32] [--minutes 10] [--hang-up 0.2] [--max-tokens 64]
-                              [--model DIR] [--pp N] [--sample-s 5]
+                              [--model DIR] [--pp N] [--sample-s 5] [--idle-s 5]
 
 Starts `graphrt serve` in a subprocess (as serve_bench.py does), then keeps `--clients` greedy
 streams going for `--minutes`; each stream, with probability `--hang-up`, closes its connection
@@ -11,7 +11,7 @@ processes: the process tree from the server's pid, benchmarks/process_tree.py), 
 in use (`/metrics`). Prints RSS at start (after the first minute's warm-up), at one minute and at the end,
 the slope over the run after warm-up, the share of that warm-up value the end differs by, the
 KV blocks in use once the load stops (0 means every stream, finished or abandoned, gave its
-blocks back), and RSS after five idle seconds.
+blocks back), and RSS after `--idle-s` idle seconds (five by default).
 """
 
 from __future__ import annotations
@@ -57,7 +57,12 @@ async def stream(http: httpx.AsyncClient, rng: random.Random, max_tokens: int, h
     return tokens, False
 
 
-async def soak(url: str, pid: int, clients: int, seconds: float, hang_up: float, max_tokens: int, sample_s: float) -> dict:
+ABORTS_LAND_S = 1.0  # aborts of the last hung-up streams land within a step
+
+
+async def soak(
+    url: str, pid: int, clients: int, seconds: float, hang_up: float, max_tokens: int, sample_s: float, idle_s: float
+) -> dict:
     deadline = time.monotonic() + seconds
     counts = {"requests": 0, "hung_up": 0, "tokens": 0}
     samples: list[tuple[float, float, int]] = []  # (seconds since start, RSS MiB, KV blocks used)
@@ -81,9 +86,9 @@ async def soak(url: str, pid: int, clients: int, seconds: float, hang_up: float,
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         start = time.monotonic()
         await asyncio.gather(sampler(http, start), *[client(i) for i in range(clients)])
-        await asyncio.sleep(1.0)  # aborts of the last hung-up streams land within a step
+        await asyncio.sleep(ABORTS_LAND_S)
         idle_blocks = await kv_blocks_used(http)
-        await asyncio.sleep(4.0)
+        await asyncio.sleep(max(0.0, idle_s - ABORTS_LAND_S))
     return {**counts, "samples": samples, "idle_kv_blocks": idle_blocks, "idle_rss": rss_mib(pid)}
 
 
@@ -104,13 +109,16 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--sample-s", type=float, default=5.0)
+    parser.add_argument("--idle-s", type=float, default=5.0, help="Idle seconds after the load before RSS is read again.")
     args = parser.parse_args()
     proc, url = start_server(args.model, args.pp, [])
     # Keep reading the server's output: a full pipe would stop it mid-run.
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
     try:
         at_start = rss_mib(proc.pid)
-        result = asyncio.run(soak(url, proc.pid, args.clients, args.minutes * 60, args.hang_up, args.max_tokens, args.sample_s))
+        result = asyncio.run(
+            soak(url, proc.pid, args.clients, args.minutes * 60, args.hang_up, args.max_tokens, args.sample_s, args.idle_s)
+        )
     finally:
         proc.terminate()
         code = proc.wait(60)
@@ -122,7 +130,7 @@ def main() -> None:
     print(f"RSS: {at_start:.1f} MiB before load, {warmed_up:.1f} MiB at 1 min, {end:.1f} MiB at the end "
           f"({(end - warmed_up) / warmed_up * 100:+.1f}% after warm-up)")
     print(f"RSS slope after warm-up: {slope_mib_per_min(warm):+.2f} MiB/min (whole run {slope_mib_per_min(samples):+.2f}); "
-          f"{result['idle_rss']:.1f} MiB after 5 s idle")
+          f"{result['idle_rss']:.1f} MiB after {max(args.idle_s, ABORTS_LAND_S):g} s idle")
     print(f"KV blocks in use once the load stopped: {result['idle_kv_blocks']}; server exit code {code}")
     print(f"load average (1/5/15 min) at the end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

@@ -25,6 +25,8 @@ if TESTS_DIR not in sys.path:
 # tests/kernels/cpu/test_matmul_choice.py sets its own mode where the choice itself is tested.
 os.environ.setdefault("GRAPHRT_MATMUL", "packed")
 
+from helpers import SERVER_MODES, serve_default_model  # noqa: E402  (after the environment above)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -54,6 +56,26 @@ def tiny_model_factory(tmp_path_factory):
         return made[key]
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def default_model_process_server(default_model):
+    """The default model served with its engine in a process of its own (`graphrt serve`'s default):
+    helpers.serve_default_model, shared by every module that asks it (tests/server/test_server_api.py,
+    test_server_logprobs.py, test_server_responses_api.py)."""
+    with serve_default_model("process", default_model) as running:
+        yield running
+
+
+@pytest.fixture(scope="session", params=SERVER_MODES)
+def default_model_server(request, default_model):
+    """The same server in each engine mode: the engine stepped on a thread of this process, or the
+    process one above."""
+    if request.param == "process":
+        yield request.getfixturevalue("default_model_process_server")
+        return
+    with serve_default_model("thread", default_model) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

@@ -85,6 +85,16 @@ def running_server(mode: str, settings: dict | None = None, **llm_kwargs):
         yield running
 
 
+# The default model served in float32 (choices must equal single requests' numbers) to the modules
+# that only ask it questions, one server per engine mode for all of them (conftest.py's
+# default_model_server: a server start is most of such a module's time).
+SERVED_API_KEY = "test-key-123"
+
+
+def serve_default_model(mode: str, model_dir):
+    return running_server(mode, dict(api_key=SERVED_API_KEY), model=model_dir, dtype="float32", max_num_seqs=16)
+
+
 # `graphrt serve` as a user runs it, in a subprocess (tests/server/test_server_shutdown.py,
 # tests/engine/test_engine_process.py).
 API_KEY = "shutdown-test-key"

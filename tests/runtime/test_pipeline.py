@@ -71,8 +71,17 @@ def test_requests_wait_for_blocks_and_all_finish(tiny_model_factory):
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks - 1
 
 
-def test_stop_string_and_eos(default_model):
+@pytest.fixture(scope="module")
+def default_llm(default_model) -> LLM:
+    """The default model as `LLM()` loads it, for the tests that only read what it generates."""
     llm = LLM(kv_cache_tokens=4096)
+    assert llm.model_dir == default_model
+    yield llm
+    llm.engine.close()
+
+
+def test_stop_string_and_eos(default_llm):
+    llm = default_llm
     prompt = llm.chat_prompt("List the numbers 1 to 10.")
     full = llm.generate(prompt, SamplingParams(max_tokens=64, temperature=0))[0]
     assert full.finish_reason == "stop" and full.token_ids[-1] in llm.engine.eos_ids
@@ -84,8 +93,8 @@ def test_stop_string_and_eos(default_model):
     assert capped.finish_reason == "length" and capped.token_ids == full.token_ids[:3]
 
 
-def test_incremental_text_equals_decoding_the_whole_output(default_model):
-    llm = LLM(kv_cache_tokens=4096)
+def test_incremental_text_equals_decoding_the_whole_output(default_llm):
+    llm = default_llm
     prompts = [llm.chat_prompt(q) for q in ("Say 'café' and add a smiley emoji.", "Write one sentence in French.")]
     sampled = SamplingParams(max_tokens=48, temperature=0.9, seed=3, ignore_eos=True)
     for output in llm.generate(prompts, sampled):

@@ -1,5 +1,6 @@
 """`graphrt serve` through the real openai client: chat and completions, streamed and not, usage,
-choices, stop strings, models, metrics and the API key. One server for the module, on a free port."""
+choices, stop strings, models, metrics and the API key. One server per engine mode, on a free port
+(shared with the other modules that only ask it questions: conftest.py's default_model_server)."""
 
 from __future__ import annotations
 
@@ -14,21 +15,21 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from graphrt.frontend.tokenizer import Tokenizer  # noqa: E402
-from helpers import SERVER_MODES, running_server  # noqa: E402
+from helpers import SERVED_API_KEY  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-API_KEY = "test-key-123"
+API_KEY = SERVED_API_KEY
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module", params=SERVER_MODES)
-def server(default_model, request):
-    # float32: choice i must equal a single request with seed + i, which needs the batch's numbers to
-    # be the single request's (bfloat16, the CPU default where it is fast, is further from that).
-    with running_server(request.param, dict(api_key=API_KEY), model=default_model, dtype="float32", max_num_seqs=16) as running:
-        yield running
+@pytest.fixture(scope="module")
+def server(default_model_server):
+    # float32 (helpers.serve_default_model): choice i must equal a single request with seed + i, which
+    # needs the batch's numbers to be the single request's (bfloat16, the CPU default where it is
+    # fast, is further from that). Each engine mode; the server is shared with other modules.
+    return default_model_server
 
 
 @pytest.fixture(scope="module")

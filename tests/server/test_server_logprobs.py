@@ -14,7 +14,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from graphrt.frontend.tokenizer import Tokenizer  # noqa: E402
-from helpers import SERVER_MODES, running_server  # noqa: E402
+from helpers import SERVED_API_KEY  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -23,15 +23,10 @@ PROMPTS = ["The capital of France is", "Water boils at a temperature of"]
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=SERVER_MODES)
-def server(default_model, request):
-    with running_server(request.param, model=default_model, dtype="float32", max_num_seqs=16) as running:
-        yield running
-
-
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def client(default_model_server) -> openai.OpenAI:
+    """The default model's server in float32, in each engine mode (conftest.py)."""
+    return openai.OpenAI(base_url=f"{default_model_server.url}/v1", api_key=SERVED_API_KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """`POST /v1/responses` through the openai client: the Responses API served statelessly, as the chat
-route serves the same conversation. One server for the module; the translation itself is tested
-without one."""
+route serves the same conversation. The default model's server (conftest.py's, shared with other
+modules); the translation itself is tested without one."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from graphrt.server.errors import APIError  # noqa: E402
 from graphrt.server.responses import ChatFormat, ChoiceState  # noqa: E402
 from graphrt.server.responses_api import parse_responses_request  # noqa: E402
 from graphrt.server.responses_output import ResponsesEvents, ResponsesFormat  # noqa: E402
-from helpers import running_server  # noqa: E402
+from helpers import SERVED_API_KEY  # noqa: E402
 
 slow = pytest.mark.slow  # the tests that use the server
 
-API_KEY = "test-key-789"
+API_KEY = SERVED_API_KEY
 MODEL = "SmolLM2-135M-Instruct"
 PERSON = {
     "type": "object",
@@ -43,9 +43,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def server(default_model):
-    with running_server("process", dict(api_key=API_KEY), model=default_model, dtype="float32", max_num_seqs=8) as running:
-        yield running
+def server(default_model_process_server):
+    return default_model_process_server  # the engine in its own process, shared with other modules (conftest.py)
 
 
 @pytest.fixture(scope="module")

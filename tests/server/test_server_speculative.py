@@ -35,8 +35,21 @@ def metric(text: str, name: str) -> float:
     return float(found.group(1))
 
 
+@pytest.fixture(scope="module")
+def texts_without_speculation(default_model) -> tuple[str, str]:
+    """The greedy answer to MESSAGE without speculation, whole and cut at the stop string "height"
+    (the same for every drafter: computed once for the module)."""
+    llm = LLM(model=default_model, dtype="float32", max_model_len=512)
+    prompt = llm.chat_prompt(MESSAGE)
+    want = llm.generate(prompt, SamplingParams(max_tokens=80, temperature=0))[0].text
+    want_stopped = llm.generate(prompt, SamplingParams(max_tokens=80, temperature=0, stop=["height"]))[0].text
+    llm.engine.close()
+    assert "width * height" in want, "the reference answer should reuse the code"
+    return want, want_stopped
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_serve_with_speculation_gives_the_text_without_it(default_model, method, tmp_path):
+def test_serve_with_speculation_gives_the_text_without_it(default_model, texts_without_speculation, method, tmp_path):
     """draft_model: a one-layer random model with the default model's vocabulary, cheap enough for
     its guesses to pay (no trained smaller model with SmolLM2's tokenizer is at hand); its drafts
     are mostly rejected, and the text must not change."""
@@ -45,12 +58,7 @@ def test_serve_with_speculation_gives_the_text_without_it(default_model, method,
         vocab = ModelConfig.from_dir(default_model).vocab_size
         draft = make_tiny_model(tmp_path / "draft", "llama-gqa-tied", num_layers=1, overrides={"vocab_size": vocab})
         speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
-    llm = LLM(model=default_model, dtype="float32", max_model_len=512)
-    prompt = llm.chat_prompt(MESSAGE)
-    want = llm.generate(prompt, SamplingParams(max_tokens=80, temperature=0))[0].text
-    want_stopped = llm.generate(prompt, SamplingParams(max_tokens=80, temperature=0, stop=["height"]))[0].text
-    llm.engine.close()
-    assert "width * height" in want, "the reference answer should reuse the code"
+    want, want_stopped = texts_without_speculation
 
     proc, url, _ = start_server(extra_args=("--dtype", "float32", "--speculative-config", json.dumps(speculative)))
     try:

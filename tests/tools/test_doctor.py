@@ -10,17 +10,21 @@ from graphrt.cli import main
 from graphrt.tools.doctor import Gpu, peer_table
 
 
-def test_doctor_reports_versions_and_exits_zero():
-    result = CliRunner().invoke(main, ["doctor"])
-    assert result.exit_code == 0, result.output
-    assert f"torch {torch.__version__}" in result.output
-    assert "nsys:" in result.output
+@pytest.fixture(scope="module")
+def doctor_run():
+    """One `graphrt doctor` on this machine (it times the CPU: seconds), read by the tests below."""
+    return CliRunner().invoke(main, ["doctor"])
+
+
+def test_doctor_reports_versions_and_exits_zero(doctor_run):
+    assert doctor_run.exit_code == 0, doctor_run.output
+    assert f"torch {torch.__version__}" in doctor_run.output
+    assert "nsys:" in doctor_run.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_doctor_says_when_there_is_no_gpu():
-    result = CliRunner().invoke(main, ["doctor"])
-    assert "no CUDA GPU is visible to torch, so graphrt runs on the CPU" in result.output
+def test_doctor_says_when_there_is_no_gpu(doctor_run):
+    assert "no CUDA GPU is visible to torch, so graphrt runs on the CPU" in doctor_run.output
 
 
 def test_the_peer_table_reads_row_to_column():
