@@ -27,6 +27,7 @@ class RequestOutput:
     # token, None for the first (see graphrt.runtime.logprobs).
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # with finish_reason "error": why (its grammar did not compile, a stage failed)
 
 
 class LLM:
@@ -117,9 +118,18 @@ class LLM:
                 finish_reason=seq.finish_reason.value,
                 logprobs=seq.logprobs if seq.params.logprobs is not None else None,
                 prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
+                error=self._error(seq),
             )
             for prompt, seq in zip(prompts, seqs)
         ]
+
+    def _error(self, seq) -> str | None:
+        """Why the engine ended `seq` with an error, in words; None if it did not."""
+        if seq.finish_reason is not FinishReason.ERROR:
+            return None
+        if seq.grammar is not None and seq.grammar.failure is not None:
+            return seq.grammar.failure.message
+        return str(self.engine.failure or "the engine ended it")
 
     def _for_engine(self, params: SamplingParams) -> SamplingParams:
         """`params` as the engine takes them: bad words as token ids. Raises RequestError."""

@@ -260,3 +260,25 @@ def test_past_the_grammars_end_ignore_eos_goes_on_unconstrained_and_min_tokens_i
     with pytest.raises(ValueError, match="min_tokens cannot be combined with structured_output"):
         SamplingParams(min_tokens=2, structured_output=StructuredOutput(regex="ab"))
     llm.engine.close()
+
+
+def test_a_grammar_that_fails_to_compile_ends_its_request_saying_why(model, monkeypatch):
+    """xgrammar reads the grammar (the check before queueing) but will not compile it against the
+    vocabulary (injected: no such grammar is known for xgrammar 0.2.8): LLM.generate returns that
+    request with finish_reason "error" and xgrammar's reason, and the other prompt's output as ever."""
+    uncompilable = 'root ::= "x" "y"'
+    compile_grammar = xgr.GrammarCompiler.compile_grammar
+
+    def compile_or_refuse(self, grammar, **options):
+        if grammar == uncompilable:
+            raise RuntimeError("the grammar's automaton is too large")
+        return compile_grammar(self, grammar, **options)
+
+    monkeypatch.setattr(xgr.GrammarCompiler, "compile_grammar", compile_or_refuse)
+    llm = LLM(model=model, **OPTIONS)
+    failed, fine = llm.generate(PROMPTS[:2], [params_for(StructuredOutput(grammar=uncompilable)), params_for(SPECS[4])])
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert "structured_output.grammar passed the checks but failed to compile" in failed.error
+    assert "the grammar's automaton is too large" in failed.error
+    assert fine.finish_reason == "stop" and fine.error is None and fine.text.startswith("(")
+    llm.engine.close()
