@@ -49,7 +49,7 @@ def model_options(command):
     options = [
         click.option("--model", type=click.Path(path_type=Path), default=None, help="Hugging Face style model folder [default: SmolLM2-135M-Instruct]."),
         click.option("--pp", type=click.IntRange(min=1), default=None, help="Pipeline stages [default: 1, or the graph cache's]."),
-        click.option("--devices", default=None, help="Comma-separated device per stage, e.g. cuda:0,cuda:1 [default: from the machine]."),
+        click.option("--devices", default=None, help="Comma-separated device per stage, e.g. cuda:0,cuda:1; under --ep one per rank, stage-major (--pp 2 --ep 2: cuda:0,cuda:1,cuda:2,cuda:3, stage 0 on the first two) [default: from the machine]."),
         click.option("--dtype", default=None, help="float32, bfloat16, float16 or float64 [default: bfloat16 on CPUs with AMX or AVX512-BF16, else float32; the model's dtype on CUDA]."),
         click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default=None, help="Decode kernels [default: triton on CUDA, torch elsewhere]."),
         click.option("--max-batch", type=click.IntRange(min=1), default=None, help="Largest decode bucket [default: 32 on CPU; on CUDA from KV cache memory, 8 to 256]."),
@@ -356,7 +356,8 @@ def profile(synthetic_ms, sweep_depth, num_requests, input_len, output_len, host
     else:
         from graphrt.config import EngineConfig
 
-        depths = [EngineConfig(pp=model_args["pp"] or 1, devices=parse_devices(model_args["devices"])).default_depth()]
+        stages = EngineConfig(pp=model_args["pp"] or 1, ep=model_args["ep"] or 1, devices=parse_devices(model_args["devices"]))
+        depths = [stages.default_depth()]
     kwargs = engine_kwargs(**model_args)
     kwargs.pop("depth")
     options = ProfileOptions(

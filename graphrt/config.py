@@ -35,12 +35,14 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def default_devices(pp: int) -> list[str]:
-    """cuda:0..pp-1 with enough GPUs, every stage on cuda:0 with fewer, cpu without CUDA."""
+def default_devices(pp: int, ep: int = 1) -> list[str]:
+    """Each stage's device (its leader's, under --ep), chosen from the machine: rank r on cuda:r
+    with a GPU per rank (stage s's leader, rank s * ep, on cuda:s*ep), every stage on cuda:0 with
+    fewer, cpu without CUDA. Without --devices a worker takes cuda:LOCAL_RANK (graphrt.distributed.worker)."""
     if not torch.cuda.is_available():
         return ["cpu"] * pp
-    if torch.cuda.device_count() >= pp:
-        return [f"cuda:{i}" for i in range(pp)]
+    if torch.cuda.device_count() >= pp * ep:
+        return [f"cuda:{stage * ep}" for stage in range(pp)]
     return ["cuda:0"] * pp
 
 
@@ -67,7 +69,7 @@ class EngineConfig:
     """What the user chooses. Validated in `__post_init__`."""
 
     pp: int = 1
-    devices: list[str] | None = None  # one per stage; None: chosen from the machine
+    devices: list[str] | None = None  # one per stage, one per rank under ep > 1 (stage-major); None: chosen from the machine
     dtype: str | torch.dtype = "auto"  # auto: see resolve_dtype
     block_size: int = 16
     kv_cache_tokens: int | None = None  # None: sized from memory (see kv_cache.default_num_blocks)
@@ -103,8 +105,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_tokens must hold at least one block ({self.block_size} tokens), got {self.kv_cache_tokens}"
             )
-        if self.devices is not None and len(self.devices) != self.pp:
-            raise ValueError(f"--devices names {len(self.devices)} devices for {self.pp} stages; give one per stage")
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be a positive integer (ranks per stage), got {self.ep!r}")
+        if self.devices is not None:
+            self.check_devices()
         if self.depth is None:
             self.depth = self.default_depth()
         if not isinstance(self.depth, int) or self.depth < 0:
@@ -118,12 +122,8 @@ class EngineConfig:
             raise ValueError(f"buckets must be positive batch sizes, got {self.buckets}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
-        if not isinstance(self.ep, int) or self.ep < 1:
-            raise ValueError(f"ep must be a positive integer (ranks per stage), got {self.ep!r}")
         if self.ep > 1:
             self.procs = True  # the expert ranks are processes
-            if self.devices is not None:
-                raise ValueError("--devices with --ep is not supported yet: --ep places the ranks stage-major over this host's devices")
         if self.procs and self.pp * self.ep < 2:
             raise ValueError(f"procs needs at least two ranks (--pp 2 or more, or --ep 2 or more), got pp={self.pp}")
         if not self.watchdog_s > 0:
@@ -134,6 +134,33 @@ class EngineConfig:
         if self.speculative_config is not None and self.ep > 1:
             raise ValueError("speculative decoding with --ep is not supported yet; drop one of --speculative-config and --ep")
 
+    def check_devices(self) -> None:
+        """`devices` names one device per stage, or under ep > 1 one per rank, stage-major: the
+        workers each take `devices[rank]` (graphrt.distributed.worker.parse_options)."""
+        if self.ep == 1:
+            if len(self.devices) != self.pp:
+                raise ValueError(f"--devices names {len(self.devices)} devices for {self.pp} stages; give one per stage")
+            return
+        num_ranks = self.pp * self.ep
+        if len(self.devices) != num_ranks:
+            raise ValueError(
+                f"--devices names {len(self.devices)} devices for --pp {self.pp} --ep {self.ep}: give one per rank, "
+                f"{num_ranks}, stage-major (rank = stage * ep + expert rank)"
+            )
+        # the ranks' process group has one backend, chosen from rank 0's device
+        if len({torch.device(d).type == "cuda" for d in self.devices}) > 1:
+            raise ValueError(
+                f"--devices {','.join(self.devices)} mixes CUDA and CPU devices; under --ep every rank takes part in one "
+                "process group (NCCL on GPUs, gloo on CPUs): name only GPUs or only CPUs"
+            )
+
+    def stage_devices(self) -> list[str]:
+        """Each stage's device: under --ep its leader's (rank stage * ep), the rank that talks to
+        the stages around it; from the machine without --devices."""
+        if self.devices is None:
+            return default_devices(self.pp, self.ep)
+        return self.devices[:: self.ep]
+
     def default_depth(self) -> int:
         """1 for CUDA stages on several GPUs, else 0 (measured: benchmarks/results.md, "ring depth").
 
@@ -143,7 +170,7 @@ class EngineConfig:
         once: on one stage, on stages that share one GPU, or on CPU stages sharing the same cores,
         that only costs throughput.
         """
-        devices = self.devices or default_devices(self.pp)
+        devices = self.stage_devices()
         on_cuda = all(d.startswith("cuda") for d in devices)
         return 1 if on_cuda and num_concurrent_stages(devices) > 1 else 0
 

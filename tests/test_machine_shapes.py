@@ -13,7 +13,7 @@ import torch
 
 import graphrt.kernels.cpu.info
 import graphrt.tools.doctor as doctor
-from graphrt.config import default_devices
+from graphrt.config import EngineConfig, default_devices
 from graphrt.distributed.transport import cpu_threads_per_stage
 from graphrt.kernels.cpu.openmp import TeamSizer, affinity_cores
 from graphrt.kernels.cpu.placement import usable_cores
@@ -108,6 +108,46 @@ def test_default_devices_follow_the_gpus_torch_sees(monkeypatch, cuda, num_gpus,
     assert default_devices(pp) == devices
 
 
+@pytest.mark.parametrize("num_gpus, pp, ep, stage_devices, depth", [
+    (0, 2, 1, ["cpu", "cpu"], 0),
+    (0, 2, 2, ["cpu", "cpu"], 0),
+    (2, 2, 1, ["cuda:0", "cuda:1"], 1),
+    (2, 1, 2, ["cuda:0"], 0),
+    (2, 2, 2, ["cuda:0", "cuda:0"], 0),  # fewer GPUs than ranks (Cluster.start refuses it): every stage on the first
+    (4, 2, 1, ["cuda:0", "cuda:1"], 1),
+    (4, 2, 2, ["cuda:0", "cuda:2"], 1),  # stage-major, rank r on cuda:r: stage 1's ranks on cuda:2 and cuda:3
+    (4, 1, 4, ["cuda:0"], 0),
+    (8, 2, 2, ["cuda:0", "cuda:2"], 1),
+    (8, 2, 4, ["cuda:0", "cuda:4"], 1),
+    (8, 4, 2, ["cuda:0", "cuda:2", "cuda:4", "cuda:6"], 1),
+])
+def test_stages_chosen_from_the_machine_are_placed_on_their_leaders_gpus(monkeypatch, num_gpus, pp, ep, stage_devices, depth):
+    """Without --devices, rank r runs on cuda:r (a worker takes cuda:LOCAL_RANK), so under --ep
+    stage s's leader is on cuda:s*ep: that is the device the banner names and the depth counts."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: num_gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: num_gpus)
+    config = EngineConfig(pp=pp, ep=ep)
+    assert config.stage_devices() == stage_devices
+    assert config.depth == depth
+
+
+@pytest.mark.parametrize("num_gpus", [0, 2, 4, 8])
+@pytest.mark.parametrize("pp, ep, devices, stage_devices, depth", [
+    (2, 1, ["cuda:1", "cuda:0"], ["cuda:1", "cuda:0"], 1),  # one per stage
+    (2, 1, ["cuda:0", "cuda:0"], ["cuda:0", "cuda:0"], 0),
+    (2, 2, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"], ["cuda:0", "cuda:2"], 1),  # one per rank: each stage's leader
+    (2, 2, ["cuda:3", "cuda:2", "cuda:1", "cuda:0"], ["cuda:3", "cuda:1"], 1),
+    (1, 2, ["cuda:4", "cuda:5"], ["cuda:4"], 0),
+    (2, 2, ["cpu"] * 4, ["cpu", "cpu"], 0),
+])
+def test_stages_given_devices_are_placed_on_their_leaders_whatever_the_machine(monkeypatch, num_gpus, pp, ep, devices, stage_devices, depth):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: num_gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: num_gpus)
+    config = EngineConfig(pp=pp, ep=ep, devices=devices)
+    assert config.stage_devices() == stage_devices
+    assert config.depth == depth
+
+
 @pytest.mark.parametrize(
     ("pp", "ep", "message"),
     [
@@ -128,6 +168,31 @@ def test_stage_processes_on_fewer_gpus_than_ranks_are_refused_before_any_starts(
     with pytest.raises(ValueError, match=message):
         Cluster.start("unused", config)
     assert spawned == []
+
+
+@pytest.mark.parametrize(
+    ("pp", "ep", "devices", "message"),
+    [
+        (2, 2, ["cuda:0", "cuda:1", "cuda:0", "cuda:3"],
+         r"^--devices puts ranks 0 and 2 on cuda:0 \(--pp 2 --ep 2: rank = stage \* ep \+ expert rank\), "
+         r"but NCCL refuses two ranks on one GPU; give each rank a GPU of its own$"),
+        (1, 4, ["cuda:1", "cuda", "cuda:1", "cuda:1"], r"^--devices puts ranks 0, 2 and 3 on cuda:1 "),
+        (2, 1, ["cuda:0", "cuda"], r"^--devices puts ranks 0 and 1 on cuda:0 \(--procs: rank = stage\).*; or drop --procs"),  # "cuda" is cuda:0
+    ],
+)
+def test_a_gpu_named_for_two_ranks_is_refused_before_any_starts(monkeypatch, pp, ep, devices, message):
+    from graphrt.distributed.remote import Cluster, check_one_rank_per_gpu
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("RANK", raising=False)
+    spawned = []
+    monkeypatch.setattr("graphrt.distributed.remote.spawn_workers", lambda *args: spawned.append(args))
+    config = EngineConfig(pp=pp, ep=ep, devices=devices, procs=True)
+    with pytest.raises(ValueError, match=message):
+        Cluster.start("unused", config)
+    assert spawned == []
+    check_one_rank_per_gpu(EngineConfig(pp=pp, ep=ep, devices=[f"cuda:{rank}" for rank in range(pp * ep)], procs=True))
 
 
 @pytest.mark.parametrize("num_gpus", [0, 1, 2])

@@ -83,6 +83,25 @@ def spawn_workers(model_dir, config, port: int) -> list[subprocess.Popen]:
     return children
 
 
+def check_one_rank_per_gpu(config) -> None:
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), and only at the first send:
+    refuse a GPU that `config.devices` (one per rank) names twice before any process starts. Only
+    for the ranks rank 0 starts on this host: torchrun's may be on several hosts, each with a cuda:0."""
+    ranks_on: dict[int, list[int]] = {}
+    for rank, device in enumerate(map(torch.device, config.devices)):
+        if device.type == "cuda":  # "cuda" is cuda:0, as for num_concurrent_stages
+            ranks_on.setdefault(device.index or 0, []).append(rank)
+    for index, ranks in ranks_on.items():
+        if len(ranks) > 1:
+            named = ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+            layout = f"--pp {config.pp} --ep {config.ep}: rank = stage * ep + expert rank" if config.ep > 1 else "--procs: rank = stage"
+            instead = "; or drop --procs to run the stages as streams of one process" if config.ep == 1 else ""
+            raise ValueError(
+                f"--devices puts ranks {named} on cuda:{index} ({layout}), but NCCL refuses two ranks on one GPU; "
+                f"give each rank a GPU of its own{instead}"
+            )
+
+
 class RemoteEvent:
     """A slot's event: set when its tokens are back from the last rank, or failed."""
 
@@ -140,6 +159,8 @@ class Cluster:
                 )
             children, init_method = [], "env://"
         else:
+            if backend == "nccl" and config.devices:
+                check_one_rank_per_gpu(config)
             if backend == "nccl" and torch.cuda.device_count() < world_size:
                 # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") at the first send.
                 layout = f"--pp {config.pp}" + (f" --ep {config.ep}" if config.ep > 1 else "")
