@@ -7,6 +7,7 @@ host clock. Times are seconds since the timeline started.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -34,12 +35,21 @@ class Slice:
     bucket: int | None  # decode only
     start: float
     end: float
+    rank: int = 0  # the process that ran it (with --procs; rank 0 is the engine's)
+    expert_rank: int = 0  # under --ep, which of its stage's ranks (0: the leader, which passes it on)
+    combine_s: float = 0.0  # under --ep on gloo, its seconds in the sparse layers' all-reduces
 
 
 class Timeline:
+    """Slices of stage work, host ticks and host waits. With --procs each worker keeps one of its
+    own and rank 0 gathers them (`add_remote`): the stages' leaders' slices join `slices`, the other
+    expert ranks' go to `rank_slices`, so that every figure of a stage counts its work once."""
+
     def __init__(self, devices: list[torch.device]):
         self.origin = time.perf_counter()
+        self.origin_wall = time.time()  # the same moment on the wall clock, which other processes share
         self.slices: list[Slice] = []
+        self.rank_slices: list[Slice] = []  # under --ep, the work of every stage's other expert ranks
         self.host_ticks: list[tuple[float, float]] = []  # (start, end) of each scheduler tick
         self.host_waits: list[tuple[float, float]] = []  # (start, end) of each wait for a micro-batch, inside ticks
         self._lock = threading.Lock()
@@ -80,6 +90,21 @@ class Timeline:
             end = origin_s + origin_event.elapsed_time(finished) / 1000
             with self._lock:
                 self.slices.append(Slice(start=start, end=end, **fields))
+
+    def wall_slices(self) -> list[dict]:
+        """The finished slices with wall-clock times, for another process's timeline (`add_remote`)."""
+        self.resolve()
+        with self._lock:
+            slices = list(self.slices)
+        return [{**dataclasses.asdict(s), "start": s.start + self.origin_wall, "end": s.end + self.origin_wall} for s in slices]
+
+    def add_remote(self, wall_slices: list[dict]) -> None:
+        """Another process's `wall_slices`, on this timeline's clock. Across hosts the times are as
+        close as the hosts' clocks are."""
+        for fields in wall_slices:
+            piece = Slice(**{**fields, "start": fields["start"] - self.origin_wall, "end": fields["end"] - self.origin_wall})
+            with self._lock:
+                (self.slices if piece.expert_rank == 0 else self.rank_slices).append(piece)
 
     def record_tick(self, start: float, end: float) -> None:
         self.host_ticks.append((start, end))

@@ -51,6 +51,7 @@ class StagePlan:
     kernels: str
     allow_eager: bool
     ep: int = 1  # ranks per stage, which split each sparse layer's routed experts
+    timeline: bool = False  # every rank records its slices of stage work (graphrt.profiling.timeline)
 
     def encode(self) -> torch.Tensor:
         if len(self.buckets) > MAX_BUCKETS or self.pp > MAX_STAGES:
@@ -58,7 +59,7 @@ class StagePlan:
         values = list(torch.frombuffer(bytearray(bytes.fromhex(self.fingerprint)), dtype=torch.int64).tolist())
         values += [DTYPE_CODES.index(self.dtype), self.pp, self.num_blocks, self.block_size, self.max_model_len]
         values += [self.num_slots, self.max_tokens, self.seed, int(self.use_cuda_graphs), KERNEL_CODES.index(self.kernels)]
-        values += [int(self.allow_eager), self.partition_rows, self.ep, len(self.buckets)]
+        values += [int(self.allow_eager), self.partition_rows, self.ep, int(self.timeline), len(self.buckets)]
         values += self.buckets + [0] * (MAX_BUCKETS - len(self.buckets))
         values += [r.start for r in self.layers] + [self.layers[-1].stop]
         return torch.tensor(values + [0] * (PLAN_SIZE - len(values)), dtype=torch.int64)
@@ -68,12 +69,13 @@ class StagePlan:
         values = tensor.tolist()
         fingerprint = tensor[:4].numpy().tobytes().hex()
         dtype, pp, num_blocks, block_size, max_model_len, num_slots, max_tokens, seed, graphs, kernels, eager = values[4:15]
-        partition_rows, ep, num_buckets = values[15:18]
-        buckets = values[18 : 18 + num_buckets]
-        bounds = values[18 + MAX_BUCKETS : 18 + MAX_BUCKETS + pp + 1]
+        partition_rows, ep, timeline, num_buckets = values[15:19]
+        buckets = values[19 : 19 + num_buckets]
+        bounds = values[19 + MAX_BUCKETS : 19 + MAX_BUCKETS + pp + 1]
         return StagePlan(
             fingerprint, DTYPE_CODES[dtype], pp, [range(a, b) for a, b in zip(bounds, bounds[1:])], partition_rows, buckets,
             num_blocks, block_size, max_model_len, num_slots, max_tokens, seed, bool(graphs), KERNEL_CODES[kernels], bool(eager), ep,
+            bool(timeline),
         )
 
 

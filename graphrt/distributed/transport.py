@@ -218,6 +218,18 @@ class Link:
         key = f"rank-stats/{rank}"
         return RankStats(*json.loads(self.store.get(key))) if self.store.check([key]) else RankStats()
 
+    def publish_slices(self, chunk: int, wall_slices: list[dict]) -> None:
+        """With the timeline on, this rank's newest finished slices (Timeline.wall_slices), as chunk
+        number `chunk` of those it has published."""
+        self.store.set(f"timeline/{self.rank}/{chunk}", json.dumps(wall_slices))
+        self.store.set(f"timeline/{self.rank}/chunks", str(chunk + 1))
+
+    def read_slices(self, rank: int) -> list[dict]:
+        """Every slice `rank` has published so far."""
+        key = f"timeline/{rank}/chunks"
+        chunks = int(self.store.get(key)) if self.store.check([key]) else 0
+        return [piece for chunk in range(chunks) for piece in json.loads(self.store.get(f"timeline/{rank}/{chunk}"))]
+
     def send(
         self, tensors: list[torch.Tensor], dst: int, reply: bool = False, timeout: datetime.timedelta | None = None
     ) -> None:

@@ -55,6 +55,7 @@ from graphrt.model.kv_cache import StageKVCache
 from graphrt.model.moe import ExpertShard
 from graphrt.model.weights import WeightFiles
 from graphrt.profiling.nvtx import Ranges
+from graphrt.profiling.timeline import Timeline
 from graphrt.runtime.logprobs import score_rows
 from graphrt.runtime.pipeline import partition_layers
 from graphrt.runtime.sampler import Sampler
@@ -153,6 +154,7 @@ class StageWorker:
         self.generators: dict[int, torch.Generator] = {}  # request id -> its seeded generator
         self.busy_s = 0.0
         self.first_at: float | None = None
+        self.timeline = Timeline([device]) if plan.timeline else None
         self.experts = shard.experts(cfg.moe.num_experts) if cfg.moe is not None else range(0)
 
     def run(self) -> None:
@@ -173,6 +175,8 @@ class StageWorker:
                 continue
             started = time.perf_counter()
             self.first_at = self.first_at or started
+            slice_start = self.timeline.begin(self.stage.device) if self.timeline else None
+            combine_before = self.link.combine_s
             meta = message.meta.to(self.stage.device)
             if message.kind == PREFILL:
                 out = self.stage(message.hidden, meta, self.cache)
@@ -180,6 +184,12 @@ class StageWorker:
                 out = self.graphs.run(message.hidden, meta)
             reply = self._sample(message, out) if self.sampler is not None else None
             self.busy_s += time.perf_counter() - started
+            if self.timeline:
+                self.timeline.end(
+                    self.stage.device, slice_start, stage=self.link.stage, slot=message.slot, micro_batch=message.micro_batch,
+                    kind="prefill" if message.kind == PREFILL else "decode", rows=meta.seq_lens.shape[0], bucket=message.bucket,
+                    rank=self.rank, expert_rank=self.link.expert_rank, combine_s=self.link.combine_s - combine_before,
+                )
             self.stage.publish_expert_tokens()
             if message.counters:  # rank 0 reports every stage's busy time and expert load from these (/metrics)
                 record = [int(self.busy_s * 1e6), *self.stage.seen_expert_tokens()]
@@ -189,19 +199,31 @@ class StageWorker:
                 message.counters[index * width : (index + 1) * width] = record
             self._pass_on(message, out if not self.stage.is_last else None, reply)
 
-    def publish_stats(self, stop: threading.Event) -> None:
-        """Under --ep, on a thread of its own: this rank's figures whenever they changed, at most every
-        STATS_INTERVAL_S, off the micro-batches' path (the store is a round trip to rank 0's host)."""
-        published = None
+    @property
+    def publishes(self) -> bool:
+        """Whether this rank has figures for rank 0 to read: under --ep, or with the timeline on."""
+        return self.link.ep > 1 or self.timeline is not None
+
+    def publish(self, stop: threading.Event) -> None:
+        """On a thread of its own, every STATS_INTERVAL_S: under --ep this rank's figures whenever they
+        changed, with the timeline on its newest finished slices; off the micro-batches' path (the
+        store is a round trip to rank 0's host)."""
+        stats_published, slices_published, chunk = None, 0, 0
         while not stop.wait(STATS_INTERVAL_S):
-            expert_tokens = sum(self.stage.seen_expert_tokens()[self.experts.start : self.experts.stop])
-            stats = RankStats(self.busy_s, self.link.combine_s, expert_tokens)
-            if stats != published:
-                try:
-                    self.link.publish_stats(stats)
-                except Exception:  # noqa: BLE001 - the store went with rank 0; the loop finds out and says so
-                    return
-                published = stats
+            try:
+                if self.link.ep > 1:
+                    expert_tokens = sum(self.stage.seen_expert_tokens()[self.experts.start : self.experts.stop])
+                    stats = RankStats(self.busy_s, self.link.combine_s, expert_tokens)
+                    if stats != stats_published:
+                        self.link.publish_stats(stats)
+                        stats_published = stats
+                if self.timeline is not None:
+                    finished = self.timeline.wall_slices()
+                    if len(finished) > slices_published:
+                        self.link.publish_slices(chunk, finished[slices_published:])
+                        slices_published, chunk = len(finished), chunk + 1
+            except Exception:  # noqa: BLE001 - the store went with rank 0; the loop finds out and says so
+                return
 
     def _sample(self, message: Message, out: torch.Tensor) -> Reply:
         """The last stage's answer: the sampled rows' tokens, and the logprobs asked for."""
@@ -290,8 +312,9 @@ def run_worker(options: WorkerOptions) -> int:
             raise
         report_ready(link, worker.stage.weight_reads(), options.startup_timeout_s)
         stop = threading.Event()
-        if options.ep > 1:
-            threading.Thread(target=worker.publish_stats, args=(stop,), name="graphrt-rank-stats", daemon=True).start()
+        publisher = threading.Thread(target=worker.publish, args=(stop,), name="graphrt-rank-stats", daemon=True)
+        if worker.publishes:
+            publisher.start()
         try:
             worker.run()
         finally:

@@ -26,7 +26,7 @@ from graphrt.capture.manifest import (
     software_versions,
     stale_fields,
 )
-from graphrt.config import EngineConfig, default_devices
+from graphrt.config import EngineConfig
 from graphrt.distributed.handshake import StagePlan
 from graphrt.distributed.remote import Cluster, load_first_stage
 from graphrt.distributed.transport import RankStats, StageFailure
@@ -84,7 +84,7 @@ class Engine:
         eos_id = loader.submit(eos_token_id or functools.partial(tokenizer_eos_token_id, self.model_dir))
         loader.shutdown(wait=False)
         files = WeightFiles(self.model_dir)
-        self.devices = [torch.device(d) for d in (config.devices or default_devices(config.pp))]
+        self.devices = [torch.device(d) for d in config.stage_devices()]  # one per stage: under --ep, each leader's
         self.dtype = config.resolve_dtype(self.model_config, self.devices[0])
         self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
         check_expert_parallel(self.model_config, config.ep)
@@ -238,6 +238,7 @@ class Engine:
             kernels=config.kernels,
             allow_eager=config.allow_eager,
             ep=config.ep,
+            timeline=config.timeline,
         )
 
     def _partition_rows(self) -> int:
@@ -279,6 +280,12 @@ class Engine:
         experts = stage.shard.experts(self.model_config.moe.num_experts)
         own = RankStats(self.ring.busy_s[0], self.cluster.link.combine_s, sum(stage.seen_expert_tokens()[experts.start : experts.stop]))
         return [(*divmod(rank, self.config.ep), stats) for rank, stats in enumerate([own, *self.cluster.rank_stats])]
+
+    def gather_rank_timelines(self) -> None:
+        """With --procs and the timeline on: add every worker's slices, as far as each has published
+        them (every STATS_INTERVAL_S), to this engine's timeline. Once, after the run."""
+        for rank in range(1, self.cluster.link.world_size if self.cluster else 1):
+            self.timeline.add_remote(self.cluster.link.read_slices(rank))
 
     def expert_rank_summary(self) -> str:
         """The start-up banner's words on expert parallelism: what each rank holds."""

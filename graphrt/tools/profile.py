@@ -69,7 +69,10 @@ def profile_once(options: ProfileOptions, depth: int, model_dir: Path | None) ->
             processor.process(engine.step())
         timeline = engine.timeline
         timeline.resolve()
-        pp = len(engine.pipeline.stages)
+        if engine.cluster is not None:
+            time.sleep(3 * STATS_INTERVAL_S)  # a worker publishes its slices and figures, rank 0 reads them, each every STATS_INTERVAL_S
+            engine.gather_rank_timelines()
+        pp = engine.config.pp  # with --procs this process holds stage 0 only; the rest came from the workers
         summary = summarize(timeline, pp, depth)
         suffix = f"-depth{depth}" if options.sweep else ""
         title = f"pp={pp}, depth={depth}: {options.num_requests} requests" + (
@@ -84,10 +87,9 @@ def profile_once(options: ProfileOptions, depth: int, model_dir: Path | None) ->
 
 def expert_rank_lines(engine) -> list[str]:
     """Under --ep, each rank's busy time, its share in the sparse layers' all-reduces and the tokens
-    its experts served, once the workers have published their figures for the whole run."""
+    its experts served, as the workers last published them (profile_once waits for that)."""
     if engine.config.ep == 1:
         return []
-    time.sleep(3 * STATS_INTERVAL_S)  # a worker publishes, then rank 0 reads, each every STATS_INTERVAL_S
     lines = []
     for stage, expert_rank, stats in engine.expert_rank_stats():
         share = stats.combine_s / stats.busy_s if stats.busy_s else 0.0

@@ -31,6 +31,8 @@ from graphrt.model.config import ModelConfig
 from graphrt.model.moe import ExpertShard
 from graphrt.model.weights import WeightFiles
 from graphrt.profiling.nvtx import Ranges
+from graphrt.profiling.report import summarize
+from graphrt.profiling.trace import chrome_trace
 from graphrt.runtime.stage_builder import load_stage
 from graphrt.tools.synthetic import make_synthetic
 from helpers import RecordingDomain
@@ -136,10 +138,11 @@ def test_expert_ranks_give_the_single_rank_tokens(tiny_model_factory, variant, p
     alone.engine.close()
     assert again == greedy and hits > 0
 
-    llm = LLM(model=model, pp=pp, ep=2, watchdog_s=30, **OPTIONS)
+    llm = LLM(model=model, pp=pp, ep=2, devices=["cpu"] * (2 * pp), watchdog_s=30, timeline=pp == 2, **OPTIONS)  # one per rank
     children = llm.engine.cluster.children
     try:
         assert len(children) == 2 * pp - 1  # every rank but this one
+        assert llm.engine.devices == [torch.device("cpu")] * pp  # one per stage: its leader's
         ours = run_all(llm)
         assert ours[0] == greedy and ours[1] == seeded and ours[3] == again and ours[4] == hits
         assert_same_logprobs(ours[2], scored)
@@ -167,10 +170,34 @@ def test_expert_ranks_give_the_single_rank_tokens(tiny_model_factory, variant, p
                 half = len(expert_tokens[stage]) // 2
                 assert figures.expert_tokens == sum(expert_tokens[stage][rank * half : (rank + 1) * half]), (stage, rank)
                 assert 0 < figures.combine_s < figures.busy_s, (stage, rank, figures)
+            assert_a_lane_per_rank(llm.engine)
     finally:
         llm.engine.close()
         codes = wait_all_exited(children, within_s=10)
     assert codes == [0] * (2 * pp - 1)
+
+
+def assert_a_lane_per_rank(engine) -> None:
+    """The profile's timeline after a pp 2 x ep 2 run: every rank ran every micro-batch of its stage,
+    each on a lane of its own in the trace; the stages' figures count the leaders' work once."""
+    engine.gather_rank_timelines()
+    timeline = engine.timeline
+    trace = chrome_trace(timeline, num_stages=2)["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {
+        0: "host scheduler", 1: "stage 0 expert rank 0 (rank 0)", 2: "stage 0 expert rank 1 (rank 1)",
+        3: "stage 1 expert rank 0 (rank 2)", 4: "stage 1 expert rank 1 (rank 3)",
+    }
+    lanes = {tid: sorted((e for e in trace if e["ph"] == "X" and e["tid"] == tid), key=lambda e: e["ts"]) for tid in range(1, 5)}
+    for tid, lane in lanes.items():
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(lane, lane[1:])), names[tid]  # one at a time
+    micro_batches = {tid: [e["args"]["micro_batch"] for e in lane] for tid, lane in lanes.items()}
+    assert micro_batches[1] == micro_batches[2] and micro_batches[3] == micro_batches[4] and set(micro_batches[1]) == set(micro_batches[3])
+    for e in lanes[2] + lanes[3] + lanes[4]:  # the workers', on gloo: time in the all-reduces, within the slice
+        assert 0 < e["args"]["all_reduce_ms"] * 1000 <= e["dur"], e
+    summary = summarize(timeline, pp=2, depth=engine.depth)  # the last stage's slices are the worker's now
+    assert summary.tokens_per_s > 0 and all(use.decode_counts for use in summary.stages)
+    assert len(timeline.slices) == len(lanes[1]) + len(lanes[3])
 
 
 def test_rank_zero_loads_only_its_experts_from_the_checkpoint(tiny_model_factory):
@@ -313,11 +340,35 @@ def test_expert_parallelism_is_refused_where_it_cannot_run(tiny_model_factory):
         LLM(model=tiny_model_factory("deepseek-v3"), ep=3, **OPTIONS)
     with pytest.raises(ValueError, match="speculative decoding with --ep"):
         EngineConfig(ep=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="--devices with --ep"):
-        EngineConfig(pp=1, ep=2, devices=["cpu"])
     with pytest.raises(ValueError, match="ep must be a positive integer"):
         EngineConfig(ep=0)
     assert EngineConfig(ep=2).procs  # the expert ranks are processes
+
+
+def test_devices_under_ep_name_one_per_rank_of_one_kind():
+    """--devices names each stage's device, but under --ep each rank's, stage-major."""
+    with pytest.raises(
+        ValueError, match=r"^--devices names 2 devices for --pp 2 --ep 2: give one per rank, 4, stage-major \(rank = stage \* ep \+ expert rank\)$"
+    ):
+        EngineConfig(pp=2, ep=2, devices=["cuda:0", "cuda:1"])  # one per stage is one per rank only without --ep
+    with pytest.raises(ValueError, match="--devices names 1 devices for --pp 1 --ep 2: give one per rank, 2,"):
+        EngineConfig(pp=1, ep=2, devices=["cpu"])
+    with pytest.raises(ValueError, match="--devices names 4 devices for 2 stages; give one per stage"):
+        EngineConfig(pp=2, devices=["cpu"] * 4)
+    with pytest.raises(ValueError, match=r"^--devices cuda:0,cuda:1,cpu,cpu mixes CUDA and CPU devices; under --ep every rank"):
+        EngineConfig(pp=2, ep=2, devices=["cuda:0", "cuda:1", "cpu", "cpu"])
+    assert EngineConfig(pp=2, ep=2, devices=["cpu"] * 4).stage_devices() == ["cpu", "cpu"]
+
+
+def test_each_worker_takes_its_ranks_device_from_the_list(monkeypatch):
+    """The engine's command line reaches every worker; rank 3 of --pp 2 --ep 2 (stage 1's second
+    expert rank) takes the fourth device."""
+    from graphrt.distributed.worker import parse_options
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    options = parse_options(["--model", "tiny", "--pp", "2", "--ep", "2", "--devices", "cuda:4, cuda:5,cuda:6,cuda:7"])
+    assert (options.device, options.ep) == ("cuda:7", 2)
 
 
 def test_ranks_that_disagree_about_ep_are_refused_naming_it(tiny_model_factory):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphrt.distributed.handshake import PLAN_SIZE, StagePlan
 from graphrt.distributed.transport import (
     DECODE,
     HEARTBEAT,
@@ -97,3 +98,16 @@ def test_a_heartbeat_has_no_payload():
     assert ints.numel() == 0 and floats is None
     got = decode(header, ints, floats)
     assert (got.kind, got.meta, got.sampling) == (HEARTBEAT, None, None)
+
+
+@pytest.mark.parametrize("ep, timeline", [(1, False), (2, True)])
+def test_the_stage_plan_round_trips(ep, timeline):
+    """Every field rank 0 decides reaches each worker as it was, in one fixed-size tensor."""
+    plan = StagePlan(
+        fingerprint="ab" * 32, dtype="float64", pp=3, layers=[range(0, 2), range(2, 5), range(5, 6)], partition_rows=8,
+        buckets=[1, 2, 4, 8], num_blocks=96, block_size=16, max_model_len=512, num_slots=4, max_tokens=64, seed=5,
+        use_cuda_graphs=False, kernels="torch", allow_eager=True, ep=ep, timeline=timeline,
+    )
+    encoded = plan.encode()
+    assert encoded.shape == (PLAN_SIZE,) and encoded.dtype == torch.int64
+    assert StagePlan.decode(encoded) == plan

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from graphrt.cli import main
+from graphrt.profiling.timeline import Timeline
+from graphrt.profiling.trace import chrome_trace
 from graphrt.tools.profile import ProfileOptions, run_profile
 
 STAGE_MS, HOST_MS, PP = 20.0, 10.0, 4
@@ -119,3 +123,34 @@ def test_an_out_path_that_is_a_file_is_one_line(tmp_path):
     assert result.exit_code == 1
     assert "cannot write the profile to" in result.output and "choose a writable --out folder" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_workers_slices_join_rank_zeros_timeline_on_its_clock():
+    """With --procs each worker keeps a timeline and rank 0 adds its slices (Timeline.add_remote):
+    times move by the two origins' wall-clock difference, a stage's leader's slices join the stage's
+    track and its other expert ranks' get tracks of their own."""
+    cpu = torch.device("cpu")
+    engine_side = Timeline([cpu])
+    time.sleep(0.01)
+    worker_side = Timeline([cpu])  # started 10 ms later
+    for expert_rank in (0, 1):
+        started = worker_side.begin(cpu)
+        time.sleep(0.002)
+        worker_side.end(cpu, started, stage=1, slot=0, micro_batch=7, kind="decode", rows=2, bucket=2,
+                        rank=2 + expert_rank, expert_rank=expert_rank, combine_s=0.001)
+    engine_side.add_remote(worker_side.wall_slices())
+    shift = worker_side.origin_wall - engine_side.origin_wall
+    assert shift >= 0.009
+    (leader,), (other,) = engine_side.slices, engine_side.rank_slices
+    assert (leader.expert_rank, other.expert_rank, other.rank) == (0, 1, 3)
+    assert leader.start == pytest.approx(worker_side.slices[0].start + shift, abs=1e-6)
+    assert other.end - other.start == pytest.approx(worker_side.slices[1].end - worker_side.slices[1].start, abs=1e-6)
+    trace = chrome_trace(engine_side, num_stages=2)["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {0: "host scheduler", 1: "stage 0 expert rank 0", 2: "stage 1 expert rank 0 (rank 2)", 3: "stage 1 expert rank 1 (rank 3)"}
+    (on_rank_3,) = [e for e in trace if e["ph"] == "X" and e["tid"] == 3]
+    assert on_rank_3["args"]["all_reduce_ms"] == 1.0 and on_rank_3["name"] == "mb7 decode bs2"
+    # without expert ranks, a track per stage as before
+    engine_side.rank_slices.clear()
+    names = {e["tid"]: e["args"]["name"] for e in chrome_trace(engine_side, 2)["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {0: "host scheduler", 1: "stage 0", 2: "stage 1"}
