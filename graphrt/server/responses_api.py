@@ -4,8 +4,9 @@ graphrt serves Responses statelessly, as vLLM does by default: nothing is stored
 conversation comes in `input` each time and `previous_response_id` is refused. A request becomes
 the chat request it means (instructions as a system message first, input items as messages,
 function calls as an assistant's tool calls and their outputs as tool messages, `text.format` as
-`response_format`, flat tools as chat's nested ones) and runs the chat route's path: chat
-template, grammar, tool-call parsing, sampling, admission, metrics. Errors name the Responses
+`response_format`, flat tools as chat's nested ones, `include: ["message.output_text.logprobs"]`
+as `logprobs: true` with `top_logprobs`) and runs the chat route's path: chat template, grammar,
+tool-call parsing, sampling, logprobs, admission, metrics. Errors name the Responses
 request's parameters, not the chat request's. graphrt.server.responses_output writes the answer
 in the Responses shape.
 """
@@ -18,6 +19,7 @@ from typing import Annotated, Any, Iterator, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 
+from graphrt.sampling_params import MAX_LOGPROBS
 from graphrt.server.errors import APIError
 from graphrt.server.protocol import ChatCompletionRequest, decode_body
 from graphrt.server.validation import StrictModel, validation_error
@@ -150,6 +152,13 @@ class NamedFunction(StrictModel):
     name: str
 
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# Accepted and ignored in `include`: what the Codex CLI sends with every request that sets a
+# reasoning effort, and vLLM accepts. graphrt's output has no reasoning items to encrypt, so there
+# is nothing to include; refusing it would refuse every such client.
+NOTHING_TO_INCLUDE = "reasoning.encrypted_content"
+
+
 class StreamOptions(StrictModel):
     include_obfuscation: bool | None = None  # ignored: graphrt never pads events (see protocol.StreamOptions)
 
@@ -181,6 +190,11 @@ class ResponsesRequest(StrictModel):
     service_tier: str | None = None
     reasoning: dict[str, Any] | None = None  # no chat template here takes a reasoning effort
     truncation: Literal["disabled"] | None = None  # "auto" would drop turns; a long prompt is refused instead
+    # More output than the response holds by default: OUTPUT_LOGPROBS asks for the logprobs of the
+    # output text's tokens, each with its `top_logprobs` most likely alternatives. As in vLLM, they
+    # come only with that include: top_logprobs alone is accepted and asks for nothing.
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("input")
     @classmethod
@@ -202,6 +216,12 @@ class ResponsesRequest(StrictModel):
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         if self.text is not None and self.text.format is not None:
             self.text.format.check()
+        for value in self.include or []:
+            if value not in (OUTPUT_LOGPROBS, NOTHING_TO_INCLUDE):
+                raise APIError(
+                    400, f"include: {value!r} is not supported; graphrt can include {OUTPUT_LOGPROBS!r} "
+                    f"(and accepts {NOTHING_TO_INCLUDE!r}, which its output has none of)", param="include",
+                )
         if isinstance(self.input, list):
             self._check_items()
 
@@ -217,6 +237,11 @@ class ResponsesRequest(StrictModel):
                     400, f"input[{index}].call_id: no function_call item before it has call_id {item.call_id!r}; "
                     "send the call ahead of its output", param=f"input[{index}].call_id",
                 )
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The alternatives each output token's logprobs list; None: the request asked for no logprobs."""
+        return (self.top_logprobs or 0) if OUTPUT_LOGPROBS in (self.include or []) else None
 
     def conversation(self) -> list[tuple[str, dict]]:
         """The conversation in chat completions' shape, each message with the parameter it comes
@@ -251,6 +276,8 @@ class ResponsesRequest(StrictModel):
                 chat[name] = getattr(self, name)
         if self.text is not None and self.text.format is not None:
             chat["response_format"] = self.text.format.response_format()
+        if self.num_logprobs is not None:
+            chat["logprobs"], chat["top_logprobs"] = True, self.num_logprobs
         if self.tools is not None:
             chat["tools"] = [tool.chat_tool() for tool in self.tools]
         if isinstance(self.tool_choice, NamedFunction):

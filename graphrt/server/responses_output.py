@@ -6,6 +6,11 @@ each chat delta becomes OpenAI's events (`response.output_text.delta`,
 `response.function_call_arguments.delta`, ...) between the items' `added` and `done`, each
 numbered by `sequence_number`, and the stream ends with the whole response in
 `response.completed` (or `response.incomplete`, when max_output_tokens cut it short).
+
+Logprobs, where the request includes them, are the chat route's, token by token, in the same
+shape: a message's output_text carries its tokens' (each text delta those of its tokens), and is
+`[]` where none were asked for, as OpenAI sends it. Tokens that spell a tool call, and the stop
+token that ends the output, which spells no text, carry none.
 """
 
 from __future__ import annotations
@@ -28,11 +33,32 @@ def status_of(choice: ChoiceState) -> str:
     return "incomplete" if choice.finish_reason == "length" else "completed"
 
 
-def message_item(item_id: str, text: str, status: str) -> dict:
+def message_item(item_id: str, text: str, status: str, logprobs: list[dict]) -> dict:
     return {
         "type": "message", "id": item_id, "status": status, "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}],
     }
+
+
+def text_logprobs(chat_logprobs: dict | None, choice: ChoiceState) -> list[dict]:
+    """The logprobs of a chat choice's (or its last chunk's) tokens, less the stop token's where the
+    output ended on one: finish reason "stop" means a stop token here (a Responses request sets no
+    stop strings), and that token is no part of the text (OutputProcessor._extend)."""
+    tokens = chat_logprobs["content"] if chat_logprobs is not None else []
+    return tokens[:-1] if tokens and choice.finish_reason == "stop" else tokens
+
+
+def num_spelling(tokens: list[dict], start: int, end: int) -> int:
+    """How many of `tokens` (chat logprobs, the first one's text at character `start`), from the
+    first, end by character `end`: where tool calls follow a message's text (the content before
+    them), the tokens that are the message's."""
+    count = 0
+    for token in tokens:
+        start += len(token["token"])
+        if start > end:
+            break
+        count += 1
+    return count
 
 
 def function_call_item(call: dict, status: str) -> dict:
@@ -71,7 +97,10 @@ class ResponsesFormat(ResponseFormat):
         message, status = chat_choice["message"], status_of(choice)
         calls = message.get("tool_calls") or []
         text = message.get("content") or ""
-        output = [message_item(new_id("msg"), text, status)] if text or not calls else []
+        logprobs = text_logprobs(chat_choice["logprobs"], choice)
+        if calls:
+            logprobs = logprobs[: num_spelling(logprobs, 0, len(text))]
+        output = [message_item(new_id("msg"), text, status, logprobs)] if text or not calls else []
         output += [function_call_item(call, "completed") for call in calls]
         return self.body(status, output, usage_body(prompt_tokens, choice))
 
@@ -93,7 +122,7 @@ class ResponsesFormat(ResponseFormat):
             "text": {"format": text_format.body() if text_format is not None else {"type": "text"}},
             "tool_choice": {"type": "function", "name": tool_choice.name} if isinstance(tool_choice, NamedFunction) else tool_choice,
             "tools": [tool.body() for tool in request.tools or []],
-            "top_logprobs": None, "top_p": 1.0 if request.top_p is None else request.top_p,
+            "top_logprobs": request.top_logprobs or 0, "top_p": 1.0 if request.top_p is None else request.top_p,
             "truncation": "disabled", "usage": usage, "user": request.user,
         }
 
@@ -104,6 +133,11 @@ class ResponsesEvents:
     Output items open when their first delta comes (text opens a message, a tool call a
     function_call item) and close when another item opens or the response ends; `output` holds
     them as the final response reports them.
+
+    A chat delta's logprobs are its tokens', whose text may come in a later delta (text that is not
+    final yet, or may begin a tool call): they wait for the text they spell. Without tools, every
+    token is the message's; with tools, a text delta takes the tokens that spell the message's text
+    so far, and those still waiting when a call opens are the call's, left out.
     """
 
     def __init__(self, fmt: ResponsesFormat):
@@ -113,6 +147,8 @@ class ResponsesEvents:
         self.message: dict | None = None  # the open message item
         self.call: dict | None = None  # the open function_call item
         self.call_index: int | None = None  # its index among the chat delta's tool calls
+        self.waiting: list[dict] = []  # logprobs received and not yet sent with a text delta
+        self.num_spelled = 0  # characters of the open message's text that its sent logprobs' tokens spell
 
     def _event(self, event_type: str, **fields) -> str:
         payload = {"type": event_type, "sequence_number": self.sequence_number, **fields}
@@ -126,11 +162,15 @@ class ResponsesEvents:
         body = self.format.body("in_progress", [], None)
         return [self._event("response.created", response=body), self._event("response.in_progress", response=body)]
 
-    def delta(self, delta: dict) -> list[str]:
-        """The events of one chat delta: its text, then its tool calls' fragments."""
+    def delta(self, delta: dict, logprobs: list[dict] | None = None) -> list[str]:
+        """The events of one chat delta (with the logprobs of the tokens its chunk brought): its
+        text, then its tool calls' fragments."""
+        self.waiting += logprobs or []
         events = self._text(delta["content"]) if delta.get("content") else []
         for call in delta.get("tool_calls") or []:
             events += self._call(call)
+        if self.call is not None:
+            self.waiting = []  # a call's tokens
         return events
 
     def _text(self, text: str) -> list[str]:
@@ -140,15 +180,27 @@ class ResponsesEvents:
             events += self._open_message()
         part = self.message["content"][0]
         part["text"] += text
+        logprobs = self._take_logprobs(len(part["text"]))
+        part["logprobs"] += logprobs
         events.append(self._event(
             "response.output_text.delta", item_id=self.message["id"], output_index=self.output.index(self.message),
-            content_index=0, delta=text, logprobs=[],
+            content_index=0, delta=text, logprobs=logprobs,
         ))
         return events
+
+    def _take_logprobs(self, num_chars: int) -> list[dict]:
+        """The waiting logprobs that the open message's text, `num_chars` long now, spells."""
+        count = len(self.waiting)
+        if self.format.chat.tool_calling is not None:
+            count = num_spelling(self.waiting, self.num_spelled, num_chars)
+        taken, self.waiting = self.waiting[:count], self.waiting[count:]
+        self.num_spelled += sum(len(token["token"]) for token in taken)
+        return taken
 
     def _open_message(self) -> list[str]:
         self.message = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant", "content": []}
         self.output.append(self.message)
+        self.num_spelled = 0
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         events = [self._item_event("response.output_item.added", self.message)]
         events.append(self._event(
@@ -165,7 +217,7 @@ class ResponsesEvents:
         part, where = message["content"][0], {"item_id": message["id"], "output_index": self.output.index(message), "content_index": 0}
         message["status"] = status
         return [
-            self._event("response.output_text.done", **where, text=part["text"], logprobs=[]),
+            self._event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
             self._event("response.content_part.done", **where, part=part),
             self._item_event("response.output_item.done", message),
         ]
@@ -234,7 +286,7 @@ class ResponsesGeneration(Generation):
                     return
                 choice.apply(update)
                 for piece in self.format.chat.delta_choices(0, choice, choice.take_delta()):
-                    for event in stream.delta(piece["delta"]):
+                    for event in stream.delta(piece["delta"], text_logprobs(piece["logprobs"], choice)):
                         yield event
             self._set_finished_outcome()
             for event in stream.closing(self.prompt_tokens, choice):

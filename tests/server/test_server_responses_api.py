@@ -16,10 +16,13 @@ import jsonschema  # noqa: E402
 import openai  # noqa: E402
 
 from graphrt.frontend.tokenizer import Tokenizer  # noqa: E402
+from graphrt.sampling_params import TokenLogprob  # noqa: E402
 from graphrt.server.errors import APIError  # noqa: E402
 from graphrt.server.responses import ChatFormat, ChoiceState  # noqa: E402
 from graphrt.server.responses_api import parse_responses_request  # noqa: E402
 from graphrt.server.responses_output import ResponsesEvents, ResponsesFormat  # noqa: E402
+from graphrt.server.tool_choice import ToolCalling  # noqa: E402
+from graphrt.server.tool_parsers import HermesReader  # noqa: E402
 from helpers import SERVED_API_KEY  # noqa: E402
 
 slow = pytest.mark.slow  # the tests that use the server
@@ -142,6 +145,54 @@ def test_text_then_a_call_streams_as_a_message_then_a_function_call_that_the_sdk
     assert message.content[0].text == "Let me look." and (call.call_id, call.arguments) == ("call_1", '{"city": "Paris"}')
     assert [event.output_index for event in events if event.type == "response.output_item.done"] == [0, 1]
     assert final.usage.input_tokens == 12 and final.usage.output_tokens == 9 and final.usage.total_tokens == 21
+
+
+# A message's text, then a call, token by token, as a Hermes model writes them (the last token stops it).
+CALL_TOKENS = [
+    "Let", " me", " look", ".", "\n", "<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>", "<|im_end|>",
+]
+
+
+def calls_format(tokens: list[str]) -> ResponsesFormat:
+    """The format of a request for the output text's logprobs, offering WEATHER to a Hermes model
+    whose token ids are indices into `tokens`."""
+    request = parse_responses_request(json.dumps({
+        "input": "Weather in Paris?", "tools": [WEATHER], "include": ["message.output_text.logprobs"],
+    }).encode())
+    reader = HermesReader(["get_weather"])
+    return ResponsesFormat(MODEL, request, ChatFormat(MODEL, 0, tokens.__getitem__, ToolCalling(reader, None, named=False)))
+
+
+def test_a_message_before_a_call_carries_its_own_tokens_logprobs_and_the_call_none():
+    choice = ChoiceState(text="".join(CALL_TOKENS[:-1]), num_tokens=len(CALL_TOKENS), finish_reason="stop")
+    choice.scored = [(token_id, TokenLogprob(token_id, -0.5 - token_id, ())) for token_id in range(len(CALL_TOKENS))]
+    message, call = calls_format(CALL_TOKENS).response(12, [choice])["output"]
+    [part] = message["content"]
+    assert part["text"] == "Let me look." and call["type"] == "function_call" and "logprobs" not in call
+    assert [(token["token"], token["logprob"]) for token in part["logprobs"]] == [("Let", -0.5), (" me", -1.5), (" look", -2.5), (".", -3.5)]
+
+
+def test_a_streamed_message_before_a_call_sends_its_tokens_logprobs_with_its_text():
+    def scored(*tokens: str) -> list[dict]:
+        return [{"token": token, "logprob": -1.0, "bytes": list(token.encode()), "top_logprobs": []} for token in tokens]
+
+    stream = ResponsesEvents(calls_format(CALL_TOKENS))
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    chunks = [
+        ({"content": "Let"}, scored("Let", " me")),  # " me" is not final text yet
+        ({"content": " me look."}, scored(" look", ".", "\n", "<tool_call>")),  # the text stops before the call
+        ({"tool_calls": [call]}, scored(CALL_TOKENS[6])),
+        ({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]}, scored("</tool_call>")),
+    ]
+    sse = stream.opening() + [event for delta, logprobs in chunks for event in stream.delta(delta, logprobs)]
+    sse += stream.closing(12, ChoiceState(num_tokens=8, finish_reason="stop"))
+    events = [json.loads(text.split("data: ", 1)[1]) for text in sse]
+    deltas = [event for event in events if event["type"] == "response.output_text.delta"]
+    assert [[token["token"] for token in delta["logprobs"]] for delta in deltas] == [["Let"], [" me", " look", "."]]
+    [done] = [event for event in events if event["type"] == "response.output_text.done"]
+    message, call_item = events[-1]["response"]["output"]
+    assert done["logprobs"] == message["content"][0]["logprobs"] == scored("Let", " me", " look", ".")
+    assert call_item["arguments"] == '{"city": "Paris"}' and "logprobs" not in call_item
 
 
 def chat_answer(client, messages: list[dict], max_tokens: int):
@@ -294,6 +345,82 @@ def test_the_sdks_stream_helper_reads_a_completed_stream(client):
     assert final.status == "completed" and final.output_text == "".join(deltas) != ""
 
 
+LOGPROBS = dict(include=["message.output_text.logprobs"], top_logprobs=2)
+
+
+def warm(client, question: str) -> None:
+    """Put the question's prompt in the prefix cache. Requests that find it there compute the rest in
+    the same shapes: bit for bit the same logprobs. One that computes the whole prompt differs from
+    them by float32 rounding (up to ~4e-5 here), matmuls of other shapes summing in another order."""
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=1)
+
+
+def numbers(tokens: list) -> list[tuple]:
+    """Each token's text and logprob, and its alternatives', as the SDK parsed them."""
+    return [(token.token, token.logprob, [(top.token, top.logprob) for top in token.top_logprobs]) for token in tokens]
+
+
+@slow
+@pytest.mark.parametrize(("max_tokens", "status"), [(8, "incomplete"), (64, "completed")])
+def test_output_text_logprobs_are_the_chat_routes_token_by_token(client, max_tokens, status):
+    question = "Say hello."
+    warm(client, question)
+    response = client.responses.create(model=MODEL, input=question, max_output_tokens=max_tokens, temperature=0, **LOGPROBS)
+    [part] = response.output[0].content
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0, logprobs=True, top_logprobs=2,
+    ).choices[0]
+    expected = chat.logprobs.content
+    assert response.status == status and response.top_logprobs == 2
+    if status == "completed":  # the model ended it with a stop token, which chat lists and which spells no text
+        assert expected[-1].token == "<|im_end|>"
+        expected = expected[:-1]
+    assert len(part.logprobs) == len(expected) == response.usage.output_tokens - (status == "completed")
+    assert "".join(token.token for token in part.logprobs) == part.text == chat.message.content != ""
+    assert numbers(part.logprobs) == numbers(expected)
+    for token in part.logprobs:
+        assert token.bytes == list(token.token.encode("utf-8"))
+        first, second = token.top_logprobs
+        assert first.logprob >= second.logprob and first.bytes == list(first.token.encode("utf-8"))
+        assert (first.token, first.logprob) == (token.token, token.logprob)  # greedy: the chosen token is the most likely
+
+
+@slow
+def test_streamed_output_text_logprobs_come_with_the_text_they_spell(client):
+    question = "Say hello."
+    warm(client, question)
+    kwargs = dict(model=MODEL, input=question, max_output_tokens=64, temperature=0, **LOGPROBS)
+    events = list(client.responses.create(stream=True, **kwargs))
+    deltas = [event for event in events if event.type == "response.output_text.delta"]
+    [done] = [event for event in events if event.type == "response.output_text.done"]
+    final = events[-1].response
+    assert all("".join(token.token for token in delta.logprobs) == delta.delta for delta in deltas)
+    streamed = [token for delta in deltas for token in delta.logprobs]
+    assert final.status == "completed" and len(streamed) == final.usage.output_tokens - 1  # all but the stop token
+    assert numbers(done.logprobs) == numbers(final.output[0].content[0].logprobs) == numbers(streamed)
+    whole = client.responses.create(**kwargs).output[0].content[0]
+    assert whole.text == done.text and numbers(whole.logprobs) == numbers(streamed)
+
+
+@slow
+@pytest.mark.parametrize(
+    "asked",
+    [
+        {},
+        {"top_logprobs": 2},  # as vLLM: alternatives come only with the include that asks for logprobs
+        {"include": ["reasoning.encrypted_content"]},  # the Codex CLI's; graphrt's output has no reasoning items
+    ],
+)
+def test_without_the_include_the_output_text_has_no_logprobs(client, asked):
+    kwargs = dict(model=MODEL, input="Say hello.", max_output_tokens=8, temperature=0, **asked)
+    [part] = client.responses.create(**kwargs).output[0].content
+    assert part.text and part.logprobs == []  # as OpenAI sends it: an empty list, not null
+    events = list(client.responses.create(stream=True, **kwargs))
+    text_events = [event for event in events if event.type in ("response.output_text.delta", "response.output_text.done")]
+    assert len(text_events) > 2 and all(event.logprobs == [] for event in text_events)
+    assert events[-1].response.output[0].content[0].logprobs == []
+
+
 @slow
 @pytest.mark.parametrize(
     ("body", "param", "message"),
@@ -312,6 +439,8 @@ def test_the_sdks_stream_helper_reads_a_completed_stream(client):
         ({"input": "hi", "tools": [{"type": "function", "name": "g"}], "tool_choice": {"type": "function", "name": "f"}}, "tool_choice", "not in tools"),
         ({"input": "hi", "tools": [{"type": "function", "name": "g", "parameters": {"type": "array"}}]}, "tools[0].parameters", "schema of an object"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+        ({"input": "hi", "include": ["file_search_call.results"]}, "include", "'file_search_call.results' is not supported"),
+        ({"input": "hi", "top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs", "less than or equal to 20"),
         ({"input": "hi", "max_output_tokens": 9000}, None, "plus max_output_tokens (9000) exceeds the context length"),
         ({"input": "hi", "model": "gpt-4o"}, "model", "does not exist"),
     ],
