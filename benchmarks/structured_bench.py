@@ -8,8 +8,11 @@ and how long grammars take to compile.
 Each request asks the default model for a JSON record (graphrt.tools.schemas: seeded random schemas
 of objects, arrays, enums, nested required fields, string patterns, number ranges). `constrained`:
 every other request carries its schema as structured_output; `free`: the same requests with none.
-The two take turns for --rounds rounds on one engine, all requests submitted at once; the median
-output tok/s of each, the spread (min-max) and their ratio are printed. Then every schema's grammar
+A third side, `free, cut to the same lengths`, sends the free requests with each one's max_tokens
+the length its constrained output reached (EOS ignored): the constrained requests stop where their
+JSON ends, so their batch thins out sooner, and this side has the same shape without the grammar.
+The sides take turns for --rounds rounds on one engine, all requests submitted at once; the median
+output tok/s of each, the spread (min-max) and the ratios are printed. Then every schema's grammar
 is compiled once, cold (no cache), and the p50 / p99 of those times printed.
 
 `--validate`: every schema's output through pp 1 and 2, async scheduling on and off, greedy and
@@ -22,6 +25,7 @@ the exit status 1 if any is invalid. `--validate --stream`: the same requests th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -49,10 +53,11 @@ def requests(llm: LLM, num: int, max_tokens: int, constrained: bool) -> tuple[li
     return prompts, params
 
 
-def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, list[int]]:
+    """Seconds for the requests, all submitted at once, and each one's output tokens."""
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
-    return time.perf_counter() - start, sum(len(out.token_ids) for out in outs)
+    return time.perf_counter() - start, [len(out.token_ids) for out in outs]
 
 
 def compile_times(llm: LLM, num: int) -> list[float]:
@@ -210,17 +215,25 @@ def main() -> None:
         sys.exit(0 if all(valid == args.schemas for *_, valid in rows) else 1)
     llm = LLM(model=args.model, dtype="float32", pp=args.pp, async_scheduling=not args.no_async, max_num_seqs=args.requests)
     sides = {name: requests(llm, args.requests, args.max_tokens, constrained=name == "constrained") for name in ("free", "constrained")}
-    run(llm, *sides["constrained"])  # warm-up: these grammars compile here (compile_times measures other schemas, cold)
+    # warm-up: these grammars compile here (compile_times measures other schemas, cold)
+    _, lengths = run(llm, *sides["constrained"])
+    # The constrained requests stop where their JSON ends, so the batch thins out sooner: the same
+    # requests unconstrained and cut at those lengths tell the grammar's own cost from that.
+    prompts, params = sides["free"]
+    cut = [dataclasses.replace(p, max_tokens=max(1, n), ignore_eos=True) for p, n in zip(params, lengths)]
+    sides["free, cut to the same lengths"] = (prompts, cut)
     rates: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.rounds):
         for name, (prompts, params) in sides.items():
-            seconds, tokens = run(llm, prompts, params)
+            seconds, counts = run(llm, prompts, params)
+            tokens = sum(counts)
             rates[name].append(tokens / seconds)
             print(f"{name}: {tokens} tokens in {seconds:.2f} s, {tokens / seconds:.1f} tok/s", flush=True)
     median = {name: statistics.median(values) for name, values in rates.items()}
     for name, values in rates.items():
         print(f"{name}: {median[name]:.1f} tok/s ({min(values):.1f}-{max(values):.1f})")
     print(f"constrained / free: {median['constrained'] / median['free']:.2f}x")
+    print(f"constrained / free, cut to the same lengths: {median['constrained'] / median['free, cut to the same lengths']:.2f}x")
     times = compile_times(llm, args.requests)
     print(f"grammar compile: p50 {percentile(times, 0.5) * 1e3:.1f} ms, p99 {percentile(times, 0.99) * 1e3:.1f} ms over {len(times)} schemas")
 

@@ -446,4 +446,5 @@ def test_structured_bench(talking_tiny):
     # A random model under JSON schemas: the output ends at the grammar's end or at --max-tokens.
     out = run("structured_bench", "--model", talking_tiny, "--requests", 4, "--max-tokens", 8, "--rounds", 1)
     has(out, r"^free: # tok/s \(#-#\)$", r"^constrained: # tok/s \(#-#\)$", r"^constrained / free: #x$",
+        r"^free, cut to the same lengths: # tok/s \(#-#\)$", r"^constrained / free, cut to the same lengths: #x$",
         r"^grammar compile: p50 # ms, p99 # ms over 4 schemas$")
