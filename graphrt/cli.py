@@ -356,8 +356,8 @@ def profile(synthetic_ms, sweep_depth, num_requests, input_len, output_len, host
     else:
         from graphrt.config import EngineConfig
 
-        stages = EngineConfig(pp=model_args["pp"] or 1, ep=model_args["ep"] or 1, devices=parse_devices(model_args["devices"]))
-        depths = [stages.default_depth()]
+        config = EngineConfig(pp=model_args["pp"] or 1, ep=model_args["ep"] or 1, devices=parse_devices(model_args["devices"]))
+        depths = [config.default_depth()]
     kwargs = engine_kwargs(**model_args)
     kwargs.pop("depth")
     options = ProfileOptions(

@@ -37,12 +37,16 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def default_devices(pp: int, ep: int = 1) -> list[str]:
     """Each stage's device (its leader's, under --ep), chosen from the machine: rank r on cuda:r
-    with a GPU per rank (stage s's leader, rank s * ep, on cuda:s*ep), every stage on cuda:0 with
-    fewer, cpu without CUDA. Without --devices a worker takes cuda:LOCAL_RANK (graphrt.distributed.worker)."""
+    with a GPU per rank (stage s's leader, rank s * ep, on cuda:s*ep); with fewer GPUs than ranks
+    but one per stage, cuda:s (under --ep only torchrun over several hosts gets there: this host
+    holds some of the ranks, and the stages are on GPUs of their own); every stage on cuda:0 with
+    fewer; cpu without CUDA. Without --devices a worker takes cuda:LOCAL_RANK (graphrt.distributed.worker)."""
     if not torch.cuda.is_available():
         return ["cpu"] * pp
     if torch.cuda.device_count() >= pp * ep:
         return [f"cuda:{stage * ep}" for stage in range(pp)]
+    if torch.cuda.device_count() >= pp:
+        return [f"cuda:{stage}" for stage in range(pp)]
     return ["cuda:0"] * pp
 
 
@@ -137,20 +141,24 @@ class EngineConfig:
     def check_devices(self) -> None:
         """`devices` names one device per stage, or under ep > 1 one per rank, stage-major: the
         workers each take `devices[rank]` (graphrt.distributed.worker.parse_options)."""
-        if self.ep == 1:
-            if len(self.devices) != self.pp:
-                raise ValueError(f"--devices names {len(self.devices)} devices for {self.pp} stages; give one per stage")
-            return
+        for name in self.devices:
+            try:
+                torch.device(name)
+            except RuntimeError:
+                raise ValueError(f"--devices: {name!r} is not a device; name each as cpu, cuda or cuda:N") from None
+        if self.ep == 1 and len(self.devices) != self.pp:
+            raise ValueError(f"--devices names {len(self.devices)} devices for {self.pp} stages; give one per stage")
         num_ranks = self.pp * self.ep
-        if len(self.devices) != num_ranks:
+        if self.ep > 1 and len(self.devices) != num_ranks:
             raise ValueError(
                 f"--devices names {len(self.devices)} devices for --pp {self.pp} --ep {self.ep}: give one per rank, "
                 f"{num_ranks}, stage-major (rank = stage * ep + expert rank)"
             )
-        # the ranks' process group has one backend, chosen from rank 0's device
-        if len({torch.device(d).type == "cuda" for d in self.devices}) > 1:
+        # Stage processes share one process group, whose backend is chosen from rank 0's device.
+        if (self.procs or self.ep > 1) and len({torch.device(d).type == "cuda" for d in self.devices}) > 1:
+            processes = "under --ep" if self.ep > 1 else "with --procs"
             raise ValueError(
-                f"--devices {','.join(self.devices)} mixes CUDA and CPU devices; under --ep every rank takes part in one "
+                f"--devices {','.join(self.devices)} mixes CUDA and CPU devices; {processes} every rank takes part in one "
                 "process group (NCCL on GPUs, gloo on CPUs): name only GPUs or only CPUs"
             )
 

@@ -27,7 +27,7 @@ class RequestOutput:
     # token, None for the first (see graphrt.runtime.logprobs).
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    error: str | None = None  # with finish_reason "error": why (its grammar did not compile, a stage failed)
+    error: str | None = None  # with finish_reason "error": why (its structured output's grammar did not compile)
 
 
 class LLM:
@@ -123,13 +123,13 @@ class LLM:
             for prompt, seq in zip(prompts, seqs)
         ]
 
-    def _error(self, seq) -> str | None:
-        """Why the engine ended `seq` with an error, in words; None if it did not."""
-        if seq.finish_reason is not FinishReason.ERROR:
-            return None
-        if seq.grammar is not None and seq.grammar.failure is not None:
+    @staticmethod
+    def _error(seq) -> str | None:
+        """Why the engine ended `seq` unrun, in words; None if it did not. (A stage that fails
+        raises out of `generate` instead.)"""
+        if seq.finish_reason is FinishReason.ERROR and seq.grammar is not None and seq.grammar.failure is not None:
             return seq.grammar.failure.message
-        return str(self.engine.failure or "the engine ended it")
+        return None
 
     def _for_engine(self, params: SamplingParams) -> SamplingParams:
         """`params` as the engine takes them: bad words as token ids. Raises RequestError."""

@@ -91,11 +91,13 @@ class Timeline:
             with self._lock:
                 self.slices.append(Slice(start=start, end=end, **fields))
 
-    def wall_slices(self) -> list[dict]:
-        """The finished slices with wall-clock times, for another process's timeline (`add_remote`)."""
+    def wall_slices(self, since: int = 0) -> list[dict]:
+        """The finished slices from the `since`-th on, with wall-clock times, for another process's
+        timeline (`add_remote`). Finished slices are only ever appended, so a caller that remembers
+        how many it has taken converts each one once."""
         self.resolve()
         with self._lock:
-            slices = list(self.slices)
+            slices = self.slices[since:]
         return [{**dataclasses.asdict(s), "start": s.start + self.origin_wall, "end": s.end + self.origin_wall} for s in slices]
 
     def add_remote(self, wall_slices: list[dict]) -> None:

@@ -113,7 +113,8 @@ def test_default_devices_follow_the_gpus_torch_sees(monkeypatch, cuda, num_gpus,
     (0, 2, 2, ["cpu", "cpu"], 0),
     (2, 2, 1, ["cuda:0", "cuda:1"], 1),
     (2, 1, 2, ["cuda:0"], 0),
-    (2, 2, 2, ["cuda:0", "cuda:0"], 0),  # fewer GPUs than ranks (Cluster.start refuses it): every stage on the first
+    (2, 2, 2, ["cuda:0", "cuda:1"], 1),  # fewer GPUs than ranks, one per stage: torchrun over hosts (alone, Cluster.start refuses it)
+    (1, 2, 2, ["cuda:0", "cuda:0"], 0),  # fewer than stages: every stage on the first
     (4, 2, 1, ["cuda:0", "cuda:1"], 1),
     (4, 2, 2, ["cuda:0", "cuda:2"], 1),  # stage-major, rank r on cuda:r: stage 1's ranks on cuda:2 and cuda:3
     (4, 1, 4, ["cuda:0"], 0),

@@ -224,11 +224,13 @@ class Link:
         self.store.set(f"timeline/{self.rank}/{chunk}", json.dumps(wall_slices))
         self.store.set(f"timeline/{self.rank}/chunks", str(chunk + 1))
 
-    def read_slices(self, rank: int) -> list[dict]:
-        """Every slice `rank` has published so far."""
+    def read_slices(self, rank: int, first_chunk: int = 0) -> tuple[list[dict], int]:
+        """The slices `rank` has published in its chunks from `first_chunk` on, and how many chunks
+        it has published in all (where the next read starts)."""
         key = f"timeline/{rank}/chunks"
         chunks = int(self.store.get(key)) if self.store.check([key]) else 0
-        return [piece for chunk in range(chunks) for piece in json.loads(self.store.get(f"timeline/{rank}/{chunk}"))]
+        slices = [piece for chunk in range(first_chunk, chunks) for piece in json.loads(self.store.get(f"timeline/{rank}/{chunk}"))]
+        return slices, chunks
 
     def send(
         self, tensors: list[torch.Tensor], dst: int, reply: bool = False, timeout: datetime.timedelta | None = None

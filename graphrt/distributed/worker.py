@@ -217,12 +217,10 @@ class StageWorker:
                     if stats != stats_published:
                         self.link.publish_stats(stats)
                         stats_published = stats
-                if self.timeline is not None:
-                    finished = self.timeline.wall_slices()
-                    if len(finished) > slices_published:
-                        self.link.publish_slices(chunk, finished[slices_published:])
-                        slices_published, chunk = len(finished), chunk + 1
-            except Exception:  # noqa: BLE001 - the store went with rank 0; the loop finds out and says so
+                if self.timeline is not None and (fresh := self.timeline.wall_slices(since=slices_published)):
+                    self.link.publish_slices(chunk, fresh)
+                    slices_published, chunk = slices_published + len(fresh), chunk + 1
+            except Exception:  # noqa: BLE001 - the store went with rank 0 (the loop finds out and says so); figures never stop a stage
                 return
 
     def _sample(self, message: Message, out: torch.Tensor) -> Reply:

@@ -170,6 +170,7 @@ class Engine:
         self.sampler = Sampler(self.devices[-1], config.seed, greedy_argmax) if self.samples_here else None
         local_devices = [stage.device for stage in self.pipeline.stages]
         self.timeline = Timeline(local_devices) if config.timeline else None
+        self._chunks_read: dict[int, int] = {}  # worker rank -> timeline chunks gathered (gather_rank_timelines)
         # Decode rows go to as many micro-batches as stages can run at once (+ depth), not to every slot.
         self.num_decode_micro_batches = config.num_decode_micro_batches(self.devices)
         self.ring = (self.cluster.make_ring if self.cluster else Ring)(
@@ -282,10 +283,13 @@ class Engine:
         return [(*divmod(rank, self.config.ep), stats) for rank, stats in enumerate([own, *self.cluster.rank_stats])]
 
     def gather_rank_timelines(self) -> None:
-        """With --procs and the timeline on: add every worker's slices, as far as each has published
-        them (every STATS_INTERVAL_S), to this engine's timeline. Once, after the run."""
-        for rank in range(1, self.cluster.link.world_size if self.cluster else 1):
-            self.timeline.add_remote(self.cluster.link.read_slices(rank))
+        """With --procs and the timeline on: add every worker's slices that it has published (every
+        STATS_INTERVAL_S) since the last call to this engine's timeline."""
+        if self.cluster is None or self.timeline is None:
+            return
+        for rank in range(1, self.cluster.link.world_size):
+            slices, self._chunks_read[rank] = self.cluster.link.read_slices(rank, self._chunks_read.get(rank, 0))
+            self.timeline.add_remote(slices)
 
     def expert_rank_summary(self) -> str:
         """The start-up banner's words on expert parallelism: what each rank holds."""

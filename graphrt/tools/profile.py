@@ -45,6 +45,9 @@ class ProfileOptions:
             raise ValueError(f"--host-ms must be >= 0, got {self.host_ms}")
         if self.output_range[0] < 2:
             raise ValueError("--output-len must be at least 2, or there is no decode to profile")
+        if self.engine_kwargs.get("procs") and self.engine_kwargs.get("speculative_config") is not None:
+            # a worker receives a verify step as a decode step, its drafts as rows: its slices would misreport both
+            raise ValueError("graphrt profile cannot tell the workers' verify steps from decode steps yet; drop --procs or --speculative-config")
 
 
 def profile_once(options: ProfileOptions, depth: int, model_dir: Path | None) -> tuple[RunSummary, list[str], list[str]]:

@@ -357,6 +357,11 @@ def test_devices_under_ep_name_one_per_rank_of_one_kind():
         EngineConfig(pp=2, devices=["cpu"] * 4)
     with pytest.raises(ValueError, match=r"^--devices cuda:0,cuda:1,cpu,cpu mixes CUDA and CPU devices; under --ep every rank"):
         EngineConfig(pp=2, ep=2, devices=["cuda:0", "cuda:1", "cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"^--devices cuda:0,cpu mixes CUDA and CPU devices; with --procs every rank"):
+        EngineConfig(pp=2, procs=True, devices=["cuda:0", "cpu"])
+    assert EngineConfig(pp=2, devices=["cuda:0", "cpu"]).devices == ["cuda:0", "cpu"]  # stages of one process may mix
+    with pytest.raises(ValueError, match=r"^--devices: 'gpu0' is not a device; name each as cpu, cuda or cuda:N$"):
+        EngineConfig(pp=2, ep=2, devices=["gpu0", "cpu", "cpu", "cpu"])
     assert EngineConfig(pp=2, ep=2, devices=["cpu"] * 4).stage_devices() == ["cpu", "cpu"]
 
 

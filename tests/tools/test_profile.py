@@ -109,6 +109,8 @@ def test_the_command_writes_trace_report_and_timeline(tmp_path):
     (["--synthetic", "1", "--depth", "1", "--sweep-depth", "0,1"], "give --depth D or --sweep-depth"),
     (["--synthetic", "1", "--sweep-depth", "0,x"], "expected comma-separated depths"),
     (["--synthetic", "1", "--output-len", "1"], "--output-len must be at least 2"),
+    (["--synthetic", "1", "--pp", "2", "--procs", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+     "cannot tell the workers' verify steps from decode steps yet; drop --procs or --speculative-config"),
 ])
 def test_bad_options_are_one_line(tmp_path, args, message):
     result = CliRunner().invoke(main, ["profile", *args, "--out", str(tmp_path)])
