@@ -16,6 +16,7 @@ from graphrt.capture.cuda_info import graph_node_counts, pool_segment_bytes
 from graphrt.capture.graphs import CudaStageGraph, EagerStageGraph, StageGraphs, StaticInputs
 from graphrt.capture.rehearsal import RehearsalError, rehearse_stage
 from graphrt.errors import GraphrtError
+from graphrt.model import SCRATCH_BLOCK
 from graphrt.model.batch import StepMetadata
 from graphrt.model.kv_cache import StageKVCache
 from graphrt.model.llama import Stage
@@ -118,8 +119,22 @@ def flushed_denormals(device: torch.device):
 def _compare(graph, stage: Stage, cache: StageKVCache, x: torch.Tensor, meta: StepMetadata, rows: int) -> tuple[float, float]:
     graph.inputs.load(x, meta)
     replayed = graph.replay(meta.max_seq_len)[:rows].float().clone()
+    if graph.mode == "graph":
+        # The reference reads what the graph reads, from its own tensors: at another context width
+        # CUDA's attention rounds differently, which 8 bfloat16 layers of a random model grew past
+        # the tolerance on an H200 (bucket 32, 0.266 where 0.254 was allowed) with no fault at all.
+        meta = as_read_by_graph(meta, graph.inputs.meta.block_tables.shape[1])
     reference = stage(x, meta, cache).float()
     return (replayed - reference).abs().max().item(), reference.abs().max().item()
+
+
+def as_read_by_graph(meta: StepMetadata, width: int) -> StepMetadata:
+    """`meta` as a graph reads it after StaticInputs.load: the block table padded with the scratch
+    block to the graph's `width`, and no host lengths (a graph cannot take them)."""
+    rows, narrow = meta.block_tables.shape
+    tables = torch.full((rows, width), SCRATCH_BLOCK, dtype=meta.block_tables.dtype, device=meta.block_tables.device)
+    tables[:, :narrow] = meta.block_tables
+    return StepMetadata(**{**meta.__dict__, "block_tables": tables, "seq_lens_host": None})
 
 
 def capture_stage(

@@ -5,6 +5,7 @@ without a GPU, so scripts/gpu_check.sh carries a warm TRITON_CACHE_DIR instead o
     python3 scripts/triton_aot.py setup               # 2. .venv-triton36: python 3.12 + triton 3.6.0, as the GPU image
     .venv-triton36/bin/python scripts/triton_aot.py compile   # 3. every variant compiled for sm_90
     python3 scripts/triton_aot.py all                 # the three in turn
+    python3 scripts/triton_aot.py merge DIR/triton-compiled-here.tar.gz   # what a GPU check still compiled
 
 Everything lands in .triton-aot/ (git-ignored): launches.json (step 1), triton-cache-sm90.tar.gz and
 manifest.json (step 3). The device tool carries it: carry [".whl", ".triton-aot"]; gpu_check.sh
@@ -13,7 +14,7 @@ unpacks the archive into its TRITON_CACHE_DIR and reports how many kernels it st
 1. `record` finds the variants from the code, not from a list: every `@triton.jit` kernel launch in
    graphrt.kernels is intercepted (KernelInterface.__getitem__) and described as the JIT specializes
    it (tensor dtypes and 16-byte alignment, ints as 1 / multiple of 16 / other, constexprs, options)
-   while the check's workloads run on the CPU: tests/kernels/test_kernels.py and test_mla_triton.py
+   while the check's workloads run on the CPU: tests/kernels/test_kernels.py, test_moe_triton.py and test_mla_triton.py
    through Triton's interpreter (with a bfloat16 twin of each float16 launch: the tests add bfloat16
    on CUDA), benchmarks/kernels_gpu.py's cases, and the engines that `graphrt capture` / `generate` /
    `serve`, graph_replay_gpu.py and pp_throughput_gpu.py build (their own build functions, on the CPU
@@ -210,7 +211,7 @@ def record_only_kernel_set() -> None:
 
 
 # Test files that gpu_check.sh's pytest_cuda step runs whole, within its minute.
-KERNEL_TESTS = "tests/kernels/test_kernels.py tests/kernels/test_mla_triton.py"
+KERNEL_TESTS = "tests/kernels/test_kernels.py tests/kernels/test_moe_triton.py tests/kernels/test_mla_triton.py"
 
 
 def record_kernel_tests(path: Path) -> None:
@@ -589,6 +590,32 @@ def compile_all(out_dir: Path, cache_dir: Path, allow_other_triton: bool) -> int
     return 1 if failures else 0
 
 
+def merge(out_dir: Path, compiled_here: Path) -> int:
+    """The entries gpu_check.sh's triton-compiled-here.tar.gz brought back (what the GPU's JIT still
+    compiled, beside the carried ones) join the archive, so the next check carries them too. They are
+    keyed by the GPU's own triton, so they can only be hits there; an entry already carried is kept."""
+    archive = out_dir / ARCHIVE
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        with tarfile.open(archive) as tar:
+            tar.extractall(folder, filter="data")
+        before = {entry.name for entry in folder.iterdir()}
+        with tarfile.open(compiled_here) as tar:
+            new = [m for m in tar.getmembers() if m.name.split("/")[0].lstrip("./") not in before]
+            tar.extractall(folder, members=new, filter="data")
+        added = sorted({entry.name for entry in folder.iterdir()} - before)
+        with tarfile.open(archive, "w:gz") as tar:
+            for entry in sorted(folder.iterdir()):
+                tar.add(entry, arcname=entry.name)
+    manifest_path = out_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["cache_entries"] = len(before) + len(added)
+    manifest.setdefault("merged", []).append({"from": str(compiled_here), "entries": len(added)})
+    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"{len(added)} entries from {compiled_here} joined {archive} ({len(before) + len(added)} in all)")
+    return 0
+
+
 def compile_launches(launches: list[dict], verbose: bool = False) -> tuple[list[dict], list[str]]:
     """Each launch compiled for sm_90 into TRITON_CACHE_DIR: (variants with their cache hash, failures)."""
     from triton.backends.compiler import GPUTarget
@@ -659,7 +686,8 @@ def setup() -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["record", "setup", "compile", "all"])
+    parser.add_argument("command", choices=["record", "setup", "compile", "all", "merge"])
+    parser.add_argument("archive", nargs="?", type=Path, help="merge: the triton-compiled-here.tar.gz a GPU check brought back")
     parser.add_argument("--out", type=Path, default=OUT_DIR, help="launches.json, the archive and its manifest [default: .triton-aot]")
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "graphrt-triton-aot-cache",
                         help="the TRITON_CACHE_DIR compiled into, then archived")
@@ -673,6 +701,10 @@ def main(argv=None) -> int:
         return 0
     if args.command == "compile":
         return compile_all(args.out, args.cache_dir, args.any_triton)
+    if args.command == "merge":
+        if args.archive is None:
+            parser.error("merge needs the archive: scripts/triton_aot.py merge PATH/triton-compiled-here.tar.gz")
+        return merge(args.out, args.archive)
     venv_python = ROOT / ".venv" / "bin" / "python"
     script = str(Path(__file__).resolve())
     subprocess.run([str(venv_python), script, "record", "--out", str(args.out)], check=True)

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from graphrt import LLM, SamplingParams
 from graphrt.capture.buckets import BucketPlan, default_buckets, parse_buckets
+from graphrt.capture.capture import as_read_by_graph, random_decode_rows
 from graphrt.capture.manifest import IDENTITY_FIELDS, MANIFEST_NAME, write_manifest
 from graphrt.cli import main
 from graphrt.model import SCRATCH_BLOCK
@@ -198,6 +199,22 @@ def test_padding_rows_are_harmless(tiny_model_factory):
         # ...and every other block, the bystander's included, is bit-for-bit what it was.
         assert torch.equal(cache.k[:, untouched], k0[:, untouched]) and torch.equal(cache.v[:, untouched], v0[:, untouched])
     assert untouched[bystander.block_ids].all()
+
+
+def test_verification_reads_the_graphs_width_and_it_is_the_same_function(tiny_model_factory):
+    """On CUDA a graph is verified against an eager forward over its own block-table width (other
+    widths round differently in 16 bits); in float64 the wide and the narrow forward must agree."""
+    llm = LLM(model=tiny_model_factory("llama3-rope"), pp=2, dtype="float64", kv_cache_tokens=1024)
+    engine = llm.engine
+    for stage, cache in zip(engine.pipeline.stages, engine.pipeline.caches):
+        num_blocks, block_size = cache.k.shape[1], cache.k.shape[2]
+        x, meta = random_decode_rows(stage, 6, num_blocks, block_size, seed=stage.index, max_context=40)
+        narrow = meta.block_tables.shape[1]
+        wide = as_read_by_graph(meta, 4 * narrow)
+        assert wide.seq_lens_host is None and meta.seq_lens_host is not None
+        assert torch.equal(wide.block_tables[:, :narrow], meta.block_tables)
+        assert (wide.block_tables[:, narrow:] == SCRATCH_BLOCK).all()
+        torch.testing.assert_close(stage(x, wide, cache), stage(x, meta, cache), rtol=0, atol=1e-12)
 
 
 def test_decode_batches_never_exceed_the_largest_bucket(tiny_model_factory):
