@@ -40,7 +40,14 @@ aten = torch.ops.aten
 
 # Matched at both levels the mode sees: composite ops (`item`, `to`) in inference mode, where the
 # stage's forward runs, and their decompositions (`_local_scalar_dense`, `_to_copy`) outside it.
-HOST_SYNCS = {aten._local_scalar_dense, aten.item, aten.is_nonzero, aten.equal, aten.allclose}
+# Each with the Python that reaches it: on CUDA, `.item()` arrives as `_local_scalar_dense` alone.
+HOST_SYNCS = {
+    aten._local_scalar_dense: ".item(), int(), float() or bool() of a tensor",
+    aten.item: ".item()",
+    aten.is_nonzero: "bool() of a tensor, as an if on it does",
+    aten.equal: "torch.equal",
+    aten.allclose: "torch.allclose",
+}
 DYNAMIC_SHAPES = {
     aten.nonzero, aten.nonzero_numpy, aten.argwhere, aten.masked_select, aten.bincount,
     aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive, aten.unique_dim_consecutive,
@@ -110,7 +117,7 @@ class _Watch(TorchDispatchMode):
             packet is aten.repeat_interleave and func._overloadname != "self_int" and kwargs.get("output_size") is None
         )
         if packet in HOST_SYNCS:
-            self.refuse(func, "reads a tensor's value on the host", KEEP_ON_DEVICE)
+            self.refuse(func, f"({HOST_SYNCS[packet]}) reads a tensor's value on the host", KEEP_ON_DEVICE)
         if packet in DYNAMIC_SHAPES or func is aten.where.default or summed_repeats:
             self.refuse(func, "makes an output whose size depends on tensor values", GIVE_THE_SIZE)
         if packet in INDEXING and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):

@@ -120,6 +120,8 @@ def paged_latent_decode_attention(
     """
     del max_seq_len  # a host value would tie a captured graph to one step's lengths
     batch, num_heads, row_dim = q.shape
+    if q.dtype == torch.float64:  # the JIT passes a float argument as float32: scale in float64 here
+        q, scale = q * scale, 1.0
     _, block_size, num_cache_heads, cache_row_dim = cache.shape
     if num_cache_heads != 1 or cache_row_dim != row_dim or not 0 < latent_dim <= row_dim:
         raise ValueError(

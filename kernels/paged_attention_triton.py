@@ -213,6 +213,8 @@ def paged_decode_attention(
     """
     del max_seq_len  # a host value would tie a captured graph to one step's lengths
     batch, num_heads, head_dim = q.shape
+    if q.dtype == torch.float64:  # the JIT passes a float argument as float32: scale in float64 here
+        q, scale = q * scale, 1.0
     _, block_size, num_kv_heads, _ = k_cache.shape
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("paged_decode_attention needs k and v caches of one layout, unit-stride head_dim")

@@ -141,7 +141,7 @@ def process_logits(logits: torch.Tensor, plan: LogitsPlan, history: TokenHistory
         _mask_by_grammar(x, t, every_entry=plan.grammar_entries == list(range(x.shape[0])))
     if plan.allowed_entries:
         allowed = torch.zeros(len(plan.allowed_entries), vocab_size, dtype=torch.bool, device=device)
-        allowed[t["allowed_rows"], t["allowed_tokens"]] = True
+        allowed.index_put_((t["allowed_rows"], t["allowed_tokens"]), torch.ones_like(t["allowed_tokens"], dtype=torch.bool))
         x[t["allowed_entries"]] = x[t["allowed_entries"]].masked_fill(~allowed, -torch.inf)
     if plan.word_history:
         _ban_bad_words(x, plan, t, history, num_priors)
@@ -170,14 +170,17 @@ def _mask_by_grammar(x: torch.Tensor, t: dict[str, torch.Tensor], every_entry: b
 
 def _start_histories(plan: LogitsPlan, t: dict[str, torch.Tensor], history: TokenHistory) -> None:
     """Counts from the output so far, the prompt's tokens, the last output tokens: all known on the host."""
+    # No `tensor[index] = scalar` here: on CUDA that copies the scalar from the host, which waits
+    # for the device (torch 2.11 on an H200); index_fill_ and a device tensor of values do not.
     rows = t["init_rows"]
-    history.counts[rows] = 0
-    history.in_prompt[rows] = False
+    history.counts.index_fill_(0, rows, 0)
+    history.in_prompt.index_fill_(0, rows, False)
     if plan.init_output_tokens:
         ones = torch.ones(len(plan.init_output_tokens), dtype=torch.int32, device=rows.device)
         history.counts.index_put_((rows[t["init_output_owners"]], t["init_output_tokens"]), ones, accumulate=True)
     if plan.init_prompt_tokens:
-        history.in_prompt[rows[t["init_prompt_owners"]], t["init_prompt_tokens"]] = True
+        prompt_tokens = t["init_prompt_tokens"]
+        history.in_prompt.index_put_((rows[t["init_prompt_owners"]], prompt_tokens), torch.ones_like(prompt_tokens, dtype=torch.bool))
     if history.width:
         recent = torch.full((len(plan.init_requests), history.width), NO_TOKEN, dtype=torch.int64, device=rows.device)
         if plan.window:

@@ -17,6 +17,7 @@ from graphrt import LLM, SamplingParams
 from graphrt.capture.capture import random_decode_rows
 from graphrt.capture.cuda_info import pool_segment_bytes
 from graphrt.capture.graphs import CudaStageGraph
+from graphrt.model.llama import Stage
 from helpers import run_counting_feed_reads
 
 pytestmark = pytest.mark.cuda
@@ -99,8 +100,22 @@ def test_greedy_generate_with_graphs_equals_without(graph_llm, eager_llm):
 
 
 
+@pytest.fixture
+def slow_stages(monkeypatch):
+    """Each stage's forward also spins about a millisecond on its GPU (recorded into its graphs), so
+    the host launches the next micro-batch before this one's tokens are back, as with a real model:
+    an H200 ran the tiny model's steps faster than the host took them, and nothing read the feed."""
+    forward = Stage.forward
+
+    def slow(self, x, *args, **kwargs):
+        torch.cuda._sleep(2_000_000)  # cycles, on the stage's current stream
+        return forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(Stage, "forward", slow)
+
+
 @pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"], ["cuda:0", "cuda:1"]], ids=["one-gpu", "two-gpus"])
-def test_async_scheduling_on_cuda_streams_gives_the_host_loops_tokens(tiny_model_factory, devices):
+def test_async_scheduling_on_cuda_streams_gives_the_host_loops_tokens(tiny_model_factory, slow_stages, devices):
     """The token feed on the device: stage 0's stream waits for the last stage's event and reads
     the tokens it wrote, on one GPU (two streams) and across two GPUs. Seeded sampling on a model
     whose outputs depend on their inputs, so a stale or wrong fed token changes what follows."""

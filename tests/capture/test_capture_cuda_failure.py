@@ -78,7 +78,8 @@ def test_a_host_sync_is_named_before_capture_starts(tiny_model_factory):
     assert done.returncode == 0, done.stdout + done.stderr
     failure = next(line for line in done.stdout.splitlines() if line.startswith("CaptureError:"))
     assert "stage 1, bucket 4" in failure and "--allow-eager" in failure
-    assert "aten.item" in failure and "reads a tensor's value on the host" in failure
+    # torch 2.11 on CUDA dispatches .item() as _local_scalar_dense alone: the message names the call either way
+    assert ".item()" in failure and "reads a tensor's value on the host" in failure
     assert "later capture ok" in done.stdout
 
 

@@ -180,6 +180,18 @@ def test_paged_decode_attention_matches_reference(poisoned_empty, dtype, case, n
     assert_matches(got, expected)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_attention_stays_float64(poisoned_empty, num_splits):
+    """float64 throughout, scale included (the JIT would pass a Python float as float32: on an H200
+    that cost the MLA kernel 2e-8 where 1e-12 was wanted)."""
+    q, k_cache, v_cache, tables, seq_lens, scale = decode_inputs("gqa2", torch.float64)
+    got = paged_attention_triton.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, num_splits=num_splits)
+    expected = paged_attention.paged_decode_attention(
+        q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), tables, seq_lens, scale
+    )
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
+
+
 LONG_CONTEXTS = {"gqa2-long": (4, 2, 32, 16, [1, 200, 700]), "gqa4-one-long": (8, 2, 16, 16, [1000])}
 DECODE_CASES.update(LONG_CONTEXTS)
 

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphrt.engine.sequence import Sequence
 from graphrt.engine.speculation import accept_drafts
@@ -194,6 +195,42 @@ def test_min_p_drops_what_is_less_likely_than_min_p_times_the_top_after_the_temp
     tokens = sampler(logits.expand(num_draws, -1), [params] * num_draws, [None] * num_draws, every_draw)
     assert_draws_follow(tokens, expected)
     assert 0 < (expected == 0).sum() < len(expected) - 1  # the cases do drop some tokens and keep several
+
+
+class ScalarsWrittenThroughIndices(TorchDispatchMode):
+    """Raises on `tensor[index] = scalar`: index_put of a Python number made a tensor (lift_fresh),
+    which on CUDA is copied from the host first, a wait for the device that torch's sync debug mode
+    flags (seen on an H200). A device tensor of one element is fine: it arrives 0-dim too."""
+
+    def __init__(self):
+        super().__init__()
+        self.scalars = []  # the 0-dim tensors lifted from Python numbers
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket in (torch.ops.aten.index_put_, torch.ops.aten.index_put):
+            if any(args[2] is scalar for scalar in self.scalars):
+                raise AssertionError(f"{func} writes a Python number through tensor indices: on CUDA that syncs the host")
+        out = func(*args, **kwargs)
+        if func.overloadpacket is torch.ops.aten.lift_fresh and out.dim() == 0:
+            self.scalars.append(out)
+        return out
+
+
+def test_plans_write_no_scalar_through_indices_which_would_sync_a_gpu():
+    """The CPU's guard for the GPU test below: every kind of plan, prefill and decode steps with drafts."""
+    rng = random.Random(11)
+    seqs = new_sequences(rng)
+    sampler = Sampler(CPU, seed=0)
+    for index in range(12):
+        step = prefill(seqs) if index in (0, 6) else decode(seqs, rng, with_drafts=True)
+        num_entries = sum(step.sample_counts)
+        logits = torch.randn(num_entries, VOCAB, dtype=torch.float64)
+        params = [seq.params for seq, count in zip(step.sampled_seqs, step.sample_counts) for _ in range(count)]
+        plan = plan_logits(step, EOS)
+        with ScalarsWrittenThroughIndices():
+            tokens = sampler(logits, params, [None] * num_entries, plan)
+        append(step, tokens.tolist(), {"words": 0, "kept": 0, "missed": 0})
 
 
 @pytest.mark.cuda
