@@ -375,25 +375,26 @@ class Scheduler:
                     seq.prompt_logprobs.append(entry)
         outputs: list[SequenceOutput] = []
         offset = 0
-        for row, (seq, count) in enumerate(zip(step.sampled_seqs, step.sample_counts)):
+        for seq, count in zip(step.sampled_seqs, step.sample_counts):
             seq.num_output_placeholders -= 1
-            sampled = token_ids[offset : offset + count] if token_ids is not None else None
-            offset += count
+            first, offset = offset, offset + count  # the row's sample entries
+            sampled = token_ids[first:offset] if token_ids is not None else None
             if count > 1:
                 sampled = self._verified(seq, sampled)
             # Aborted while in flight, or finished a step earlier (async scheduling had already
             # launched the next one): the token is dropped.
             if sampled is not None and not seq.finished:
-                new_logprobs = None
-                if seq.params.logprobs is not None and logprobs is not None and row in logprobs.sampled:
-                    new_logprobs = [logprobs.sampled[row]]
-                    seq.logprobs += new_logprobs
                 new_token_ids = []
                 for token_id in sampled:  # an accepted run may reach EOS or max_tokens: the rest is dropped
                     if seq.finished:
                         break
                     self._append(seq, token_id, now)
                     new_token_ids.append(token_id)
+                new_logprobs = None
+                if seq.params.logprobs is not None and logprobs is not None and first in logprobs.sampled:
+                    # Kept token i was sampled at entry i (accept_drafts keeps a prefix of the entries).
+                    new_logprobs = [logprobs.sampled[first + i] for i in range(len(new_token_ids))]
+                    seq.logprobs += new_logprobs
                 outputs.append(SequenceOutput(
                     seq.request_id, new_token_ids, seq.finish_reason, new_logprobs,
                     list(seq.prompt_logprobs)

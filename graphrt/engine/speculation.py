@@ -88,8 +88,8 @@ class Speculation:
         self.drafter.release(seq.request_id)
 
     def _may_draft(self, seq: Sequence) -> bool:
-        """Not while a row pauses after drafts that missed, nor for a request that reports logprobs."""
-        return not seq.draft_pause and seq.params.logprobs is None
+        """Not while a row pauses after drafts that missed."""
+        return not seq.draft_pause
 
     def _limit(self, seq: Sequence) -> int:
         """The most drafts `seq`'s next step may carry: its 1 + d tokens stay within max_tokens."""

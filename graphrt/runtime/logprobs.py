@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class LogprobPlan:
     """What one micro-batch computes (see the module docstring), and its results once read back."""
 
-    sampled: list[int]  # indices into the step's sample rows whose token is scored
+    sampled: list[int]  # the sample entries whose token is scored (a verify row has one per token it verifies)
     prompt_rows: list[int]  # rows of the step's flat tokens whose logits score a prompt token
     prompt_targets: list[int]  # the prompt token each of those rows scores
     prompt_owners: list[tuple[int, int]]  # (row of the step, position of the scored prompt token)
@@ -70,7 +70,7 @@ class LogprobPlan:
 class StepLogprobs:
     """One micro-batch's logprobs, read back: what `Scheduler.update_from_output` appends."""
 
-    sampled: dict[int, TokenLogprob]  # index into the step's sample rows -> the logprob of the token it sampled
+    sampled: dict[int, TokenLogprob]  # sample entry -> the logprob of the token sampled there
     prompt: list[tuple[int, int, TokenLogprob]]  # (row of the step, position of the prompt token, its logprob)
 
 
@@ -82,8 +82,13 @@ def plan_logprobs(step: ScheduledStep) -> LogprobPlan | None:
     """The logprobs a step computes, or None when none of its requests asks (the common case)."""
     if not any(seq.params.logprobs is not None or seq.params.prompt_logprobs is not None for seq in step.seqs):
         return None
-    sampled = [i for i, seq in enumerate(step.sampled_seqs) if seq.params.logprobs is not None]
-    sampled_top = [step.sampled_seqs[i].params.logprobs for i in sampled]
+    # Every entry of a verify row: which of its tokens are kept is known only once they are back.
+    sampled, sampled_top, entry = [], [], 0
+    for seq, count in zip(step.sampled_seqs, step.sample_counts):
+        if seq.params.logprobs is not None:
+            sampled += range(entry, entry + count)
+            sampled_top += [seq.params.logprobs] * count
+        entry += count
     prompt_rows, targets, owners, prompt_top = [], [], [], []
     num_top = max(sampled_top, default=0)
     offset = 0

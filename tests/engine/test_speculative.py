@@ -259,6 +259,43 @@ def test_greedy_output_with_speculation_is_the_output_without(
     assert 0 < accepted < drafted, (num_drafts, drafted, accepted)
 
 
+def tokens_and_logprobs(model, prompts, params, **options) -> tuple[list, list, LLM]:
+    """Each request's tokens and logprobs, every draft verified (no step costs)."""
+    llm = LLM(model=model, dtype="float64", **options)
+    engine = llm.engine
+    if engine.scheduler.speculation is not None:
+        engine.scheduler.speculation.step_costs = None
+    try:
+        seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        return [seq.output_ids for seq in seqs], [seq.logprobs for seq in seqs], llm
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("pp, async_scheduling", [(1, False), (2, True)])
+def test_drafted_rows_report_the_logprobs_of_the_tokens_they_keep(looping_models, pp, async_scheduling):
+    """A verify row scores every token it verifies and reports those it keeps: the same tokens,
+    logprobs and alternatives as without speculation (float64: equal to rounding)."""
+    from dataclasses import replace
+
+    prompts, params = workload()
+    params = [replace(p, logprobs=2 + i % 3) for i, p in enumerate(params)]
+    options = dict(pp=pp, async_scheduling=async_scheduling)
+    plain_ids, plain, _ = tokens_and_logprobs(looping_models[0.6], prompts, params, **options)
+    ids, got, llm = tokens_and_logprobs(looping_models[0.6], prompts, params, speculative_config=NGRAM, **options)
+    spec = llm.engine.stats.spec
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # runs kept and drafts rejected, with logprobs
+    assert ids == plain_ids
+    for tokens, entries, expected in zip(ids, got, plain):
+        assert [e.token_id for e in entries] == tokens and len(entries) == len(expected)
+        for entry, want in zip(entries, expected):
+            assert entry.logprob == pytest.approx(want.logprob, abs=1e-6)
+            assert [t for t, _ in entry.top] == [t for t, _ in want.top]
+            assert [v for _, v in entry.top] == pytest.approx([v for _, v in want.top], abs=1e-6)
+
+
 def test_preemption_and_aborts_with_speculation(looping_models, reference):
     """A cache too small for all the requests at once: rows are preempted and recomputed; one
     request is aborted while a verify step of it is in flight. The rest get their tokens."""

@@ -76,6 +76,18 @@ def test_serve_with_speculation_gives_the_text_without_it(default_model, texts_w
         if method == "ngram":  # the answer copies the question's code, which prompt lookup finds
             assert accepted > 0
             assert metric(metrics, 'graphrt_spec_decode_num_accepted_tokens_per_pos_total{position="0"}') > 0
+            # A request with logprobs drafts too, and each token it keeps comes with its logprob.
+            stream = client.chat.completions.create(
+                model="SmolLM2-135M-Instruct", messages=messages, max_tokens=80, temperature=0, stream=True,
+                logprobs=True, top_logprobs=2,
+            )
+            chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+            scored = [entry for choice in chunks if choice.logprobs for entry in choice.logprobs.content]
+            assert "".join(choice.delta.content or "" for choice in chunks) == want
+            assert "".join(entry.token for entry in scored).removesuffix("<|im_end|>") == want  # the stop token is scored too
+            assert all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 for entry in scored)
+            metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+            assert metric(metrics, "graphrt_spec_decode_num_accepted_tokens_total") > accepted
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
