@@ -274,15 +274,15 @@ def tokens_and_logprobs(model, prompts, params, **options) -> tuple[list, list, 
         engine.close()
 
 
-@pytest.mark.parametrize("pp, async_scheduling", [(1, False), (2, True)])
-def test_drafted_rows_report_the_logprobs_of_the_tokens_they_keep(looping_models, pp, async_scheduling):
+@pytest.mark.parametrize("pp, async_scheduling, procs", [(1, False, False), (2, True, False), (2, True, True)])
+def test_drafted_rows_report_the_logprobs_of_the_tokens_they_keep(looping_models, pp, async_scheduling, procs):
     """A verify row scores every token it verifies and reports those it keeps: the same tokens,
     logprobs and alternatives as without speculation (float64: equal to rounding)."""
     from dataclasses import replace
 
     prompts, params = workload()
     params = [replace(p, logprobs=2 + i % 3) for i, p in enumerate(params)]
-    options = dict(pp=pp, async_scheduling=async_scheduling)
+    options = dict(pp=pp, async_scheduling=async_scheduling, procs=procs)
     plain_ids, plain, _ = tokens_and_logprobs(looping_models[0.6], prompts, params, **options)
     ids, got, llm = tokens_and_logprobs(looping_models[0.6], prompts, params, speculative_config=NGRAM, **options)
     spec = llm.engine.stats.spec
