@@ -422,6 +422,10 @@ class RemoteRing(Ring):
                 slot.recv.append(torch.empty(self.max_tokens, stage.cfg.hidden_size, dtype=stage.dtype, device=stage.device))
 
     @property
+    def defers_masks(self) -> bool:
+        return False  # the last rank samples what the step's header carries: every mask is made at launch
+
+    @property
     def stage_busy_s(self) -> list[float]:
         """Stage 0's busy seconds, measured here, then the other stages' from the last reply."""
         remote = self.remote_busy_s or [0.0] * (self.cluster.link.pp - 1)

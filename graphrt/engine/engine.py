@@ -179,6 +179,7 @@ class Engine:
             max_per_slot=1 + int(config.async_scheduling), timeline=self.timeline, ranges=self.ranges,
             pin=self.devices[0].type == "cuda", eos_ids=frozenset(self.eos_ids),
         )
+        self.scheduler.defer_masks = config.async_scheduling and self.ring.defers_masks
         speculation = self.scheduler.speculation
         if speculation is not None:  # what a verify step's extra tokens must pay for, and the guesses where a model makes them
             speculation.step_costs = StepCosts(self.ring.time_decode_steps())
@@ -558,6 +559,7 @@ class Engine:
         now = time.perf_counter()
         logprobs = mb.logprobs.read_back(mb.token_ids) if mb.logprobs is not None else None
         updated = self.scheduler.update_from_output(mb.step, mb.token_ids, now, logprobs)
+        self.ring.fill_pending_masks()  # constrained rows launched after mb need its tokens for their masks
         self._account(mb, now, sum(len(output.new_token_ids) for output in updated))
         return updated
 

@@ -13,8 +13,11 @@ A request with `SamplingParams.structured_output` goes through four places:
   32 tokens to an int32 word as xgrammar fills them; the last stage masks the logits with it before
   anything else is done to them (graphrt.runtime.logits_processors). The graphs never change.
 - Each token read back advances the matcher (`Scheduler._append`). A row's next mask needs its
-  newest token, so a constrained row runs again only once that token is back on the host; the other
-  rows of the micro-batch keep async scheduling's overlap.
+  newest token. Where the last stage samples on a thread of its own (a CPU), a constrained row rides
+  in the next micro-batch anyway, launched before that token is back: its mask is made right after
+  the read-back and the last stage waits for it just before masking (`PendingMasks`). Elsewhere (a
+  GPU, whose host enqueues the sampling at launch; stage processes) the row runs again only once
+  its token is back on the host; the other rows of the micro-batch keep async scheduling's overlap.
 
 A grammar ends the output with a stop token (the model's EOS): once it is complete, the mask allows
 only those.
@@ -272,10 +275,16 @@ class GrammarState:
             if self.matcher.is_terminated() or not self.matcher.accept_token(draft):
                 break
             accepted += 1
+            if self.matcher.is_terminated():  # that draft was a stop token: nothing after it is kept
+                break
             self.matcher.fill_next_token_bitmask(bitmask, accepted)
         if accepted:
             self.matcher.rollback(accepted)
         return bitmask.view(-1).tolist()
+
+    def all_allowed(self) -> list[int]:
+        """One entry's mask allowing every token, as `masks` packs it."""
+        return [-1] * ((self.vocab_size + 31) // 32)
 
     def accept(self, token_id: int) -> None:
         """Advance past a token the sampler chose (under this state's mask, so the grammar allows it)."""

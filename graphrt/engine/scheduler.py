@@ -107,6 +107,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.ended: list[SequenceOutput] = []  # sequences ended here, not by a step (a grammar that failed to compile)
         self.num_waiting_on_mask = 0  # constrained rows ready but for their newest token, at the last schedule
+        # Whether the ring can make a constrained row's mask after it is launched (Ring.defers_masks):
+        # then such a row rides in the micro-batch after the one sampling its newest token.
+        self.defer_masks = False
         self._step_ids = itertools.count()
 
     def check(self, prompt_len: int, max_tokens: int | None) -> int:
@@ -285,7 +288,7 @@ class Scheduler:
         token_on_device = seq.num_in_flight == 1 and seq.num_output_placeholders > 0
         if not (token_on_device and follows is not None and seq.sampling_step <= follows):
             return False
-        if seq.grammar is not None:  # its next mask needs its newest token on the host (graphrt.engine.grammar)
+        if seq.grammar is not None and not self.defer_masks:  # its next mask needs its newest token on the host
             self.num_waiting_on_mask += 1
             return False
         return True

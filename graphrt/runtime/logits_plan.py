@@ -21,8 +21,9 @@ equals the token sampled in its place.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from graphrt.runtime.step import ScheduledStep
@@ -81,6 +82,8 @@ class LogitsPlan:
     # per entry, xgrammar's bitmask (bit t % 32 of word t // 32 set: token t allowed), flattened.
     grammar_entries: list[int] = field(default_factory=list)
     grammar_masks: list[int] = field(default_factory=list)
+    # Masks still to come, of rows launched before their newest token was back (never on the wire).
+    pending: PendingMasks | None = None
 
     # -- the wire (graphrt.distributed.transport): every list, lengths first ----------------------
 
@@ -108,13 +111,56 @@ class LogitsPlan:
         return plan
 
 
-_LIST_FIELDS = [f for f in fields(LogitsPlan) if f.name != "window"]
+@dataclass
+class PendingMasks:
+    """The grammar masks of rows launched before their newest token was on the host: with async
+    scheduling a constrained row rides in the micro-batch after the one sampling its token, and its
+    mask, which needs that token, is made once the token is read back (`try_fill`, called by
+    Ring.fill_pending_masks after every read-back). The last stage waits for them (`ready`) just
+    before it masks the logits, so only that wait, not the whole micro-batch, follows the host.
+    Only where the last stage samples on a thread of its own (Ring.defers_masks)."""
+
+    # (where the row's words start in plan.grammar_masks, its Sequence, the output tokens it has
+    # once the token its masks need is back, its drafts)
+    rows: list[tuple[int, Any, int, list[int]]]
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def try_fill(self, plan: LogitsPlan) -> None:
+        """Write the mask of every row whose token is back; once all are, the last stage may go on."""
+        waiting = []
+        for row in self.rows:
+            start, seq, num_outputs, drafts = row
+            if seq.finished:  # its tokens in this micro-batch are dropped: any mask will do
+                words = seq.grammar.all_allowed() * (1 + len(drafts))
+            elif len(seq.output_ids) < num_outputs:
+                waiting.append(row)
+                continue
+            else:
+                words = seq.grammar.masks(drafts)
+            plan.grammar_masks[start : start + len(words)] = words
+        self.rows = waiting
+        if not waiting:
+            self.ready.set()
+
+    def release(self, plan: LogitsPlan) -> None:
+        """The micro-batch is dropped (a stage failed, or the engine closes): let the last stage go
+        on with every token allowed, so no worker waits for a read-back that will not come."""
+        for start, seq, _, drafts in self.rows:
+            words = seq.grammar.all_allowed() * (1 + len(drafts))
+            plan.grammar_masks[start : start + len(words)] = words
+        self.rows = []
+        self.ready.set()
+
+
+_LIST_FIELDS = [f for f in fields(LogitsPlan) if f.name not in ("window", "pending")]
 _FLOAT_FIELDS = {"presence", "frequency", "repetition", "bias_values", "min_p"}
 
 
 def plan_logits(step: ScheduledStep, eos_ids: frozenset[int] | set[int]) -> LogitsPlan | None:
     """A step's logit processing, or None when all its sampled requests keep the defaults.
-    `eos_ids`: the model's end tokens, masked with each request's stop tokens before its min_tokens."""
+    `eos_ids`: the model's end tokens, masked with each request's stop tokens before its min_tokens.
+    A constrained row whose newest token is not back yet gets its mask later (`PendingMasks`): the
+    scheduler launches such a row only where the ring can wait for it (Scheduler.defer_masks)."""
     seqs = step.sampled_seqs
     if not any(seq.params.processes_logits for seq in seqs):
         return None
@@ -134,9 +180,14 @@ def plan_logits(step: ScheduledStep, eos_ids: frozenset[int] | set[int]) -> Logi
             for j in range(count):
                 _plan_entry(plan, seq, entry + j, j, drafts, first_output + j < params.min_tokens, eos_ids)
                 min_p[entry + j] = 0.0 if params.greedy else params.min_p  # as vLLM: greedy ignores it
-            if seq.grammar is not None:  # its tokens so far are all on the host (Scheduler._can_decode)
+            if seq.grammar is not None:
                 plan.grammar_entries += range(entry, entry + count)
-                plan.grammar_masks += seq.grammar.masks(drafts)
+                if start >= seq.num_tokens:  # its input is still on the device: its masks come later
+                    plan.pending = plan.pending or PendingMasks([])
+                    plan.pending.rows.append((len(plan.grammar_masks), seq, start + 1 - seq.prompt_len, drafts))
+                    plan.grammar_masks += seq.grammar.all_allowed() * count  # placeholders of the masks' size
+                else:
+                    plan.grammar_masks += seq.grammar.masks(drafts)
         entry += count
     if not any(seq.params.uses_penalties for seq in seqs):
         plan.presence, plan.frequency, plan.repetition = [], [], []

@@ -39,7 +39,7 @@ from graphrt.runtime.logprobs import LogprobPlan, plan_logprobs, score_rows
 from graphrt.runtime.pipeline import Pipeline
 from graphrt.runtime.sampler import Sampler
 from graphrt.runtime.step import Row, ScheduledStep, feed_index, feed_ref, is_feed_ref
-from graphrt.runtime.streams import make_stream
+from graphrt.runtime.streams import CpuStream, make_stream
 from graphrt.runtime.transfers import host_to_device
 
 
@@ -191,10 +191,30 @@ class Ring:
             make_stream(stage.device, f"graphrt-stage{stage.index}", stage.ops.stream_hook) for stage in self.pipeline.stages
         ]
 
+    @property
+    def defers_masks(self) -> bool:
+        """Whether a constrained row may be launched before its newest token is back, its mask made
+        after the read-back (graphrt.runtime.logits_plan.PendingMasks): where the last stage samples
+        on a worker thread that can wait for it, not on the host thread that makes it (a GPU)."""
+        return self.sampler is not None and isinstance(self.streams[-1], CpuStream)
+
+    def fill_pending_masks(self) -> None:
+        """After a read-back: the masks of micro-batches in flight that waited for its tokens."""
+        for mb in self.in_flight:
+            pending = mb.logits_plan.pending if mb.logits_plan is not None else None
+            if pending is not None and not pending.ready.is_set():
+                pending.try_fill(mb.logits_plan)
+
+    def _release_pending_masks(self) -> None:
+        for mb in self.in_flight:
+            if mb.logits_plan is not None and mb.logits_plan.pending is not None:
+                mb.logits_plan.pending.release(mb.logits_plan)
+
     def reset(self, cause: str) -> None:
         """After a stage failure (`cause`): every micro-batch in flight is dropped and every slot is
         free. Waits for the stage workers to drain first, so no late write lands in a freed block;
         the streams are fresh (a CPU worker keeps its error)."""
+        self._release_pending_masks()  # a worker waiting for a mask would never drain
         for stream in self.streams:
             stream.close()
         self.streams = self._make_streams()
@@ -361,6 +381,8 @@ class Ring:
         if num_sampled:
             every_row = num_sampled == out.shape[0]  # sampled rows are distinct and in order: all of them
             logits = out if every_row else out[host_to_device(mb.sample_rows, torch.int64, out.device)]
+            if mb.logits_plan is not None and mb.logits_plan.pending is not None:
+                mb.logits_plan.pending.ready.wait()  # masks made after an earlier micro-batch's read-back
             with self.ranges.sample():
                 token_ids_out = self.sampler(logits, params, generators, mb.logits_plan)
             rows = slice(mb.token_base, mb.token_base + num_sampled)
@@ -431,5 +453,6 @@ class Ring:
         mb.busy_events.clear()
 
     def close(self) -> None:
+        self._release_pending_masks()  # a worker waiting for a mask would sit out its join timeout
         for stream in self.streams:
             stream.close()

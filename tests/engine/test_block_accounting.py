@@ -195,6 +195,9 @@ class TickClock:
     def before_step(self, tick: int) -> None:
         self.now = tick
         for mb in self.engine.ring.in_flight:
+            pending = mb.logits_plan.pending if mb.logits_plan is not None else None
+            if pending is not None and not pending.ready.is_set():
+                break  # its mask, and so it and all after it, waits for a read-back this step makes
             if self.due[mb.id] <= tick:
                 mb.done.synchronize()
 

@@ -230,12 +230,20 @@ def test_a_model_without_a_tokenizer_refuses_structured_output(tiny_model_factor
     llm.engine.close()
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_metrics_count_constrained_requests_compile_times_and_rows_waiting_on_a_mask(model, async_scheduling):
+@pytest.mark.parametrize("async_scheduling, defer_masks", [(True, True), (True, False), (False, False)], ids=["async", "async-gpu-rule", "sync"])
+def test_metrics_count_constrained_requests_compile_times_and_rows_waiting_on_a_mask(model, async_scheduling, defer_masks, monkeypatch):
+    """Where the last stage samples on a thread (a CPU) a constrained row's mask is made after it is
+    launched and no row waits; where it cannot (a GPU: forced here) rows wait for their tokens."""
     from graphrt.engine.core import EngineCore
+    from graphrt.runtime.logits_plan import PendingMasks
     from graphrt.server.metrics import ServerMetrics
 
+    fills = []
+    try_fill = PendingMasks.try_fill
+    monkeypatch.setattr(PendingMasks, "try_fill", lambda self, plan: (fills.append(len(self.rows)), try_fill(self, plan)))
     llm = LLM(model=model, **OPTIONS, async_scheduling=async_scheduling)
+    assert llm.engine.scheduler.defer_masks == async_scheduling  # this CPU's ring can wait for a mask
+    llm.engine.scheduler.defer_masks = defer_masks
     core = EngineCore(llm.engine)
     params = [params_for(SPECS[2]), params_for(SPECS[2]), params_for(None)]
     for index, p in enumerate(params):
@@ -246,8 +254,9 @@ def test_metrics_count_constrained_requests_compile_times_and_rows_waiting_on_a_
         most_waiting = max(most_waiting, core.snapshot().num_waiting_on_mask)
     snap = core.snapshot()
     assert snap.num_constrained == 2 and sum(snap.grammar_compile_counts) == 1  # one grammar, compiled once
-    # With async scheduling a constrained row is held back while an unconstrained one runs ahead; without, never.
-    assert (most_waiting > 0) == async_scheduling
+    # Held back while an unconstrained row runs ahead only under async scheduling without deferred masks.
+    assert (most_waiting > 0) == (async_scheduling and not defer_masks)
+    assert (len(fills) > 0) == defer_masks
     text = ServerMetrics(lambda: snap).render().decode()
     assert "graphrt_structured_output_requests_total 2.0" in text and 'graphrt_grammar_compile_seconds_count 1.0' in text
     llm.engine.close()
@@ -282,3 +291,106 @@ def test_a_grammar_that_fails_to_compile_ends_its_request_saying_why(model, monk
     assert "the grammar's automaton is too large" in failed.error
     assert fine.finish_reason == "stop" and fine.error is None and fine.text.startswith("(")
     llm.engine.close()
+
+
+@pytest.mark.parametrize("failing_stage", [0, 1])
+def test_a_stage_failure_while_a_mask_is_pending_leaves_the_engine_serving(model, failing_stage):
+    """A constrained row rides behind the micro-batch sampling its token, and the last stage waits
+    for its mask: when a stage fails meanwhile, nothing waits for a read-back that will not come
+    (the ring lets go of the pending masks before it drains), and the next requests are served."""
+    import threading
+
+    from graphrt.errors import StageError
+
+    llm = LLM(model=model, **OPTIONS, pp=2, depth=1, async_scheduling=True)
+    engine = llm.engine
+    assert engine.scheduler.defer_masks
+    stage = engine.pipeline.stages[failing_stage]
+    forward, calls = stage.forward, []
+
+    def flaky(x, meta, cache):
+        calls.append(1)
+        if len(calls) == 12:
+            raise RuntimeError("injected fault")
+        return forward(x, meta, cache)
+
+    stage.forward = flaky
+    params = [params_for(SPECS[i % 2]) for i in range(4)]
+    seqs = [engine.add_request(PROMPTS[i], p) for i, p in enumerate(params)]
+    raised = []
+
+    def run() -> None:
+        try:
+            while engine.has_work():
+                engine.step()
+        except StageError as exc:
+            raised.append(exc)
+        while engine.has_work():  # requests not in flight go on
+            engine.step()
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "the engine hung on a pending mask after a stage failure"
+    assert raised and "injected fault" in str(raised[0])
+    assert any(s.finish_reason is not None and s.finish_reason.value == "error" for s in seqs)
+    assert engine.allocator.num_free == engine.allocator.num_blocks - 1
+    again = llm.generate([PROMPTS[0]], [params_for(SPECS[0])])[0]
+    assert again.finish_reason == "stop" and set(json.loads(again.text)) == set(SCHEMA["required"])
+    engine.close()
+
+
+def test_closing_with_a_mask_pending_does_not_wait_for_it(model):
+    """Shutting down with a constrained row in flight whose mask waits for a read-back that will
+    not come: close lets go of it (the stage workers would otherwise sit out their join timeout)."""
+    import threading
+    import time
+
+    llm = LLM(model=model, **OPTIONS, pp=2, depth=1, async_scheduling=True)
+    engine = llm.engine
+    last = engine.pipeline.stages[-1]
+    forward = last.forward
+    last.forward = lambda x, meta, cache: (time.sleep(0.05), forward(x, meta, cache))[1]  # the producer is still out
+
+    def pending() -> bool:
+        return any(
+            mb.logits_plan is not None and mb.logits_plan.pending is not None and not mb.logits_plan.pending.ready.is_set()
+            for mb in engine.ring.in_flight
+        )
+
+    for i in range(2):
+        engine.add_request(PROMPTS[i], params_for(SPECS[0]))
+    while engine.has_work() and not pending():
+        engine.step()
+    assert pending(), "no constrained row was launched ahead of its token"
+    closer = threading.Thread(target=engine.close, daemon=True)
+    closer.start()
+    closer.join(timeout=20)  # a stage worker's join waits up to 30 s
+    assert not closer.is_alive(), "close waited for a mask that no read-back would fill"
+
+
+def test_masks_after_a_draft_that_is_the_stop_token_allow_everything(model):
+    """A verify row's drafts may end the grammar (the stop token) before the last of them: the
+    entries after it get every token (never kept: the row ends at the stop token), with no call
+    into a terminated matcher, which xgrammar refuses."""
+    from transformers import AutoTokenizer
+
+    from graphrt.engine.grammar import Grammars
+
+    grammars = Grammars(model, 100, [EOS])
+    state = grammars.compile(StructuredOutput(choice=["ab"]))
+    state.wait(60)
+    assert state.ready() and state.failure is None
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    a, b = (tokenizer.convert_tokens_to_ids(c) for c in "ab")
+    words = (100 + 31) // 32
+    masks = state.masks([a, b, EOS, a])  # entries after "", "a", "ab", "ab</s>", "ab</s>a"
+
+    def allowed(entry: int) -> set[int]:
+        row = masks[entry * words : (entry + 1) * words]
+        return {t for t in range(100) if (row[t // 32] >> (t % 32)) & 1}
+
+    assert allowed(0) == {a} and allowed(1) == {b} and allowed(2) == {EOS}
+    assert allowed(3) == allowed(4) == set(range(100))
+    assert state.masks([]) == masks[:words]  # the matcher is back where it was
+    grammars.close()
