@@ -265,3 +265,17 @@ class RecordingDomain:
 
     def pop_range(self):
         self.events.append(("pop", None, threading.current_thread().name))
+
+
+def fail_at_call(stage, call: int, message: str = "injected fault") -> None:
+    """Make `stage`'s forward raise RuntimeError(message) on its `call`-th call (1-based), and run
+    as usual on every other."""
+    forward, calls = stage.forward, []
+
+    def flaky(x, meta, cache):
+        calls.append(1)
+        if len(calls) == call:
+            raise RuntimeError(message)
+        return forward(x, meta, cache)
+
+    stage.forward = flaky

@@ -22,7 +22,7 @@ from graphrt.engine.grammar import check_schema_keywords, check_structured_outpu
 from graphrt.errors import RequestError
 from graphrt.sampling_params import StructuredOutput
 from graphrt.tools.synthetic import make_tiny_model, write_char_tokenizer
-from helpers import hf_model
+from helpers import fail_at_call, hf_model
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -305,16 +305,7 @@ def test_a_stage_failure_while_a_mask_is_pending_leaves_the_engine_serving(model
     llm = LLM(model=model, **OPTIONS, pp=2, depth=1, async_scheduling=True)
     engine = llm.engine
     assert engine.scheduler.defer_masks
-    stage = engine.pipeline.stages[failing_stage]
-    forward, calls = stage.forward, []
-
-    def flaky(x, meta, cache):
-        calls.append(1)
-        if len(calls) == 12:
-            raise RuntimeError("injected fault")
-        return forward(x, meta, cache)
-
-    stage.forward = flaky
+    fail_at_call(engine.pipeline.stages[failing_stage], 12)
     params = [params_for(SPECS[i % 2]) for i in range(4)]
     seqs = [engine.add_request(PROMPTS[i], p) for i, p in enumerate(params)]
     raised = []

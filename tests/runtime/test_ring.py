@@ -12,7 +12,7 @@ import pytest
 from graphrt import LLM, SamplingParams
 from graphrt.errors import RequestError
 from graphrt.tools.synthetic import make_synthetic
-from helpers import run_counting_feed_reads
+from helpers import fail_at_call, run_counting_feed_reads
 
 NUM_REQUESTS = 40
 
@@ -372,16 +372,7 @@ def test_a_failing_stage_ends_only_the_requests_in_flight(tiny_model_factory):
 
     llm = LLM(model=tiny_model_factory(), pp=2, depth=1, kv_cache_tokens=1024, buckets=[1, 2, 4])
     engine = llm.engine
-    stage = engine.pipeline.stages[1]
-    forward, calls = stage.forward, []
-
-    def flaky(x, meta, cache):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected fault")
-        return forward(x, meta, cache)
-
-    stage.forward = flaky
+    fail_at_call(engine.pipeline.stages[1], 3)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     seqs = [engine.add_request([i + 1] * 6, params) for i in range(4)]
     with pytest.raises(StageError, match="injected fault"):
