@@ -71,12 +71,17 @@ def run_batch(llm: LLM, batch: int, args) -> dict:
     llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     stats = engine.stats
     before = (stats.decode_steps, stats.decode_tokens, stats.decode_seconds)
+    busy_before = sum(engine.ring.busy_s)
     start = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True))
     seconds = time.perf_counter() - start
     steps, tokens, decode_s = (now - then for now, then in zip((stats.decode_steps, stats.decode_tokens, stats.decode_seconds), before))
     weight_gb_s = engine.weight_bytes * steps / decode_s / 1e9 if decode_s else float("nan")
     return {
+        # Why a pp loses against pp 1 on one device: a step's time, and how much of the run some
+        # stage kept the device busy (the stages' busy time summed: on one GPU they take turns).
+        "step_ms": 1e3 * decode_s / steps if steps else float("nan"),
+        "busy": (sum(engine.ring.busy_s) - busy_before) / seconds,
         "output_tok_s": sum(len(o.token_ids) for o in outputs) / seconds,
         "decode_tok_s": tokens / decode_s if decode_s else float("nan"),
         "weight_gb_s": weight_gb_s,
@@ -96,8 +101,8 @@ def bench_model(name: str, model_dir: Path, dtype: str, args) -> dict:
     say(
         f"### {name}: pp on one device, {dtype}, prompts of {args.prompt_len} tokens, {args.output_len} out ({where})",
         "",
-        "| pp | ring slots | decode split | backend | batch | output tok/s | decode tok/s | vs pp 1 | weight GB/s | of HBM peak | of copy | eager fallbacks |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| pp | ring slots | decode split | backend | batch | output tok/s | decode tok/s | vs pp 1 | step ms | stages busy | weight GB/s | of HBM peak | of copy | eager fallbacks |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     )
     results = {}  # (pp, batch) -> figures
     for pp in args.pp:
@@ -109,7 +114,7 @@ def bench_model(name: str, model_dir: Path, dtype: str, args) -> dict:
             say(
                 f"| {pp} | {engine.ring.num_slots} | {engine.num_decode_micro_batches} | {engine.backend} | {batch} | {figures['output_tok_s']:,.0f} "
                 f"| {figures['decode_tok_s']:,.0f} | {figures['decode_tok_s'] / base['decode_tok_s']:.2f}x "
-                f"| {figures['weight_gb_s']:,.0f} | {figures['roofline']:.0%} | {figures['of_copy']:.0%} | {engine.num_eager_fallbacks} |"
+                f"| {figures['step_ms']:.2f} | {figures['busy']:.0%} | {figures['weight_gb_s']:,.0f} | {figures['roofline']:.0%} | {figures['of_copy']:.0%} | {engine.num_eager_fallbacks} |"
             )
         engine.close()
         del llm, engine

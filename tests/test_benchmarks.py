@@ -171,7 +171,7 @@ def test_kernels_gpu_through_the_triton_interpreter():
 
 def test_pp_throughput_gpu_on_cpu():
     out = run("pp_throughput_gpu", "--device", "cpu", "--pp", 1, "--batches", 1, "--prompt-len", 1, "--output-len", 2)
-    has(out, r"^\| 1 \| # \| # \| \w+ \| 1 \| # \| # \| #x \| # \| #% \| #% \| # \|$")
+    has(out, r"^\| 1 \| # \| # \| \w+ \| 1 \| # \| # \| #x \| # \| #% \| # \| #% \| #% \| # \|$")
 
 
 # ---------------------------------------------------------------- the engine, offline
