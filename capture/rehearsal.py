@@ -44,7 +44,7 @@ aten = torch.ops.aten
 HOST_SYNCS = {
     aten._local_scalar_dense: ".item(), int(), float() or bool() of a tensor",
     aten.item: ".item()",
-    aten.is_nonzero: "bool() of a tensor, as an if on it does",
+    aten.is_nonzero: "bool() of a tensor (an if on it)",
     aten.equal: "torch.equal",
     aten.allclose: "torch.allclose",
 }
@@ -117,7 +117,7 @@ class _Watch(TorchDispatchMode):
             packet is aten.repeat_interleave and func._overloadname != "self_int" and kwargs.get("output_size") is None
         )
         if packet in HOST_SYNCS:
-            self.refuse(func, f"({HOST_SYNCS[packet]}) reads a tensor's value on the host", KEEP_ON_DEVICE)
+            self.refuse(func, f"reads a tensor's value on the host (as {HOST_SYNCS[packet]} does)", KEEP_ON_DEVICE)
         if packet in DYNAMIC_SHAPES or func is aten.where.default or summed_repeats:
             self.refuse(func, "makes an output whose size depends on tensor values", GIVE_THE_SIZE)
         if packet in INDEXING and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):

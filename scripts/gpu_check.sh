@@ -141,7 +141,7 @@ run_step() {
     (( limit > left )) && limit=$left
     echo "== $name (up to ${limit} s)"
     local start=$SECONDS
-    timeout --kill-after=5 "$limit" bash -c "$command" >"$OUT/$name.log" 2>&1
+    STEP_SECONDS=$limit timeout --kill-after=5 "$limit" bash -c "$command" >"$OUT/$name.log" 2>&1
     local rc=$? status
     local seconds=$(( SECONDS - start ))
     local note
@@ -349,26 +349,27 @@ print(f"generate ok: 2 token-id prompts, {counts} tokens")
 EOF
 }
 
-# pytest_cuda_parts SECONDS: the CUDA tests as three pytest runs at once, each stopped short of the
-# step's limit so their logs still arrive: the Triton kernel files whole (`-m cuda` alone would
-# deselect all but a few of their Triton tests), the failing-capture tests (each in an interpreter of
-# its own, about 13 s apiece), and the rest of `-m cuda`. One after another they took 56 + 53 + 30 s
-# on an H200 (2026-12-04); the GPU has room for all three.
+# pytest_cuda_parts: the CUDA tests as three pytest runs at once, each stopped short of the step's
+# limit (STEP_SECONDS, which run_step sets) and logged under $OUT as it runs, so their logs arrive
+# whatever happens: the Triton kernel files whole (`-m cuda` alone would deselect all but a few of
+# their Triton tests), the failing-capture tests (each in an interpreter of its own, about 13 s
+# apiece), and the rest of `-m cuda`. One after another they took 56 + 53 + 30 s on an H200
+# (2026-12-04); the GPU has room for all three.
 pytest_cuda_parts() {
-    local limit=$(( $1 - 4 )) pids=() status=0 part
+    local limit=$(( STEP_SECONDS - 5 )) pids=() status=0 part
     local pytest=("$PY" -m pytest -v -rfEs -p no:cacheprovider)
     local kernels=(tests/kernels/test_kernels.py tests/kernels/test_moe_triton.py tests/kernels/test_mla_triton.py)
     local failures=tests/capture/test_capture_cuda_failure.py
-    timeout "$limit" "${pytest[@]}" "${kernels[@]}" >"$WORK/pytest-kernels.log" 2>&1 & pids+=($!)
-    timeout "$limit" "${pytest[@]}" -m cuda "$failures" >"$WORK/pytest-failures.log" 2>&1 & pids+=($!)
-    timeout "$limit" "${pytest[@]}" -m cuda --continue-on-collection-errors "${kernels[@]/#/--ignore=}" \
-        --ignore="$failures" tests >"$WORK/pytest-marked.log" 2>&1 & pids+=($!)
+    timeout -k 2 "$limit" "${pytest[@]}" "${kernels[@]}" >"$OUT/pytest_cuda.kernels.log" 2>&1 & pids+=($!)
+    timeout -k 2 "$limit" "${pytest[@]}" -m cuda "$failures" >"$OUT/pytest_cuda.failures.log" 2>&1 & pids+=($!)
+    timeout -k 2 "$limit" "${pytest[@]}" -m cuda --continue-on-collection-errors "${kernels[@]/#/--ignore=}" \
+        --ignore="$failures" tests >"$OUT/pytest_cuda.marked.log" 2>&1 & pids+=($!)
     for part in 0 1 2; do
         wait "${pids[$part]}" || { local rc=$?; (( status == 0 )) && status=$rc; }
     done
     for part in kernels failures marked; do
         echo "=== pytest: $part"
-        cat "$WORK/pytest-$part.log"
+        cat "$OUT/pytest_cuda.$part.log"
     done
     return "$status"
 }
@@ -390,7 +391,7 @@ else
     fi
     run_step capture "$(limit_of capture)" "$capture"
 
-    run_step pytest_cuda "$(limit_of pytest_cuda)" "$(declare -f pytest_cuda_parts); pytest_cuda_parts $(limit_of pytest_cuda)"
+    run_step pytest_cuda "$(limit_of pytest_cuda)" "$(declare -f pytest_cuda_parts); pytest_cuda_parts"
     run_step moe_graphs "$(limit_of moe_graphs)" "$(cpu_first 'scripts/moe_graph_check.py --device cpu')'$PY' scripts/moe_graph_check.py"
 
     run_step graph_replay_gpu "$(limit_of graph_replay_gpu)" "$(cpu_first 'benchmarks/graph_replay_gpu.py --device cpu --buckets 1,2 --repeats 2')\

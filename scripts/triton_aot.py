@@ -595,13 +595,16 @@ def merge(out_dir: Path, compiled_here: Path) -> int:
     compiled, beside the carried ones) join the archive, so the next check carries them too. They are
     keyed by the GPU's own triton, so they can only be hits there; an entry already carried is kept."""
     archive = out_dir / ARCHIVE
+    for needed in (archive, out_dir / "manifest.json", compiled_here):
+        if not needed.is_file():
+            raise SystemExit(f"merge: {needed} does not exist (`scripts/triton_aot.py all` makes the archive; the GPU check brings back triton-compiled-here.tar.gz)")
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
         with tarfile.open(archive) as tar:
             tar.extractall(folder, filter="data")
         before = {entry.name for entry in folder.iterdir()}
         with tarfile.open(compiled_here) as tar:
-            new = [m for m in tar.getmembers() if m.name.split("/")[0].lstrip("./") not in before]
+            new = [m for m in tar.getmembers() if m.name.removeprefix("./").split("/")[0] not in before]
             tar.extractall(folder, members=new, filter="data")
         added = sorted({entry.name for entry in folder.iterdir()} - before)
         with tarfile.open(archive, "w:gz") as tar:

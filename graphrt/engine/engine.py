@@ -557,9 +557,15 @@ class Engine:
         if mb is None:
             return []
         now = time.perf_counter()
-        logprobs = mb.logprobs.read_back(mb.token_ids) if mb.logprobs is not None else None
-        updated = self.scheduler.update_from_output(mb.step, mb.token_ids, now, logprobs)
-        self.ring.fill_pending_masks()  # constrained rows launched after mb need its tokens for their masks
+        try:
+            logprobs = mb.logprobs.read_back(mb.token_ids) if mb.logprobs is not None else None
+            updated = self.scheduler.update_from_output(mb.step, mb.token_ids, now, logprobs)
+            self.ring.fill_pending_masks()  # constrained rows launched after mb need its tokens for their masks
+        except BaseException:
+            # The masks waiting for mb's tokens would never come, and the next poll would wait
+            # forever on the stage that waits for them (the caller fails the requests).
+            self.ring.release_pending_masks()
+            raise
         self._account(mb, now, sum(len(output.new_token_ids) for output in updated))
         return updated
 

@@ -120,36 +120,44 @@ class PendingMasks:
     before it masks the logits, so only that wait, not the whole micro-batch, follows the host.
     Only where the last stage samples on a thread of its own (Ring.defers_masks)."""
 
-    # (where the row's words start in plan.grammar_masks, its Sequence, the output tokens it has
-    # once the token its masks need is back, its drafts)
-    rows: list[tuple[int, Any, int, list[int]]]
+    rows: list[PendingRow]
     ready: threading.Event = field(default_factory=threading.Event)
 
     def try_fill(self, plan: LogitsPlan) -> None:
-        """Write the mask of every row whose token is back; once all are, the last stage may go on."""
+        """Write the masks of every row whose token is back; once all are, the last stage may go on."""
         waiting = []
         for row in self.rows:
-            start, seq, num_outputs, drafts = row
+            seq = row.seq
             if seq.finished:  # its tokens in this micro-batch are dropped: any mask will do
-                words = seq.grammar.all_allowed() * (1 + len(drafts))
-            elif len(seq.output_ids) < num_outputs:
+                words = seq.grammar.all_allowed() * (1 + len(row.drafts))
+            elif len(seq.output_ids) < row.num_outputs:
                 waiting.append(row)
                 continue
             else:
-                words = seq.grammar.masks(drafts)
-            plan.grammar_masks[start : start + len(words)] = words
+                words = seq.grammar.masks(row.drafts)
+            plan.grammar_masks[row.start : row.start + len(words)] = words
         self.rows = waiting
         if not waiting:
             self.ready.set()
 
     def release(self, plan: LogitsPlan) -> None:
-        """The micro-batch is dropped (a stage failed, or the engine closes): let the last stage go
-        on with every token allowed, so no worker waits for a read-back that will not come."""
-        for start, seq, _, drafts in self.rows:
-            words = seq.grammar.all_allowed() * (1 + len(drafts))
-            plan.grammar_masks[start : start + len(words)] = words
+        """The micro-batch is dropped (a stage or a read-back failed, or the ring closes): let the
+        last stage go on with every token allowed, so no worker waits for a read-back that will not come."""
+        for row in self.rows:
+            words = row.seq.grammar.all_allowed() * (1 + len(row.drafts))
+            plan.grammar_masks[row.start : row.start + len(words)] = words
         self.rows = []
         self.ready.set()
+
+
+@dataclass
+class PendingRow:
+    """A constrained row whose masks wait for its newest token."""
+
+    start: int  # where its words start in plan.grammar_masks
+    seq: Any  # its graphrt.engine.sequence.Sequence (the runtime never imports the engine)
+    num_outputs: int  # the output tokens it has once that token is back
+    drafts: list[int]
 
 
 _LIST_FIELDS = [f for f in fields(LogitsPlan) if f.name not in ("window", "pending")]
@@ -184,7 +192,7 @@ def plan_logits(step: ScheduledStep, eos_ids: frozenset[int] | set[int]) -> Logi
                 plan.grammar_entries += range(entry, entry + count)
                 if start >= seq.num_tokens:  # its input is still on the device: its masks come later
                     plan.pending = plan.pending or PendingMasks([])
-                    plan.pending.rows.append((len(plan.grammar_masks), seq, start + 1 - seq.prompt_len, drafts))
+                    plan.pending.rows.append(PendingRow(len(plan.grammar_masks), seq, start + 1 - seq.prompt_len, drafts))
                     plan.grammar_masks += seq.grammar.all_allowed() * count  # placeholders of the masks' size
                 else:
                     plan.grammar_masks += seq.grammar.masks(drafts)

@@ -1,7 +1,7 @@
 """Log-probabilities, for the requests that ask for them and at no cost to those that don't.
 
 A micro-batch with such requests carries a `LogprobPlan`, made on the host when it is launched:
-which of its sampled rows report their token's logprob, and which extra rows of the last stage's
+which of its sampled entries (a verify row has one per token it verifies) report their token's logprob, and which extra rows of the last stage's
 logits score prompt tokens (`echo` with `logprobs`: a prefill chunk's row at position p scores
 the prompt token at p + 1). The last stage computes them on its device from the same logits the
 sampler used, as `log_softmax` of the raw logits (before temperature, top-k and top-p, as vLLM
@@ -50,7 +50,7 @@ class LogprobPlan:
 
     def read_back(self, token_ids: list[int] | None) -> StepLogprobs:
         """The logprobs read back, as entries for the scheduler to hand to their sequences;
-        `token_ids`: the step's sampled tokens, one per sample row (None: it sampled none)."""
+        `token_ids`: the step's sampled tokens, one per sample entry (None: it sampled none)."""
         values, top_ids = self.values.tolist(), self.top_ids.tolist()
         sampled = {
             index: _entry(token_ids[index], values[row], top_ids[row], num_top)

@@ -55,6 +55,7 @@ class MicroBatch:
     done: object = None  # the last stage's event
     bucket: int | None = None
     busy_events: list = field(default_factory=list)  # CUDA: (stage, start, end) events of its work
+    mask_wait_s: float = 0.0  # CPU: the last stage's wait for masks made after launch (graphrt.runtime.logits_plan.PendingMasks)
     token_ids: list[int] | None = None  # one per sampled token (a verify row's 1 + drafts), once read back
     logprobs: LogprobPlan | None = None  # what its last stage scores, for the requests that ask
     logits_plan: LogitsPlan | None = None  # what its last stage does to the logits first, for the requests that ask
@@ -205,7 +206,9 @@ class Ring:
             if pending is not None and not pending.ready.is_set():
                 pending.try_fill(mb.logits_plan)
 
-    def _release_pending_masks(self) -> None:
+    def release_pending_masks(self) -> None:
+        """Let every stage waiting for a mask go on with all tokens allowed: the micro-batches in
+        flight are dropped (a stage or a read-back failed, or the ring closes)."""
         for mb in self.in_flight:
             if mb.logits_plan is not None and mb.logits_plan.pending is not None:
                 mb.logits_plan.pending.release(mb.logits_plan)
@@ -214,7 +217,7 @@ class Ring:
         """After a stage failure (`cause`): every micro-batch in flight is dropped and every slot is
         free. Waits for the stage workers to drain first, so no late write lands in a freed block;
         the streams are fresh (a CPU worker keeps its error)."""
-        self._release_pending_masks()  # a worker waiting for a mask would never drain
+        self.release_pending_masks()  # a worker waiting for a mask would never drain
         for stream in self.streams:
             stream.close()
         self.streams = self._make_streams()
@@ -263,6 +266,8 @@ class Ring:
             step, slot.index, time.perf_counter(), token_base=token_base, reads_feed=bool(producers), bucket=bucket,
             logprobs=logprobs, logits_plan=plan_logits(step, self.eos_ids), released=self._released(step),
         )
+        if mb.logits_plan is not None and mb.logits_plan.pending is not None and not self.defers_masks:
+            raise RuntimeError("a constrained row was launched before its token was back, on a ring that cannot wait for its mask")
         if logprobs is not None:
             logprobs.allocate(pin=self.pipeline.stages[-1].device.type == "cuda")
         self._enqueue(slot, mb, token_ids, meta, list(producers.values()))
@@ -382,7 +387,9 @@ class Ring:
             every_row = num_sampled == out.shape[0]  # sampled rows are distinct and in order: all of them
             logits = out if every_row else out[host_to_device(mb.sample_rows, torch.int64, out.device)]
             if mb.logits_plan is not None and mb.logits_plan.pending is not None:
+                waited_from = time.perf_counter()
                 mb.logits_plan.pending.ready.wait()  # masks made after an earlier micro-batch's read-back
+                mb.mask_wait_s = time.perf_counter() - waited_from  # idle, not stage work
             with self.ranges.sample():
                 token_ids_out = self.sampler(logits, params, generators, mb.logits_plan)
             rows = slice(mb.token_base, mb.token_base + num_sampled)
@@ -434,7 +441,7 @@ class Ring:
         if device.type == "cuda":
             mb.busy_events.append((index, began, ended))
         else:
-            self.busy_s[index] += ended - began
+            self.busy_s[index] += ended - began - mb.mask_wait_s
 
     @property
     def stage_busy_s(self) -> list[float]:
@@ -453,6 +460,6 @@ class Ring:
         mb.busy_events.clear()
 
     def close(self) -> None:
-        self._release_pending_masks()  # a worker waiting for a mask would sit out its join timeout
+        self.release_pending_masks()  # a worker waiting for a mask would sit out its join timeout
         for stream in self.streams:
             stream.close()

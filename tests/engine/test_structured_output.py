@@ -385,3 +385,49 @@ def test_masks_after_a_draft_that_is_the_stop_token_allow_everything(model):
     assert allowed(3) == allowed(4) == set(range(100))
     assert state.masks([]) == masks[:words]  # the matcher is back where it was
     grammars.close()
+
+
+def test_a_failed_read_back_with_a_mask_pending_fails_the_requests_and_the_engine_goes_on(model, monkeypatch):
+    """A bug while handing a micro-batch's tokens to the scheduler, with a constrained row behind it
+    waiting for its mask: the server's core fails every job in flight (its rule for engine bugs),
+    and nothing waits for the mask that read-back was to make: the next request is answered."""
+    import threading
+    import time
+
+    from graphrt.engine.core import EngineCore
+
+    llm = LLM(model=model, **OPTIONS, pp=2, depth=1, async_scheduling=True)
+    engine = llm.engine
+    last = engine.pipeline.stages[-1]
+    forward = last.forward
+    last.forward = lambda x, meta, cache: (time.sleep(0.02), forward(x, meta, cache))[1]  # the producer is still out
+    scheduler, update = engine.scheduler, engine.scheduler.update_from_output
+    failed_once = []
+
+    def update_failing_once(*args, **kwargs):
+        if not failed_once and any(
+            mb.logits_plan is not None and mb.logits_plan.pending is not None for mb in engine.ring.in_flight
+        ):
+            failed_once.append(1)
+            raise RuntimeError("a bug in the update")
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "update_from_output", update_failing_once)
+    core = EngineCore(engine)
+    for index in range(2):
+        core.add(index, [PROMPTS[index]], [params_for(SPECS[0])])
+    failures = []
+
+    def run() -> None:
+        while engine.has_work():
+            failures.extend(core.step()[1])
+        core.add("after", [PROMPTS[0]], [params_for(SPECS[0])])
+        while engine.has_work():
+            core.step()
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "the engine hung on a mask a failed read-back was to make"
+    assert failed_once and {key for key, _ in failures} == {0, 1}
+    engine.close()
