@@ -47,6 +47,7 @@ def default_cache_root() -> Path:
 
 
 EXTENSION_NAME = "graphrt_cpu_kernels"
+NINJA_INTERRUPTED = "interrupted by user"  # what ninja says when a signal stops it ("build stopped: ...")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 # The -m flags torch's own kernels of each capability are built with (as inductor's cpu_vec_isa);
@@ -172,6 +173,10 @@ def build(source_paths: tuple[Path, ...], cache_root: Path) -> Build:
                 verbose=False,
             )
     except Exception as error:  # noqa: BLE001 -- any failure means "fall back", with the reason kept
+        if NINJA_INTERRUPTED in str(error):
+            # Stopped from outside (a signal to this process group: Ctrl-C, a timeout), not a fault
+            # of the build: kept as a failure, every later start would skip the kernels for good.
+            return Build(None, f"the kernel build was interrupted ({first_error_line(str(error))}); the next start builds it again")
         log = build_dir / "build_error.log"
         with contextlib.suppress(OSError):
             log.parent.mkdir(parents=True, exist_ok=True)

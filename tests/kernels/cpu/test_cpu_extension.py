@@ -60,6 +60,30 @@ def test_a_build_error_is_a_reason_with_the_log_kept(tmp_path):
     assert f"delete {log.parent} to try again" in again.reason
 
 
+def test_an_interrupted_build_is_not_kept_as_a_failure(tmp_path, monkeypatch):
+    """A build stopped by a signal (Ctrl-C, a timeout killing the process group; seen when a test
+    run was stopped mid-build) is no fault of the kernels: the next start builds them again rather
+    than reading a failure log and running the references for good."""
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available() or torch.backends.cpu.get_cpu_capability() not in cpu_extension.CAPABILITY_FLAGS:
+        pytest.skip("no build is tried on this machine")
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int graphrt_test_kernel() { return 1; }\n")
+
+    def interrupted(**kwargs):
+        raise RuntimeError("Error building extension 'x': ninja: build stopped: interrupted by user.")
+
+    monkeypatch.setattr(cpp_extension, "load", interrupted)
+    build = cpu_extension.KernelLoader(source_paths=(source,), cache_root=tmp_path / "cache").get()
+    assert build.library is None and "interrupted" in build.reason and "builds it again" in build.reason
+    assert not list((tmp_path / "cache").rglob("build_error.log"))
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or str(tmp_path / "lib.so"))
+    again = cpu_extension.KernelLoader(source_paths=(source,), cache_root=tmp_path / "cache").get()
+    assert calls and again.library == tmp_path / "lib.so"  # tried again, not skipped
+
+
 def test_an_unreadable_cxx_is_a_reason_not_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "g++ 'unbalanced")
     build = cpu_extension.KernelLoader(cache_root=tmp_path).get()
