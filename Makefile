@@ -27,8 +27,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 run: venv
 	$(VENV)/bin/graphrt generate --chat --prompt '$(PROMPT)'
 
+# Two pytest workers, each taking whole files (a file's shared servers and models start once):
+# the suite waits on servers, subprocesses and watchdogs more than it computes, so two workers
+# on two cores take about two thirds of one's time. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+
 test: venv
-	$(PY) -m pytest -q -m 'not cuda' tests; rc=$$?; \
+	$(PY) -m pytest -q -m 'not cuda' -n $(TEST_WORKERS) --dist loadfile -rs tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # lm-eval against `graphrt serve` and against transformers on two local tasks (benchmarks/lm_eval_parity.py);
