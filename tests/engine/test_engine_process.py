@@ -9,7 +9,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -38,11 +37,7 @@ from graphrt.sampling_params import (
     SamplingParams,  # noqa: E402
     TokenLogprob,  # noqa: E402
 )
-from helpers import API_KEY, start_server  # noqa: E402
-
-
-def children_of(pid: int) -> list[int]:
-    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+from helpers import API_KEY, children_of, start_server  # noqa: E402
 
 
 @pytest.mark.slow

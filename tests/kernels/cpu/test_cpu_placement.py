@@ -105,8 +105,7 @@ def test_serve_pinned_on_this_machine_pins_both_processes_and_stops_cleanly_with
     started on a one-core mask inherited from the pinned front, found no core left for itself and
     exited with EINVAL before the server ever served."""
     httpx = pytest.importorskip("httpx")
-    from test_engine_process import children_of
-    from test_server_shutdown import API_KEY, start_server
+    from helpers import API_KEY, children_of, start_server
 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
