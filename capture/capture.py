@@ -45,6 +45,10 @@ class GraphRecord:
     # The rehearsal and warm-up runs before recording: first calls compile and autotune the Triton
     # kernels (a start with a warm TRITON_CACHE_DIR skips the compile) and set up cuBLAS.
     warmup_ms: float = 0.0
+    # Of warmup_ms: the rehearsal's two runs, and its first run over the second's (what first calls
+    # cost beyond a run: compiles, cache loads, lazy set-up; about 0 once an earlier pair paid them).
+    rehearsal_ms: float = 0.0
+    first_calls_ms: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -194,7 +198,7 @@ def record_cuda_graph(stage, cache, inputs, pool, side_stream, allow_eager: bool
     pool_before = pool_segment_bytes(pool)
     started = time.perf_counter()
     try:
-        rehearse_stage(stage, cache, inputs)  # names the op; a failed capture would only say CUDA refused
+        rehearsal = rehearse_stage(stage, cache, inputs)  # names the op; a failed capture would only say CUDA refused
         with frozen_gc():
             graph = CudaStageGraph.record(stage, cache, inputs, pool, side_stream)
         torch.cuda.synchronize(stage.device)
@@ -216,6 +220,8 @@ def record_cuda_graph(stage, cache, inputs, pool, side_stream, allow_eager: bool
     nodes, why_no_nodes = graph_node_counts(graph.graph)
     record = GraphRecord(stage.index, bucket, "graph", graph.capture_ms, pool_bytes, nodes, None, why_no_nodes)
     record.warmup_ms = total_ms - graph.capture_ms
+    record.rehearsal_ms = sum(rehearsal) * 1000
+    record.first_calls_ms = max(0.0, rehearsal[0] - rehearsal[1]) * 1000
     return graph, record
 
 

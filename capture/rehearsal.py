@@ -25,6 +25,7 @@ dispatches those whole) are not seen on any device.
 from __future__ import annotations
 
 import dataclasses
+import time
 import traceback
 from pathlib import Path
 
@@ -64,15 +65,21 @@ class RehearsalError(GraphrtError):
     """A (stage, bucket) decode forward does something a CUDA graph cannot record or replay."""
 
 
-def rehearse_stage(stage: Stage, cache: StageKVCache, inputs: StaticInputs) -> None:
-    """Run the stage's decode forward twice over `inputs`; raise RehearsalError at the first problem."""
+def rehearse_stage(stage: Stage, cache: StageKVCache, inputs: StaticInputs) -> list[float]:
+    """Run the stage's decode forward twice over `inputs`; raise RehearsalError at the first problem.
+    Returns each run's seconds, to the device's end: the first pays for first calls (Triton's compile
+    or cache load, cuBLAS set-up) where nothing ran them before; the second is the watch's own cost."""
     where = f"stage {stage.index}, bucket {inputs.x.shape[0]}"
     before = _addresses(stage, cache, inputs)
     owned = {_storage(tensor) for tensor, _ in before.values()} - {0}
-    outputs = []
+    outputs, seconds = [], []
     for _ in range(2):
+        started = time.perf_counter()
         with _Watch(where, stage.device, owned) as watch:
             out = stage(inputs.x, inputs.meta, cache)
+        if stage.device.type == "cuda":
+            torch.cuda.synchronize(stage.device)
+        seconds.append(time.perf_counter() - started)
         after = _addresses(stage, cache, inputs)
         for name, (tensor, address) in before.items():
             if name not in after or after[name][0] is not tensor or after[name][1] != address:
@@ -88,6 +95,7 @@ def rehearse_stage(stage: Stage, cache: StageKVCache, inputs: StaticInputs) -> N
             f"{shape_2} at {address_2:#x}); a graph always writes its output where capture saw it, so "
             "return a tensor the forward computes, or the same buffer every time"
         )
+    return seconds
 
 
 class _Watch(TorchDispatchMode):

@@ -41,4 +41,14 @@ def time_line(graphs: list[dict]) -> str:
     if any("warmup_ms" not in g for g in graphs):  # a cache written before the two were apart
         return f"capture {capture_s:.2f} s, warm-up and Triton compile included (this cache does not tell them apart)"
     warmup_s = sum(g["warmup_ms"] for g in graphs) / 1000
-    return f"warm-up {warmup_s:.2f} s (Triton compile and autotuning on first calls, rehearsal), recording {capture_s:.2f} s"
+    if any("first_calls_ms" not in g for g in graphs):  # a cache written before the rehearsal was timed
+        return f"warm-up {warmup_s:.2f} s (Triton compile and autotuning on first calls, rehearsal), recording {capture_s:.2f} s"
+    first_calls_s = sum(g["first_calls_ms"] for g in graphs) / 1000
+    rehearsal_s = sum(g["rehearsal_ms"] for g in graphs) / 1000
+    slowest = max(graphs, key=lambda g: g["first_calls_ms"])
+    return (
+        f"warm-up {warmup_s:.2f} s: first calls {first_calls_s:.2f} s (Triton compiles or cache loads, cuBLAS set-up; "
+        f"most at stage {slowest['stage']} bucket {slowest['bucket']}, {slowest['first_calls_ms'] / 1000:.2f} s), "
+        f"rehearsal checks {rehearsal_s - first_calls_s:.2f} s, warm-up runs {warmup_s - rehearsal_s:.2f} s; "
+        f"recording {capture_s:.2f} s"
+    )

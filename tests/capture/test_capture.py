@@ -21,7 +21,7 @@ from graphrt.runtime.ring import build_inputs
 from graphrt.runtime.step import ScheduledStep
 
 FIELDS = set(IDENTITY_FIELDS) | {"schema_version", "created", "graphrt", "model_dir", "kv_cache_blocks", "kv_cache_bytes", "null_reasons", "graphs"}
-GRAPH_FIELDS = {"stage", "bucket", "mode", "warmup_ms", "capture_ms", "pool_bytes", "nodes", "max_abs_error", "note"}
+GRAPH_FIELDS = {"stage", "bucket", "mode", "warmup_ms", "rehearsal_ms", "first_calls_ms", "capture_ms", "pool_bytes", "nodes", "max_abs_error", "note"}
 
 
 def run_cli(*args: str):
@@ -142,13 +142,18 @@ def test_the_report_shows_warm_up_apart_from_recording():
         "stages": [{"layers": [0, 2], "device": "cuda:0"}], "backend": "cuda", "kernels": "triton", "buckets": [1, 2],
         "block_size": 16, "torch": "2.9", "triton": "3.5", "cuda": "12.8", "driver": "12.8",
         "graphs": [
-            {"stage": 0, "bucket": 1, "mode": "graph", "warmup_ms": 9.5, "capture_ms": 3.0},
-            {"stage": 0, "bucket": 2, "mode": "graph", "warmup_ms": 1500.0, "capture_ms": 4.0},
+            {"stage": 0, "bucket": 1, "mode": "graph", "warmup_ms": 9.5, "capture_ms": 3.0, "rehearsal_ms": 5.0, "first_calls_ms": 0.5},
+            {"stage": 0, "bucket": 2, "mode": "graph", "warmup_ms": 1500.0, "capture_ms": 4.0, "rehearsal_ms": 1300.0,
+             "first_calls_ms": 1250.0},
         ],
     }
     table = manifest_table(manifest)
-    assert "warm-up 1.51 s" in table and "recording 0.01 s" in table
+    assert "warm-up 1.51 s: first calls 1.25 s (Triton" in table and "recording 0.01 s" in table
+    assert "most at stage 0 bucket 2, 1.25 s), rehearsal checks 0.05 s, warm-up runs 0.20 s;" in table
     assert "    0      2 graph   1500.0      4.0" in table
+    for graph in manifest["graphs"]:
+        del graph["rehearsal_ms"], graph["first_calls_ms"]
+    assert "warm-up 1.51 s (Triton compile and autotuning on first calls, rehearsal), recording 0.01 s" in manifest_table(manifest)
     for graph in manifest["graphs"]:
         del graph["warmup_ms"]
     old = manifest_table(manifest)

@@ -218,17 +218,30 @@ WARMUP_S = 0.05
 
 
 class SlowFirstCalls(FakeStage):
-    """A forward whose eager runs take WARMUP_S (a Triton kernel compiling on its first call stands
-    for all of them) and whose recording is quick, as recording launches nothing."""
+    """A forward whose eager runs take WARMUP_S, the first one 4 * WARMUP_S more (a Triton kernel
+    compiling on its first call), and whose recording is quick, as recording launches nothing."""
+
+    calls = 0
 
     def __call__(self, x, meta, cache):
         if self.cuda.capturing is None:
-            time.sleep(WARMUP_S)
+            time.sleep(WARMUP_S * (5 if self.calls == 0 else 1))
+            self.calls += 1
         return super().__call__(x, meta, cache)
 
 
+def rehearse_untimed_device(stage, cache, inputs) -> list[float]:
+    """rehearse_stage's two timed runs, without its checks (which need a real stage)."""
+    seconds = []
+    for _ in range(2):
+        started = time.perf_counter()
+        stage(inputs.x, inputs.meta, cache)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
 def test_warm_up_and_recording_are_timed_apart(fake_cuda, monkeypatch):
-    monkeypatch.setattr(capture_module, "rehearse_stage", lambda stage, cache, inputs: stage(inputs.x, inputs.meta, cache))
+    monkeypatch.setattr(capture_module, "rehearse_stage", rehearse_untimed_device)
     monkeypatch.setattr(capture_module, "pool_segment_bytes", lambda pool: 0)
     monkeypatch.setattr(capture_module, "graph_node_counts", lambda graph: (None, "not counted here"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
@@ -236,7 +249,12 @@ def test_warm_up_and_recording_are_timed_apart(fake_cuda, monkeypatch):
     stage.index = 1
     graph, record = record_cuda_graph(stage, None, StaticInputs(torch.zeros(4), None), ("pool", 1), FakeStream(), False)
     assert record.mode == "graph" and graph.capture_ms == record.capture_ms
-    # The rehearsal, two warm-ups and the host-sync check run: four slow calls before recording.
-    assert record.warmup_ms >= 4 * WARMUP_S * 1000
+    # The rehearsal's two runs, two warm-ups and the host-sync check: five slow calls before
+    # recording, the first of them the slowest, which the rehearsal's first run pays.
+    assert record.warmup_ms >= 9 * WARMUP_S * 1000
+    assert 6 * WARMUP_S * 1000 <= record.rehearsal_ms < record.warmup_ms, record
+    # The first run over the second: at least the extra 4 * WARMUP_S (less the second's overshoot),
+    # and at most the rehearsal less twice the second run (not the first run whole)
+    assert 3 * WARMUP_S * 1000 <= record.first_calls_ms <= record.rehearsal_ms - 2 * WARMUP_S * 1000 + 1e-6, record
     assert record.capture_ms < WARMUP_S * 1000, record
-    assert record.to_json()["warmup_ms"] == record.warmup_ms
+    assert record.to_json()["first_calls_ms"] == record.first_calls_ms
