@@ -195,8 +195,12 @@ class Engine:
         self.stats = EngineStats(spec=self.scheduler.spec)
         self._ids = itertools.count()
         self._undelivered: list[SequenceOutput] = []  # deltas of a step that raised before returning them
+        # The stage threads compute from here on: the calling thread's OpenMP workers go, here and
+        # at every step, since torch work the caller does between steps (its own model, say) brings
+        # them back, and their idle team alone cut a 32-row MoE decode to a third (graphrt.kernels.cpu.openmp).
+        self._releases_host_team = on_cpu
         if on_cpu:
-            release_thread_pool()  # the stage threads compute from here on (see graphrt.kernels.cpu.openmp)
+            release_thread_pool()
 
     def cpu_kernels_record(self) -> dict | None:
         """What a graph cache records of the CPU kernels, so that a start with --cache runs the same:
@@ -509,6 +513,8 @@ class Engine:
         oldest micro-batch, launched a whole ring earlier.
         """
         tick_start = self.timeline.now() if self.timeline else 0.0
+        if self._releases_host_team:
+            release_thread_pool()  # under a microsecond unless the caller made a team since the last step
         with self.ranges.tick():
             # Kept until returned: a launch that fails raises past the return (see _recover), and
             # the next step hands these out, so no request that survives misses a token.

@@ -107,6 +107,26 @@ def test_engine_host_thread_holds_no_team_once_built(tiny_model_factory):
         llm.engine.close()
 
 
+@needs_libgomp
+@pytest.mark.usefixtures("two_threads")
+def test_a_team_the_caller_makes_between_steps_goes_at_the_next_step(tiny_model_factory):
+    """Torch work on the calling thread between generate calls (its own model, say: moe_bench.py ran
+    transformers there) brings that thread's team back; while it idles, libgomp manages more threads
+    than there are cores and throttles the stage threads' spin (a 32-row MoE decode fell from about
+    950 to 315 tok/s on 2 cores). The engine's next step lets those workers go."""
+    llm = LLM(tiny_model_factory(), dtype="float32")
+    try:
+        llm.generate([1, 2, 3])
+        before = thread_ids()
+        parallel_work()
+        workers = thread_ids() - before
+        assert workers, "a parallel op on the calling thread started no OpenMP workers"
+        llm.generate([4, 5, 6])
+        assert gone(workers, wait_s=10.0), "the calling thread's OpenMP workers outlived the engine's steps"
+    finally:
+        llm.engine.close()
+
+
 def test_team_size_gives_back_a_thread_per_core_others_take():
     assert [team_size(2, 2, others) for others in (0.0, 0.6, 0.74, 0.75, 1.0, 1.9, 5.0)] == [2, 2, 2, 1, 1, 1, 1]
     assert [team_size(16, 16, others) for others in (0.0, 3.8, 20.0)] == [16, 12, 1]
