@@ -2,6 +2,7 @@
 
     python benchmarks/moe_bench.py [--family qwen3-moe|deepseek-v3] [--experts 16] [--top-k 2]
         [--hidden 512] [--layers 8] [--expert-size 512] [--batches 1,32] [--tokens 16] [--prompt 16] [--rounds 3]
+        [--switch-pause 2.5]
 
 The model is random, written with graphrt.tools.synthetic.make_tiny_model, float32 on both sides:
 a Qwen3-MoE (every layer sparse, top-k renormalized), or a DeepSeek-V3 (latent attention with a
@@ -10,14 +11,21 @@ of which tokens choose among the best 2 (one group where the experts are too few
 prompts of --prompt random tokens greedily (EOS ignored); decode tok/s is (N - 1) * B over the time
 of an N-token generation less that of a 1-token one (the prompt's time cancels), on the wall clock
 for both. Rounds interleave the engines and batch sizes; medians with the spread (min-max) are
-reported, since other programs may share the machine. Weight GB/s counts what a decode step reads
-by graphrt/model/weight_reads.py: the dense weights plus, per layer, E * (1 - (1 - k/E)^B) experts
-(the expected distinct experts B rows choose), at the measured steps per second.
+reported, since other programs may share the machine. transformers runs in a process of its own:
+in one process each engine's idle OpenMP threads throttled the other's (libgomp shortens every
+team's spin once it manages more threads than there are cores; graphrt.kernels.cpu.openmp), which
+cut graphrt to about a third and transformers by a fifth at 32 rows. Each switch from one engine to
+the other waits --switch-pause seconds, so neither starts while the other's threads wind down.
+
+Weight GB/s counts what a decode step reads by graphrt/model/weight_reads.py: the dense weights
+plus, per layer, E * (1 - (1 - k/E)^B) experts (the expected distinct experts B rows choose), at
+the measured steps per second.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import platform
 import random
 import statistics
@@ -32,6 +40,10 @@ from graphrt import LLM, SamplingParams
 from graphrt.model.kv_cache import values_per_token
 from graphrt.model.weight_reads import expected_experts_read
 from graphrt.tools.synthetic import make_tiny_model
+
+# Longer than graphrt's team sizer keeps a measurement (kernels/cpu/openmp.py TeamSizer.STALE_S, 2 s):
+# graphrt's stage threads never size their team by what transformers' process did before them.
+SWITCH_PAUSE_S = 2.5
 
 
 def write_model(folder: Path, args: argparse.Namespace) -> Path:
@@ -86,6 +98,34 @@ def transformers_seconds(model, batch_prompts: list[list[int]], new_tokens: int)
     return time.perf_counter() - start
 
 
+def serve_transformers(model_dir: str, conn) -> None:
+    """The child process: load the model, then time each (prompts, new tokens) it is sent until None."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        conn.send(transformers_seconds(model, *job))
+
+
+class TransformersProcess:
+    """transformers' generate on the same model, in a process of its own (see the module's docstring)."""
+
+    def __init__(self, model_dir: str):
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no OpenMP state inherited
+        self.conn, child_conn = context.Pipe()
+        self.process = context.Process(target=serve_transformers, args=(model_dir, child_conn), daemon=True)
+        self.process.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError("the transformers process did not load the model")
+
+    def seconds(self, batch_prompts: list[list[int]], new_tokens: int) -> float:
+        self.conn.send((batch_prompts, new_tokens))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join(30)
+
+
 def decode_rate(run, batch_prompts: list[list[int]], new_tokens: int) -> float:
     """Decode tok/s: the tokens after the first over the time they add to a 1-token generation."""
     return (new_tokens - 1) * len(batch_prompts) / (run(batch_prompts, new_tokens) - run(batch_prompts, 1))
@@ -114,6 +154,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per request in the timed generation")
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens per request")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--switch-pause", type=float, default=SWITCH_PAUSE_S,
+                        help="seconds to wait before each run of the other engine (0: a quick check)")
     args = parser.parse_args()
     if args.tokens < 2:
         parser.error("--tokens must be at least 2: the decode rate is the tokens after the first")
@@ -121,17 +163,18 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         model_dir = write_model(Path(folder) / "moe", args)
+        reference = TransformersProcess(str(model_dir))
         llm = LLM(model=model_dir, dtype="float32", max_num_seqs=max(batches), max_batch=max(batches))
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         try:
-            measure(args, batches, llm, model)
+            measure(args, batches, llm, reference)
         finally:
             llm.engine.close()
+            reference.close()
 
 
-def measure(args: argparse.Namespace, batches: list[int], llm: LLM, model) -> None:
+def measure(args: argparse.Namespace, batches: list[int], llm: LLM, reference: TransformersProcess) -> None:
     """Interleaved rounds of both engines at each batch size, then the table."""
-    engines = {"graphrt": lambda p, n: graphrt_seconds(llm, p, n), "transformers": lambda p, n: transformers_seconds(model, p, n)}
+    engines = {"graphrt": lambda p, n: graphrt_seconds(llm, p, n), "transformers": reference.seconds}
     inputs = {batch: prompts(batch, args.prompt, args.vocab, seed=batch) for batch in batches}
     for name, run in engines.items():  # warm-up: first calls, kernel choices, allocator growth
         run(inputs[max(batches)], 2)
@@ -139,6 +182,7 @@ def measure(args: argparse.Namespace, batches: list[int], llm: LLM, model) -> No
     for _ in range(args.rounds):
         for batch in batches:
             for name, run in engines.items():
+                time.sleep(args.switch_pause)
                 rates[name, batch].append(decode_rate(run, inputs[batch], args.tokens))
 
     total = llm.engine.weight_reads.total_bytes

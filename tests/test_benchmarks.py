@@ -266,7 +266,7 @@ covers("moe_bench")
 def test_moe_bench(family, kv):
     # A MoE of 4 experts, hidden 64, 2 layers: seconds, not the default's minute.
     out = run("moe_bench", "--family", family, "--experts", 4, "--top-k", 2, "--hidden", 64, "--layers", 2, "--expert-size", 32,
-              "--vocab", 128, "--batches", "1,4", "--tokens", 3, "--prompt", 4, "--rounds", 1)
+              "--vocab", 128, "--batches", "1,4", "--tokens", 3, "--prompt", 4, "--rounds", 1, "--switch-pause", 0)
     has(out, rf"^model: {family}, 2 layers, hidden 64, 4 experts of 32, top-2, vocab 128, float32, # MB of weights; KV cache: {kv}$",
         r"^\| 1 \| 2\.00 of 4 \| # \| # \(#-#\) \| # \(#-#\) \| #x \| # \| # \|$",
         r"^\| 4 \| 3\.75 of 4 \| # \| # \(#-#\) \| # \(#-#\) \| #x \| # \| # \|$")
