@@ -96,8 +96,11 @@ SHAPES = [(1, 1, 13), (1, 8, 13), (3, 2, 13), (1, 8, 3), (5, 8, 3), (17, 1, 13),
 
 @pytest.mark.parametrize("path", ["packed", "panel"])
 @pytest.mark.parametrize(("num_tokens", "top_k", "num_experts"), SHAPES)
-def test_experts_kept_one_weight_per_expert_give_the_reference_to_float32_rounding(num_tokens, top_k, num_experts, path):
-    hidden_size, inter = 48, 40  # gate/up (80, 48) and down (48, 40): whole panels of 16 columns
+@pytest.mark.parametrize("inter", [40, 32])
+def test_experts_kept_one_weight_per_expert_give_the_reference_to_float32_rounding(num_tokens, top_k, num_experts, path, inter):
+    # gate/up (2 * inter, 48) and down (48, inter): whole panels of 16 columns; with inter 32 each half
+    # of gate/up is whole panels too, so panels run their SiLU-and-mul in the matmul's pass
+    hidden_size = 48
     if path not in available_paths(CPU, torch.float32, (hidden_size, inter), path):
         pytest.skip(f"no {path} matmuls on this CPU and torch")
     gen = torch.Generator().manual_seed(num_tokens * 100 + top_k * 10 + num_experts)
@@ -114,6 +117,14 @@ def test_experts_kept_one_weight_per_expert_give_the_reference_to_float32_roundi
     # The definition in float64 (tests/model/test_moe.py holds the reference to a per-token loop).
     expected = fused_moe(hidden.double(), w_gate_up.double(), w_down.double(), topk_weights, topk_ids)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
+
+
+def test_rows_none_of_whose_experts_this_rank_holds_sum_to_zero():
+    """Under --ep a rank may hold none of the experts a step's rows chose (ids num_experts): no matmul runs."""
+    experts = ExpertWeights([torch.ones(8, 4)] * 2, torch.Size((2, 8, 4)), torch.float32)
+    downs = ExpertWeights([torch.ones(4, 4)] * 2, torch.Size((2, 4, 4)), torch.float32)
+    out = fused_moe_by_expert(torch.ones(3, 4), experts, downs, torch.rand(3, 2) + 0.1, torch.full((3, 2), 2))
+    assert out.shape == (3, 4) and out.dtype == torch.float32 and not out.any()
 
 
 def moe_stage(model_dir, dtype: torch.dtype = torch.float32):
