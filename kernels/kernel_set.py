@@ -28,5 +28,6 @@ class KernelSet:
     # (hidden, meta, cos, sin, kv) -> (hidden, residual), or None where it can't run that stage.
     decode_layers: Callable | None = None
     # () -> a function the stage's stream calls on its own thread before each piece of work, or None
-    # (a CPU stage sizes that thread's OpenMP team to the cores other processes leave it).
+    # (a CPU stage sizes that thread's OpenMP team to the cores other processes leave it); its
+    # `when_idle` method, if any, runs there once the stream idles (graphrt.runtime.streams.CpuStream).
     stream_hook: Callable | None = None

@@ -40,10 +40,18 @@ class CpuStream:
     thread), the thread runs its work on that device and on a CUDA stream of its own, so nothing it
     computes queues behind another thread's work on the device's default stream.
 
-    `before_work`, if given, runs on the thread before each piece of work (see KernelSet.stream_hook)."""
+    `before_work`, if given, runs on the thread before each piece of work (see KernelSet.stream_hook);
+    `when_idle`, if given, runs on it once the queue has stayed empty IDLE_S, once per idle spell (a
+    CPU stage lets its thread's OpenMP workers go, so the process's other torch work runs unthrottled)."""
 
-    def __init__(self, name: str, device: torch.device | None = None, before_work: Callable[[], None] | None = None):
-        self.before_work = before_work
+    IDLE_S = 0.1
+
+    def __init__(
+        self, name: str, device: torch.device | None = None, before_work: Callable[[], None] | None = None,
+        when_idle: Callable[[], None] | None = None,
+    ):
+        self.before_work, self.when_idle = before_work, when_idle
+        self._idle = True  # nothing has run since the thread started (or since when_idle ran)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._device = device
@@ -56,7 +64,7 @@ class CpuStream:
         except BaseException as exc:  # noqa: BLE001 - every later event carries it to its waiter
             self._error = exc
         while True:
-            item = self._queue.get()
+            item = self._next()
             if item is None:
                 return
             kind, payload = item
@@ -74,6 +82,20 @@ class CpuStream:
                     self._error = payload.error
             else:  # record
                 payload._set(self._error)
+
+    def _next(self):
+        """The next item of the queue, waiting for it; after work, a wait past IDLE_S runs when_idle first."""
+        if self.when_idle is None or self._idle:
+            item = self._queue.get()
+        else:
+            try:
+                item = self._queue.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                self.when_idle()
+                self._idle = True
+                item = self._queue.get()
+        self._idle = item is None or (self._idle and item[0] != "work")
+        return item
 
     def submit(self, work: Callable[[], None]) -> None:
         self._queue.put(("work", work))
@@ -152,4 +174,13 @@ def make_stream(device: torch.device, name: str, hook: Callable | None = None) -
     """The stream of a stage on `device`; `hook`: its kernel set's stream_hook (only a CPU stage has one)."""
     if device.type == "cuda":
         return CudaStream(device)
-    return CpuStream(name, before_work=hook() if hook is not None else None)
+    return CpuStream(name, **thread_hooks(hook))
+
+
+def thread_hooks(hook: Callable | None) -> dict:
+    """A CpuStream's before_work and when_idle from a kernel set's stream_hook: what it makes for
+    the thread, and that object's `when_idle` method, if it has one."""
+    if hook is None:
+        return {}
+    made = hook()
+    return {"before_work": made, "when_idle": getattr(made, "when_idle", None)}

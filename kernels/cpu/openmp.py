@@ -14,7 +14,10 @@ instead of the 27 it takes with one team (2-core AMD EPYC, benchmarks/results.md
 omp_pause_resource_all); they come back by themselves if that thread opens a parallel region again,
 as a caller's own torch work between `generate` calls does, so the engine releases them again at
 every step (under a microsecond when there are none): after a parallel op of the caller's, a 32-row
-MoE decode ran at about 315 tok/s instead of 950 until it did.
+MoE decode ran at about 315 tok/s instead of 950 until it did. The other way round, a CPU stage
+thread lets its own workers go once its stream has had no work for 0.1 s (`TeamSizer.when_idle`),
+so torch work the caller runs between `generate` calls (transformers ran about a fifth slower
+beside an idle engine) keeps its full spin.
 
 Spinning is right while the team has its cores to itself and ruinous when other processes want
 them: a worker spinning at a barrier burns the slice its partner needed, and with two busy loops
@@ -189,6 +192,11 @@ class TeamSizer:
 
     def __call__(self) -> None:  # a CPU stage stream's before_work (KernelSet.stream_hook)
         self.fit()
+
+    def when_idle(self) -> None:
+        """The stream has no work: its workers go (a parallel op brings them back), so an idle engine
+        leaves the process's other threads' teams their full spin (see the module's docstring)."""
+        release_thread_pool()
 
     def fit(self) -> None:
         now = self.clock()

@@ -10,6 +10,7 @@ stream of its own, not on the default stream another thread computes on.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -154,3 +155,44 @@ def test_a_cpu_stage_stream_runs_its_kernel_sets_hook_before_each_piece_of_work(
     expected = [("hook", "graphrt-stage7"), ("work", "graphrt-stage7")] * 2 if with_hook else [("work", "graphrt-stage7")] * 2
     assert log == expected
     assert len(made) == int(with_hook)  # one function per stream, made when the stream is
+
+
+def test_a_cpu_stage_stream_runs_its_hooks_when_idle_once_per_idle_spell(monkeypatch):
+    """The hook's `when_idle` runs on the stream's thread once the queue has stayed empty IDLE_S after
+    work: not before the first work, not while work keeps coming, once per idle spell; a record or a
+    wait alone starts no spell."""
+    monkeypatch.setattr(CpuStream, "IDLE_S", 0.05)
+    log: list[tuple[str, str]] = []
+
+    class Sizer:
+        def __call__(self):
+            log.append(("before", threading.current_thread().name))
+
+        def when_idle(self):
+            log.append(("idle", threading.current_thread().name))
+
+    stream = make_stream(torch.device("cpu"), "graphrt-stage3", Sizer)
+    idle = ("idle", "graphrt-stage3")
+
+    def idle_count(after_s: float) -> int:
+        threading.Event().wait(after_s)
+        return log.count(idle)
+
+    def reaches(count: int) -> bool:  # a loaded machine may run the thread late, never early
+        deadline = time.monotonic() + 10
+        while log.count(idle) < count and time.monotonic() < deadline:
+            threading.Event().wait(0.01)
+        return log.count(idle) == count
+
+    assert idle_count(0.2) == 0  # no work yet: nothing to let go
+    stream.record().synchronize()
+    assert idle_count(0.2) == 0
+    for _ in range(5):  # queued at once: no gap between them
+        stream.submit(lambda: threading.Event().wait(0.01))
+    stream.record().synchronize()
+    assert reaches(1) and [kind for kind, _ in log] == ["before"] * 5 + ["idle"]  # not between them
+    assert idle_count(0.2) == 1  # once per spell
+    stream.submit(lambda: None)
+    assert reaches(2)
+    stream.close()
+    assert log.count(("before", "graphrt-stage3")) == 6 and {name for _, name in log} == {"graphrt-stage3"}

@@ -127,6 +127,23 @@ def test_a_team_the_caller_makes_between_steps_goes_at_the_next_step(tiny_model_
         llm.engine.close()
 
 
+@needs_libgomp
+@pytest.mark.usefixtures("two_threads")
+def test_an_idle_engine_lets_its_stage_threads_workers_go(tiny_model_factory):
+    """The other way round: while nothing runs, the stage thread's idle team would throttle the
+    caller's own torch work (transformers ran about a fifth slower beside an idle engine)."""
+    llm = LLM(tiny_model_factory(), dtype="float32")
+    try:
+        before = thread_ids()
+        llm.generate([1, 2, 3])
+        workers = thread_ids() - before
+        assert workers, "the stage thread's parallel ops started no OpenMP workers"
+        assert gone(workers, wait_s=10.0), "the stage thread kept its OpenMP workers while the engine idled"
+        assert len(llm.generate([4, 5, 6])[0].token_ids) > 0  # they come back for the next work
+    finally:
+        llm.engine.close()
+
+
 def test_team_size_gives_back_a_thread_per_core_others_take():
     assert [team_size(2, 2, others) for others in (0.0, 0.6, 0.74, 0.75, 1.0, 1.9, 5.0)] == [2, 2, 2, 1, 1, 1, 1]
     assert [team_size(16, 16, others) for others in (0.0, 3.8, 20.0)] == [16, 12, 1]
