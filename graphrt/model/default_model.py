@@ -7,6 +7,7 @@ tokenizer under its cache directory and reads that folder from then on.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -95,9 +96,16 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 
 def default_model_dir() -> Path:
-    """The converted default model, converting it on first use (about half a minute on a CPU)."""
+    """The converted default model, converting it on first use (about half a minute on a CPU).
+    Processes starting at once (a server and a script, two test workers) convert it once: the
+    others wait for the first under a lock on the cache and then read its folder."""
     out_dir = cache_root() / "models" / DEFAULT_MODEL_NAME
     if (out_dir / COMPLETE_MARKER).is_file():
         return out_dir
-    print(f"graphrt: converting {DEFAULT_MODEL_NAME} (GGUF) into {out_dir}, once", flush=True)
-    return import_gguf(default_gguf_path(), out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f"{DEFAULT_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the OS drops it if the holder dies
+        if (out_dir / COMPLETE_MARKER).is_file():  # converted by another process while this one waited
+            return out_dir
+        print(f"graphrt: converting {DEFAULT_MODEL_NAME} (GGUF) into {out_dir}, once", flush=True)
+        return import_gguf(default_gguf_path(), out_dir)
