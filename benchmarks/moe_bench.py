@@ -114,12 +114,20 @@ class TransformersProcess:
         self.conn, child_conn = context.Pipe()
         self.process = context.Process(target=serve_transformers, args=(model_dir, child_conn), daemon=True)
         self.process.start()
-        if self.conn.recv() != "ready":
+        child_conn.close()  # the child's end lives in the child: its death is an EOF here
+        if self._answer() != "ready":
             raise RuntimeError("the transformers process did not load the model")
 
     def seconds(self, batch_prompts: list[list[int]], new_tokens: int) -> float:
         self.conn.send((batch_prompts, new_tokens))
-        return self.conn.recv()
+        return self._answer()
+
+    def _answer(self):
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(f"the transformers process exited with code {self.process.exitcode}; its output says why") from None
 
     def close(self) -> None:
         self.conn.send(None)

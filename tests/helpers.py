@@ -119,14 +119,14 @@ def start_server(max_batch: int = 4, extra_args: tuple[str, ...] = ()) -> tuple[
     raise AssertionError("the server did not start:\n" + "\n".join(lines))
 
 
-# What a sampler's draws should follow (tests/runtime/test_sampling.py, and speculative decoding's
-# sampled acceptance).
 def children_of(pid: int) -> list[int]:
     """The process ids of `pid`'s children (Linux /proc)."""
     with open(f"/proc/{pid}/task/{pid}/children") as listing:
         return [int(child) for child in listing.read().split()]
 
 
+# What a sampler's draws should follow (tests/runtime/test_sampling.py, and speculative decoding's
+# sampled acceptance).
 def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """What the sampler documents (vLLM's order), written out independently: soften or sharpen
     with the temperature first, keep the top_k most likely tokens and renormalise, then keep the

@@ -91,7 +91,10 @@ class CpuStream:
             try:
                 item = self._queue.get(timeout=self.IDLE_S)
             except queue.Empty:
-                self.when_idle()
+                try:
+                    self.when_idle()
+                except BaseException as exc:  # noqa: BLE001 - the next event carries it to its waiter
+                    self._error = self._error or exc
                 self._idle = True
                 item = self._queue.get()
         self._idle = item is None or (self._idle and item[0] != "work")

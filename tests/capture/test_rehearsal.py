@@ -45,7 +45,8 @@ def rehearse_every_stage(pipeline: Pipeline, buckets) -> None:
     for stage, cache in zip(pipeline.stages, pipeline.caches):
         real_blocks = (cache.k[:, SCRATCH_BLOCK + 1 :].clone(), cache.v[:, SCRATCH_BLOCK + 1 :].clone())
         for bucket in buckets:
-            rehearse_stage(stage, cache, static_inputs(stage, bucket))
+            seconds = rehearse_stage(stage, cache, static_inputs(stage, bucket))
+            assert len(seconds) == 2 and all(s > 0 for s in seconds), seconds  # each run's time, for capture's report
         # Like capture's warm-ups, the rehearsal writes only where fresh static inputs point: the scratch block.
         assert torch.equal(cache.k[:, SCRATCH_BLOCK + 1 :], real_blocks[0])
         assert torch.equal(cache.v[:, SCRATCH_BLOCK + 1 :], real_blocks[1])

@@ -187,8 +187,11 @@ def test_a_cpu_stage_stream_runs_its_hooks_when_idle_once_per_idle_spell(monkeyp
     assert idle_count(0.2) == 0  # no work yet: nothing to let go
     stream.record().synchronize()
     assert idle_count(0.2) == 0
-    for _ in range(5):  # queued at once: no gap between them
-        stream.submit(lambda: threading.Event().wait(0.01))
+    queued = threading.Event()
+    stream.submit(lambda: queued.wait(10))  # the rest are queued before the first ends: no gap
+    for _ in range(4):
+        stream.submit(lambda: None)
+    queued.set()
     stream.record().synchronize()
     assert reaches(1) and [kind for kind, _ in log] == ["before"] * 5 + ["idle"]  # not between them
     assert idle_count(0.2) == 1  # once per spell
@@ -196,3 +199,23 @@ def test_a_cpu_stage_stream_runs_its_hooks_when_idle_once_per_idle_spell(monkeyp
     assert reaches(2)
     stream.close()
     assert log.count(("before", "graphrt-stage3")) == 6 and {name for _, name in log} == {"graphrt-stage3"}
+
+
+def test_a_failing_idle_hook_fails_the_next_waiter_instead_of_killing_the_thread(monkeypatch):
+    monkeypatch.setattr(CpuStream, "IDLE_S", 0.01)
+
+    class Sizer:
+        def __call__(self):
+            pass
+
+        def when_idle(self):
+            raise RuntimeError("pause refused")
+
+    stream = make_stream(torch.device("cpu"), "graphrt-stage4", Sizer)
+    stream.submit(lambda: None)
+    deadline = time.monotonic() + 10
+    while stream._error is None and time.monotonic() < deadline:  # the hook runs once the queue idles
+        threading.Event().wait(0.01)
+    with pytest.raises(RuntimeError, match="pause refused"):
+        stream.record().synchronize()
+    stream.close()

@@ -10,12 +10,14 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from graphrt import LLM
 from graphrt.kernels.cpu import matmul_choice, stage_kernels
+from graphrt.kernels.cpu import moe as cpu_moe
 from graphrt.kernels.cpu.forcing import ForcedModes
-from graphrt.kernels.cpu.linear import can_pack, convert, dense_weight, pack_panels, weight_form
+from graphrt.kernels.cpu.linear import can_pack, convert, dense_weight, linear, pack_panels, weight_form
 from graphrt.kernels.cpu.matmul_choice import EXPERT_NAMES, available_paths, summarize
 from graphrt.kernels.cpu.moe import ExpertWeights, fused_moe_by_expert
 from graphrt.kernels.moe import fused_moe
@@ -97,7 +99,7 @@ SHAPES = [(1, 1, 13), (1, 8, 13), (3, 2, 13), (1, 8, 3), (5, 8, 3), (17, 1, 13),
 @pytest.mark.parametrize("path", ["packed", "panel"])
 @pytest.mark.parametrize(("num_tokens", "top_k", "num_experts"), SHAPES)
 @pytest.mark.parametrize("inter", [40, 32])
-def test_experts_kept_one_weight_per_expert_give_the_reference_to_float32_rounding(num_tokens, top_k, num_experts, path, inter):
+def test_experts_kept_one_weight_per_expert_give_the_reference_to_float32_rounding(num_tokens, top_k, num_experts, path, inter, monkeypatch):
     # gate/up (2 * inter, 48) and down (48, inter): whole panels of 16 columns; with inter 32 each half
     # of gate/up is whole panels too, so panels run their SiLU-and-mul in the matmul's pass
     hidden_size = 48
@@ -112,7 +114,15 @@ def test_experts_kept_one_weight_per_expert_give_the_reference_to_float32_roundi
     if top_k > 1:
         topk_ids[0, 1] = topk_ids[0, 0]  # a row that names one expert twice
     per_expert = lambda stacked: ExpertWeights([convert(path, w) for w in stacked], stacked.shape, stacked.dtype)  # noqa: E731
+    fused_calls = []
+    fused = cpu_moe.panel_linear_silu_and_mul
+    monkeypatch.setattr(cpu_moe, "panel_linear_silu_and_mul", lambda *args: fused_calls.append(1) or fused(*args))
     out = fused_moe_by_expert(hidden, per_expert(w_gate_up), per_expert(w_down), topk_weights, topk_ids)
+    assert bool(fused_calls) == (path == "panel" and inter % 32 == 0)  # the one-pass SiLU-and-mul, where it applies
+    if fused_calls:  # bitwise what the matmul, then SiLU-and-mul in torch, give
+        unfused = lambda x, w: (lambda gate, up: F.silu(gate) * up)(*linear(x, w).chunk(2, dim=-1))  # noqa: E731
+        monkeypatch.setattr(cpu_moe, "panel_linear_silu_and_mul", unfused)
+        assert torch.equal(fused_moe_by_expert(hidden, per_expert(w_gate_up), per_expert(w_down), topk_weights, topk_ids), out)
     assert out.shape == (num_tokens, hidden_size) and out.dtype == torch.float32
     # The definition in float64 (tests/model/test_moe.py holds the reference to a per-token loop).
     expected = fused_moe(hidden.double(), w_gate_up.double(), w_down.double(), topk_weights, topk_ids)

@@ -27,6 +27,7 @@ from graphrt.kernels.cpu.openmp import (
     team_size,
 )
 from graphrt.llm import LLM
+from graphrt.runtime.streams import CpuStream
 
 needs_libgomp = pytest.mark.skipif(
     not Path("/proc/self/task").is_dir() or not openmp_available(), reason="needs Linux and torch on libgomp"
@@ -129,9 +130,10 @@ def test_a_team_the_caller_makes_between_steps_goes_at_the_next_step(tiny_model_
 
 @needs_libgomp
 @pytest.mark.usefixtures("two_threads")
-def test_an_idle_engine_lets_its_stage_threads_workers_go(tiny_model_factory):
+def test_an_idle_engine_lets_its_stage_threads_workers_go(tiny_model_factory, monkeypatch):
     """The other way round: while nothing runs, the stage thread's idle team would throttle the
     caller's own torch work (transformers ran about a fifth slower beside an idle engine)."""
+    monkeypatch.setattr(CpuStream, "IDLE_S", 2.0)  # long enough to see the workers before they go
     llm = LLM(tiny_model_factory(), dtype="float32")
     try:
         before = thread_ids()
@@ -139,7 +141,9 @@ def test_an_idle_engine_lets_its_stage_threads_workers_go(tiny_model_factory):
         workers = thread_ids() - before
         assert workers, "the stage thread's parallel ops started no OpenMP workers"
         assert gone(workers, wait_s=10.0), "the stage thread kept its OpenMP workers while the engine idled"
-        assert len(llm.generate([4, 5, 6])[0].token_ids) > 0  # they come back for the next work
+        before = thread_ids()
+        assert len(llm.generate([4, 5, 6])[0].token_ids) > 0
+        assert thread_ids() - before, "the next work started no OpenMP workers again"
     finally:
         llm.engine.close()
 
