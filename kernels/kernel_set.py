@@ -27,7 +27,7 @@ class KernelSet:
     # (stage) -> a function running a decode step through all of the stage's layers in one call,
     # (hidden, meta, cos, sin, kv) -> (hidden, residual), or None where it can't run that stage.
     decode_layers: Callable | None = None
-    # () -> a function the stage's stream calls on its own thread before each piece of work, or None
-    # (a CPU stage sizes that thread's OpenMP team to the cores other processes leave it); its
-    # `when_idle` method, if any, runs there once the stream idles (graphrt.runtime.streams.CpuStream).
+    # () -> the hooks a stage's stream runs on its own thread before each piece of work and when it
+    # idles (graphrt.runtime.streams.ThreadHooks), or None: a CPU stage sizes that thread's OpenMP
+    # team to the cores other processes leave it, and lets the team go while it idles.
     stream_hook: Callable | None = None

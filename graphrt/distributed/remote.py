@@ -47,7 +47,7 @@ from graphrt.model.weight_reads import WeightReads
 from graphrt.runtime.pipeline import Pipeline, partition_layers
 from graphrt.runtime.ring import MicroBatch, Ring, RingSlot
 from graphrt.runtime.stage_builder import load_stage
-from graphrt.runtime.streams import CpuStream, thread_hooks, use_own_cuda_stream
+from graphrt.runtime.streams import CpuStream, use_own_cuda_stream
 
 STARTUP_TIMEOUT_S = 600.0  # loading and capturing a large stage can take minutes
 EXIT_GRACE_S = 3.0  # after a failure, how long workers get to exit on their own before SIGTERM
@@ -470,7 +470,7 @@ class RemoteRing(Ring):
         # A thread even on CUDA: sends, heartbeats and shutdown must leave rank 0 in one order.
         stage = self.pipeline.stages[0]
         hook = stage.ops.stream_hook
-        return [CpuStream("graphrt-stage0", stage.device, **thread_hooks(hook))]
+        return [CpuStream("graphrt-stage0", stage.device, hooks=hook() if hook is not None else None)]
 
     def _enqueue(self, slot: RingSlot, mb: MicroBatch, token_ids, meta, producers: list[MicroBatch]) -> None:
         super()._enqueue(slot, mb, token_ids, meta, producers)

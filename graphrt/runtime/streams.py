@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -32,6 +32,17 @@ class CpuEvent:
         self._done.set()
 
 
+class ThreadHooks(Protocol):
+    """What a CPU stage's stream runs on its own thread (a CPU stage's OpenMP team sizer:
+    graphrt.kernels.cpu.openmp.TeamSizer)."""
+
+    def before_work(self) -> None:
+        """Before each piece of work (the sizer fits the team to the cores other processes leave)."""
+
+    def when_idle(self) -> None:
+        """Once the stream has had no work for CpuStream.IDLE_S (the sizer lets the team's workers go)."""
+
+
 class CpuStream:
     """A worker thread running work in submission order. An error in one piece of work is kept and
     passed to every later event, so whoever waits learns of it instead of hanging.
@@ -40,17 +51,13 @@ class CpuStream:
     thread), the thread runs its work on that device and on a CUDA stream of its own, so nothing it
     computes queues behind another thread's work on the device's default stream.
 
-    `before_work`, if given, runs on the thread before each piece of work (see KernelSet.stream_hook);
-    `when_idle`, if given, runs on it once the queue has stayed empty IDLE_S, once per idle spell (a
-    CPU stage lets its thread's OpenMP workers go, so the process's other torch work runs unthrottled)."""
+    `hooks`, if given (a kernel set's stream_hook makes one per stream), run on the thread: before
+    each piece of work, and once the queue has stayed empty IDLE_S after work, once per idle spell."""
 
     IDLE_S = 0.1
 
-    def __init__(
-        self, name: str, device: torch.device | None = None, before_work: Callable[[], None] | None = None,
-        when_idle: Callable[[], None] | None = None,
-    ):
-        self.before_work, self.when_idle = before_work, when_idle
+    def __init__(self, name: str, device: torch.device | None = None, hooks: ThreadHooks | None = None):
+        self.hooks = hooks
         self._idle = True  # nothing has run since the thread started (or since when_idle ran)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
@@ -71,8 +78,8 @@ class CpuStream:
             if kind == "work":
                 if self._error is None:
                     try:
-                        if self.before_work is not None:
-                            self.before_work()
+                        if self.hooks is not None:
+                            self.hooks.before_work()
                         payload()
                     except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                         self._error = exc
@@ -85,14 +92,14 @@ class CpuStream:
 
     def _next(self):
         """The next item of the queue, waiting for it; after work, a wait past IDLE_S runs when_idle first."""
-        if self.when_idle is None or self._idle:
+        if self.hooks is None or self._idle:
             item = self._queue.get()
         else:
             try:
                 item = self._queue.get(timeout=self.IDLE_S)
             except queue.Empty:
                 try:
-                    self.when_idle()
+                    self.hooks.when_idle()
                 except BaseException as exc:  # noqa: BLE001 - the next event carries it to its waiter
                     self._error = self._error or exc
                 self._idle = True
@@ -177,13 +184,4 @@ def make_stream(device: torch.device, name: str, hook: Callable | None = None) -
     """The stream of a stage on `device`; `hook`: its kernel set's stream_hook (only a CPU stage has one)."""
     if device.type == "cuda":
         return CudaStream(device)
-    return CpuStream(name, **thread_hooks(hook))
-
-
-def thread_hooks(hook: Callable | None) -> dict:
-    """A CpuStream's before_work and when_idle from a kernel set's stream_hook: what it makes for
-    the thread, and that object's `when_idle` method, if it has one."""
-    if hook is None:
-        return {}
-    made = hook()
-    return {"before_work": made, "when_idle": getattr(made, "when_idle", None)}
+    return CpuStream(name, hooks=hook() if hook is not None else None)

@@ -190,7 +190,7 @@ class TeamSizer:
         self.others = 0.0  # cores other processes used in the last measurement
         self._last: tuple[float, float, float] | None = None  # (time, busy s, own s)
 
-    def __call__(self) -> None:  # a CPU stage stream's before_work (KernelSet.stream_hook)
+    def before_work(self) -> None:  # graphrt.runtime.streams.ThreadHooks, made by KernelSet.stream_hook
         self.fit()
 
     def when_idle(self) -> None:

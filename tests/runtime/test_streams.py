@@ -138,14 +138,21 @@ def test_a_thread_that_cannot_use_its_device_fails_its_waiters_instead_of_hangin
 
 @pytest.mark.parametrize("with_hook", [True, False], ids=["kernel set with a stream hook", "without (no OpenMP)"])
 def test_a_cpu_stage_stream_runs_its_kernel_sets_hook_before_each_piece_of_work(with_hook):
-    """KernelSet.stream_hook: a fresh function per stream (a CPU stage's OpenMP team sizer), run on
-    the stream's own thread before every piece of work; a set without one runs the work alone."""
+    """KernelSet.stream_hook: fresh hooks per stream (a CPU stage's OpenMP team sizer), run on the
+    stream's own thread before every piece of work; a set without one runs the work alone."""
     log: list[tuple[str, str]] = []
     made = []
 
+    class Hooks:
+        def before_work(self):
+            log.append(("hook", threading.current_thread().name))
+
+        def when_idle(self):
+            pass
+
     def hook_factory():
         made.append(1)
-        return lambda: log.append(("hook", threading.current_thread().name))
+        return Hooks()
 
     stream = make_stream(torch.device("cpu"), "graphrt-stage7", hook_factory if with_hook else None)
     for _ in range(2):
@@ -165,7 +172,7 @@ def test_a_cpu_stage_stream_runs_its_hooks_when_idle_once_per_idle_spell(monkeyp
     log: list[tuple[str, str]] = []
 
     class Sizer:
-        def __call__(self):
+        def before_work(self):
             log.append(("before", threading.current_thread().name))
 
         def when_idle(self):
@@ -205,7 +212,7 @@ def test_a_failing_idle_hook_fails_the_next_waiter_instead_of_killing_the_thread
     monkeypatch.setattr(CpuStream, "IDLE_S", 0.01)
 
     class Sizer:
-        def __call__(self):
+        def before_work(self):
             pass
 
         def when_idle(self):

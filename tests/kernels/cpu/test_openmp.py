@@ -100,7 +100,7 @@ def test_engine_host_thread_holds_no_team_once_built(tiny_model_factory):
     llm = LLM(tiny_model_factory(), dtype="float32")
     try:
         assert len(llm.generate([1, 2, 3])[0].token_ids) > 0  # the stage thread's team runs the model
-        assert llm.engine.ring.streams[0].before_work.max_threads == 2  # sized on the stage thread before its first micro-batch
+        assert llm.engine.ring.streams[0].hooks.max_threads == 2  # sized on the stage thread before its first micro-batch
         before = thread_ids()
         parallel_work()
         assert thread_ids() - before, "the host thread still had its OpenMP workers after the engine was built"
