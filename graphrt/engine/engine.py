@@ -199,7 +199,7 @@ class Engine:
         # at every step, since torch work the caller does between steps (its own model, say) brings
         # them back, and their idle team alone cut a 32-row MoE decode to a third (graphrt.kernels.cpu.openmp).
         self._releases_host_team = on_cpu
-        if on_cpu:
+        if self._releases_host_team:
             release_thread_pool()
 
     def cpu_kernels_record(self) -> dict | None:

@@ -104,7 +104,8 @@ class CpuStream:
                     self._error = self._error or exc
                 self._idle = True
                 item = self._queue.get()
-        self._idle = item is None or (self._idle and item[0] != "work")
+        if item is not None and item[0] == "work":
+            self._idle = False  # the next wait may end in when_idle
         return item
 
     def submit(self, work: Callable[[], None]) -> None:

@@ -96,7 +96,7 @@ def test_a_cpu_stage_runs_the_experts_grouped_by_expert(tiny_model_factory):
 SHAPES = [(1, 1, 13), (1, 8, 13), (3, 2, 13), (1, 8, 3), (5, 8, 3), (17, 1, 13), (33, 2, 7), (64, 8, 13), (64, 1, 5)]
 
 
-@pytest.mark.parametrize("path", ["packed", "panel"])
+@pytest.mark.parametrize("path", ["dense", "packed", "panel"])  # every form the timing at load can choose
 @pytest.mark.parametrize(("num_tokens", "top_k", "num_experts"), SHAPES)
 @pytest.mark.parametrize("inter", [40, 32])
 def test_experts_kept_one_weight_per_expert_give_the_reference_to_float32_rounding(num_tokens, top_k, num_experts, path, inter, monkeypatch):
