@@ -189,6 +189,7 @@ class Engine:
             if drafter.guess_costs is not None:
                 logger.info("draft model: %s", drafter.guess_costs.describe("a round of guesses, ms by rows"))
         self._decode_busy_until = 0.0
+        self._blocked_until: float | None = None  # when the last blocking read-back returned, until the next step
         self.synthetic_host_s = 0.0  # host time a synthetic engine adds per micro-batch read back (graphrt.tools.synthetic)
         self.weight_reads = self.pipeline.weight_reads() + (self.cluster.remote_weight_reads if self.cluster else WeightReads(0))
         self.weight_bytes = self.weight_reads.total_bytes  # all of them; a decode step reads weight_reads.at(rows)
@@ -520,15 +521,26 @@ class Engine:
             # the next step hands these out, so no request that survives misses a token.
             self._undelivered += self._update(self._poll(block=False))
             launched = self._launch_next()
+            self._measure_host_gap(launched)
             self._undelivered += self.scheduler.take_ended()
             if not launched and not self._undelivered and self.ring.busy:
                 self._undelivered += self._update(self._poll(block=True))
+                self._blocked_until = time.perf_counter()
             elif not launched and not self._undelivered:
                 self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)  # nothing to run but requests whose grammars compile
         if self.timeline:
             self.timeline.record_tick(tick_start, self.timeline.now())
         outputs, self._undelivered = self._undelivered, []
         return outputs
+
+    def _measure_host_gap(self, launched: bool) -> None:
+        """After a step that blocked on a read-back: how long the device then waited for the next
+        launch, which speculative decoding weighs (Speculation.host_gap)."""
+        if self._blocked_until is None:
+            return
+        if launched and self.scheduler.speculation is not None:
+            self.scheduler.speculation.record_host_gap(time.perf_counter() - self._blocked_until)
+        self._blocked_until = None
 
     def _launch_next(self) -> bool:
         """Schedule a step for the first open slot that has work, and launch it there.

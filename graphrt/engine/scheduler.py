@@ -232,7 +232,10 @@ class Scheduler:
                 return self._launched(self._prefill_chunk(prefilling, riders))
             batch = riders
         else:
-            batch = self._with_blocks(ready[: min(rows_per_slot, self.max_decode_batch)])
+            candidates = ready[: min(rows_per_slot, self.max_decode_batch)]
+            if follows is not None and self._waits_for_verify_rows(decode_phase, candidates, follows):
+                return None
+            batch = self._with_blocks(candidates)
         if not batch:
             return None
         self._rotate(batch)
@@ -257,6 +260,14 @@ class Scheduler:
         return ScheduledStep(
             rows, [1 + len(d) for d in draft_ids], is_prefill=False, draft_ids=draft_ids, id=next(self._step_ids)
         )
+
+    def _waits_for_verify_rows(self, decode_phase: list[Sequence], candidates: list[Sequence], follows: int) -> bool:
+        """Whether the step launched ahead after step `follows` with `candidates` should wait
+        instead for the rows whose verify steps (that one or earlier) are still in flight."""
+        if self.speculation is None:
+            return False
+        verifying = sum(1 for seq in decode_phase if seq.draft_ids and seq.sampling_step <= follows)
+        return self.speculation.waits_for_verify_rows(len(candidates), verifying)
 
     def _with_draft_blocks(self, seq: Sequence, drafts: list[int]) -> list[int]:
         """`drafts`, cut to what free KV blocks hold, with blocks for their positions (after the

@@ -15,6 +15,7 @@ from graphrt.engine.sequence import Sequence
 from graphrt.engine.stats import SpecStats
 
 MAX_DRAFT_PAUSE = 64  # decode steps a row goes at most without drafting after verify steps that kept nothing
+HOST_GAP_WEIGHT = 0.1  # of each new measurement in Speculation.host_gap's moving average
 
 
 def accept_drafts(drafts: list[int], sampled: list[int]) -> list[int]:
@@ -40,7 +41,25 @@ class Speculation:
         # What a decode step of each bucket costs, which drafts must pay for; None: every draft goes
         # (the engine measures them at start-up: Ring.time_decode_steps).
         self.step_costs: StepCosts | None = None
+        # Seconds the device waits for the host between a read-back and the next launch: what a
+        # step that waits for its verify rows pays (measured by the engine, record_host_gap).
+        self.host_gap = 0.0
         self.stats = stats
+
+    def record_host_gap(self, seconds: float) -> None:
+        """The engine saw the device wait `seconds` from a read-back to the next launch."""
+        self.host_gap += HOST_GAP_WEIGHT * (seconds - self.host_gap)
+
+    def waits_for_verify_rows(self, num_ready: int, num_verifying: int) -> bool:
+        """Whether a step launched ahead should rather wait for the `num_verifying` rows whose
+        verify steps are in flight before it: those rows' next input is known only once their
+        kept tokens are back (the drafter reads them on the host), so launching the `num_ready`
+        rows now splits the batch in two steps, each reading every weight. Wait when the two
+        steps cost more than one step of all the rows plus the device's wait for the host."""
+        costs = self.step_costs
+        if costs is None or not num_verifying or not num_ready:
+            return False
+        return costs(num_ready) + costs(num_verifying) > costs(num_ready + num_verifying) + self.host_gap
 
     def choose_drafts(self, batch: list[Sequence], max_drafts: int) -> list[tuple[Sequence, list[int]]]:
         """The drafts worth verifying for rows of the decode batch `batch`, at most `max_drafts` in

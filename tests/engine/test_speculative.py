@@ -19,7 +19,8 @@ from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.drafter import Acceptance, NgramDrafter, StepCosts, drafts_that_pay
 from graphrt.engine.scheduler import Scheduler
 from graphrt.engine.sequence import FinishReason, Sequence
-from graphrt.engine.speculation import accept_drafts
+from graphrt.engine.stats import SpecStats
+from graphrt.engine.speculation import HOST_GAP_WEIGHT, Speculation, accept_drafts
 from graphrt.runtime.sampler import Sampler
 from graphrt.speculative import SpeculativeConfig
 from graphrt.tools.synthetic import make_tiny_model
@@ -65,6 +66,21 @@ def test_drafts_are_verified_while_their_expected_tokens_outrun_the_larger_bucke
     # 8 tokens cost 3x 4 tokens: 3 rows + 5 drafts at 0.99 add about 4.9 tokens, 8 < 3 * 3 so no.
     assert drafts_that_pay(3, [(0.99, 3), (0.99, 2)], 7, steps) == [1, 0]
     assert drafts_that_pay(1, [], 7, steps) == []
+
+
+def test_a_step_launched_ahead_waits_for_verify_rows_when_two_steps_cost_more_than_one():
+    speculation = Speculation(NgramDrafter(3, 1, 3), SpecStats())
+    assert not speculation.waits_for_verify_rows(4, 4), "without costs it never waits"
+    speculation.step_costs = StepCosts({1: 1.0, 2: 1.0, 4: 1.1, 8: 1.3})  # a weight read, and little per row
+    assert speculation.waits_for_verify_rows(4, 4)  # 1.1 + 1.1 > 1.3
+    assert not speculation.waits_for_verify_rows(4, 0) and not speculation.waits_for_verify_rows(0, 4)
+    speculation.record_host_gap(10.0)  # the host keeps the device waiting longer than a step
+    assert speculation.host_gap == pytest.approx(HOST_GAP_WEIGHT * 10.0)
+    speculation.host_gap = 1.0
+    assert not speculation.waits_for_verify_rows(4, 4)
+    speculation.host_gap = 0.0
+    speculation.step_costs = StepCosts({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0})  # cost by the row: splitting is free
+    assert not speculation.waits_for_verify_rows(4, 4) and not speculation.waits_for_verify_rows(2, 2)
 
 
 def test_drafts_a_model_must_make_pay_for_its_rounds_of_guesses_too():
@@ -257,6 +273,45 @@ def test_greedy_output_with_speculation_is_the_output_without(
             assert spec.num_draft_tokens < every.engine.stats.spec.num_draft_tokens, (spec.describe(), every.engine.stats.spec.describe())
     # Both kinds of verify outcome happened: drafts kept, and drafts rejected.
     assert 0 < accepted < drafted, (num_drafts, drafted, accepted)
+
+
+# A weight read that dwarfs each row's cost and any host gap: two steps always cost more than one.
+FIXED_COST = StepCosts({size: 1.0 + size / 1000 for size in (1, 2, 4, 8, 16, 24, 32)})
+
+
+@pytest.mark.parametrize("step_costs", [FIXED_COST, None], ids=["fixed-cost", "no-costs"])
+def test_launching_ahead_waits_for_verify_rows_only_where_splitting_the_batch_costs_more(looping_models, reference, step_costs):
+    """pp 1 with async scheduling: a verify row's next input is known only once read back, so a
+    step launched ahead before then would carry only the other rows. Where a step's cost is
+    mostly the weight read (CPU and GPU decode), the engine waits and keeps the batch whole;
+    without costs to weigh it launches ahead as before. The tokens are the same either way."""
+    prompts, params = workload()
+    llm = LLM(model=looping_models[0.6], dtype="float64", pp=1, depth=0, speculative_config=NGRAM, max_num_seqs=8)
+    engine, ring = llm.engine, llm.engine.ring
+    engine.scheduler.speculation.step_costs = step_costs
+    split_launches, launch = [], ring.launch
+
+    def watching_launch(slot, step):
+        rows = set(map(id, step.seqs))  # this step's own verify rows have their drafts already
+        verifying = [seq for seq in engine.scheduler.running if seq.draft_ids and id(seq) not in rows]
+        if not step.is_prefill and verifying:
+            split_launches.append(len(verifying))
+        return launch(slot, step)
+
+    ring.launch = watching_launch
+    try:
+        seqs = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        assert [seq.output_ids for seq in seqs] == reference[0.6]
+        assert engine.stats.spec.num_drafts > 0
+        if step_costs is FIXED_COST:
+            assert split_launches == []
+            assert 0 < engine.scheduler.speculation.host_gap < 1.0  # measured after each wait
+        else:
+            assert split_launches
+    finally:
+        engine.close()
 
 
 def tokens_and_logprobs(model, prompts, params, **options) -> tuple[list, list, LLM]:
