@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphrt.kernels.cpu.linear import linear, panel_linear_silu_and_mul, weight_form
+from graphrt.kernels.cpu.linear import PANEL_WIDTH, linear, panel_linear_silu_and_mul, weight_form
 
 
 class ExpertWeights(nn.ParameterList):
@@ -30,6 +30,9 @@ class ExpertWeights(nn.ParameterList):
     def __init__(self, weights: list[torch.Tensor], shape: torch.Size, dtype: torch.dtype):
         super().__init__(nn.Parameter(w, requires_grad=False) for w in weights)
         self.shape, self.dtype = torch.Size(shape), dtype
+        self.weights = list(self)  # what a compiled op takes, listed once
+        forms = {weight_form(w) for w in self.weights}
+        self.form = forms.pop() if len(forms) == 1 else "mixed"
 
 
 def fused_moe_by_expert(
@@ -45,8 +48,9 @@ def fused_moe_by_expert(
 
     The rows are gathered once in expert order, each expert's matmuls read its slice (a gate/up
     weight in panels runs its SiLU-and-mul in the same pass), and one index_add_ sums the weighted
-    results into their rows, expert by expert as a loop over the experts would: a decode step of
-    32 rows pays for a few ops per expert instead of seven."""
+    results into their rows, expert by expert as a loop over the experts would. With every weight
+    in panels the compiled `panel_experts` runs all the experts' matmuls (`in_panels`), bitwise as
+    the loop does, with two parallel regions and no Python call per expert."""
     top_k = topk_ids.shape[1]
     sum_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
     num_experts = w_gate_up.shape[0]
@@ -62,6 +66,27 @@ def fused_moe_by_expert(
     order = order[:num_run]
     rows_of = order // top_k
     gathered = hidden.index_select(0, rows_of)
+    if in_panels(w_gate_up, w_down, hidden.dtype):
+        downs = torch.ops.graphrt.panel_experts(gathered, counts, w_gate_up.weights, w_down.weights)
+    else:
+        downs = torch.cat(experts_one_by_one(gathered, counts, w_gate_up, w_down))
+    weights = topk_weights.reshape(-1)[order].to(sum_dtype)
+    out.index_add_(0, rows_of, downs.to(sum_dtype) * weights[:, None])
+    return out.to(hidden.dtype)
+
+
+def in_panels(w_gate_up, w_down, dtype: torch.dtype) -> bool:
+    """Whether every expert's weights are in panels of `dtype`, each half of gate/up whole panels:
+    then the compiled `panel_experts` runs them all, in two parallel regions in all."""
+    return (
+        isinstance(w_gate_up, ExpertWeights) and isinstance(w_down, ExpertWeights)
+        and w_gate_up.form == w_down.form == "panel" and w_gate_up.dtype == w_down.dtype == dtype
+        and w_gate_up.shape[1] % (2 * PANEL_WIDTH) == 0
+    )
+
+
+def experts_one_by_one(gathered: torch.Tensor, counts: list[int], w_gate_up, w_down) -> list[torch.Tensor]:
+    """Each chosen expert's matmuls on its slice of `gathered` (rows in expert order), as a loop."""
     downs, start = [], 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -69,9 +94,7 @@ def fused_moe_by_expert(
         rows = gathered[start : start + count]
         downs.append(linear(gate_up_silu_and_mul(rows, w_gate_up[expert]), w_down[expert]))  # (count, hidden_size)
         start += count
-    weights = topk_weights.reshape(-1)[order].to(sum_dtype)
-    out.index_add_(0, rows_of, torch.cat(downs).to(sum_dtype) * weights[:, None])
-    return out.to(hidden.dtype)
+    return downs
 
 
 def gate_up_silu_and_mul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 // Matmuls against weights packed once into column panels, for a decode step's skinny shapes
 // (1 to 32 rows) and prefill chunks alike. kernels/cpu/linear.py packs the weights (`pack_panels`) and
 // calls this file's op as torch.ops.graphrt.panel_linear; `F.linear` on the dense weight is its
-// reference (tests/kernels/cpu/test_matmul_cpu.py).
+// reference (tests/kernels/cpu/test_matmul_cpu.py). A sparse layer's routed experts run in one op,
+// `panel_experts` (kernels/cpu/moe.py), bitwise the loop over them (tests/kernels/cpu/test_moe_cpu.py).
 //
 // Layout: the weight (out_features, in_features) is cut into panels of 16 output columns, one
 // AVX-512 register wide. A panel stores its columns interleaved along k, a step at a time:
@@ -43,6 +44,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #include "silu_and_mul.h"
 
@@ -238,30 +240,45 @@ void rows_by_panels(const T* x, int64_t ldx, int64_t num_rows, const T* w, int64
   if (m + 1 <= num_rows) { run(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{}); m += 1; }
 }
 
-// A thread takes an even share of the weight's units (a panel; for kGateUp a gate panel with its up
-// partner, the second half of the weight: up_offset = half its panels) and runs them in groups,
-// chunk of rows by chunk, so shapes of few panels still split evenly. A group and the next one,
-// which is brought in while it is used, must both fit L2 (1-2 MB on the CPUs we run on): 8 panels
-// (128 columns) where k is short, down to 4 (one 4x4 tile's panels) where it is long; where even 4
-// panels are more than a group's share of L2 (k over 1536 in float32), nothing is fetched ahead.
+// One matmul of x against a weight in panels (with kGateUp: a gate/up weight, ending in
+// silu_and_mul), cut into units (a panel; for kGateUp a gate panel with its up partner, the second
+// half of the weight: up_offset = half its panels) that threads share.
 template <typename T, bool kGateUp>
-void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& out) {
-  constexpr int64_t kStep = kGateUp ? 2 : 1;
-  const int64_t num_rows = x.size(0), k_size = x.size(1), ldx = x.stride(0);
-  const int64_t num_units = w.size(0) / kStep, panel_stride = w.stride(0);
-  const int64_t up_offset = kGateUp ? num_units * panel_stride : 0;
-  const T* x_data = x.const_data_ptr<T>();
-  const T* w_data = w.const_data_ptr<T>();
-  const T* bias_data = bias != nullptr ? bias->const_data_ptr<T>() : nullptr;
-  T* out_data = out.mutable_data_ptr<T>();
-  const int64_t ldo = out.stride(0);
-  constexpr int64_t kGroupBytes = 384 << 10;
-  const int64_t unit_bytes = kStep * panel_stride * int64_t(sizeof(T));
-  const int64_t group = std::clamp<int64_t>(kGroupBytes / unit_bytes, 4 / kStep, 8 / kStep);
-  const bool fetch_ahead = group * unit_bytes <= kGroupBytes;
-  const int64_t work_per_unit = std::max<int64_t>(1, kStep * kPanel * k_size * std::min<int64_t>(num_rows, 8));
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / work_per_unit);
-  at::parallel_for(0, num_units, grain, [&](int64_t begin, int64_t end) {
+struct PanelMatmul {
+  static constexpr int64_t kStep = kGateUp ? 2 : 1;
+  const T* x;
+  int64_t ldx, num_rows, k_size;
+  const T* w;
+  int64_t num_units, panel_stride, up_offset;
+  const T* bias;
+  T* out;
+  int64_t ldo;
+  int64_t group;     // units a thread runs together, chunk of rows by chunk of rows
+  bool fetch_ahead;  // whether a group and the next fit L2 together
+
+  // x: (rows, in_features); w: (units * kStep, in_features / k_step, 16, k_step); out: (rows, units * 16).
+  // A group and the next one, which is brought in while it is used, must both fit L2 (1-2 MB on the
+  // CPUs we run on): 8 panels (128 columns) where k is short, down to 4 (one 4x4 tile's panels)
+  // where it is long; where even 4 panels are more than a group's share of L2 (k over 1536 in
+  // float32), nothing is fetched ahead.
+  PanelMatmul(const T* x, int64_t ldx, int64_t num_rows, const at::Tensor& w, const T* bias, T* out, int64_t ldo)
+      : x(x), ldx(ldx), num_rows(num_rows), k_size(w.size(1) * w.size(3)), w(w.const_data_ptr<T>()),
+        num_units(w.size(0) / kStep), panel_stride(w.stride(0)), up_offset(kGateUp ? num_units * panel_stride : 0),
+        bias(bias), out(out), ldo(ldo) {
+    constexpr int64_t kGroupBytes = 384 << 10;
+    const int64_t unit_bytes = kStep * panel_stride * int64_t(sizeof(T));
+    group = std::clamp<int64_t>(kGroupBytes / unit_bytes, 4 / kStep, 8 / kStep);
+    fetch_ahead = group * unit_bytes <= kGroupBytes;
+  }
+
+  // Threads' grain: units enough for about 64K multiply-adds of 8 rows.
+  int64_t grain() const {
+    return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, kStep * kPanel * k_size * std::min<int64_t>(num_rows, 8)));
+  }
+
+  // Units [begin, end), one thread's share, in groups, chunk of rows by chunk, so shapes of few
+  // panels still split evenly.
+  void run_units(int64_t begin, int64_t end) const {
     // The group this thread runs after [u0, u0 + group) of rows [r0, r0 + kRowChunk): the next
     // group of its share, or the first one again for the next chunk of rows.
     auto group_after = [&](int64_t r0, int64_t u0) {
@@ -269,7 +286,7 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       if (!fetch_ahead || next == end) {
         return L2Prefetch{};
       }
-      const char* start = reinterpret_cast<const char*>(w_data + next * panel_stride);
+      const char* start = reinterpret_cast<const char*>(w + next * panel_stride);
       const int64_t bytes = std::min(group, end - next) * panel_stride * int64_t(sizeof(T));
       if (!kGateUp) {
         return L2Prefetch{start, start + bytes};
@@ -280,13 +297,65 @@ void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     for (int64_t r0 = 0; r0 < num_rows; r0 += kRowChunk) {
       const int64_t chunk_rows = std::min(kRowChunk, num_rows - r0);
       for (int64_t u0 = begin; u0 < end; u0 += group) {
-        rows_by_panels<T, kGateUp>(x_data + r0 * ldx, ldx, chunk_rows, w_data + u0 * panel_stride, panel_stride, up_offset,
-                                k_size, bias_data != nullptr ? bias_data + u0 * kPanel : nullptr,
-                                kStep * std::min(group, end - u0), out_data + r0 * ldo + u0 * kPanel, ldo,
+        rows_by_panels<T, kGateUp>(x + r0 * ldx, ldx, chunk_rows, w + u0 * panel_stride, panel_stride, up_offset,
+                                k_size, bias != nullptr ? bias + u0 * kPanel : nullptr,
+                                kStep * std::min(group, end - u0), out + r0 * ldo + u0 * kPanel, ldo,
                                 group_after(r0, u0));
       }
     }
+  }
+};
+
+// A thread takes an even share of the weight's units (PanelMatmul::run_units).
+template <typename T, bool kGateUp>
+void panel_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& out) {
+  const PanelMatmul<T, kGateUp> matmul(x.const_data_ptr<T>(), x.stride(0), x.size(0), w,
+                                       bias != nullptr ? bias->const_data_ptr<T>() : nullptr,
+                                       out.mutable_data_ptr<T>(), out.stride(0));
+  at::parallel_for(0, matmul.num_units, matmul.grain(), [&](int64_t begin, int64_t end) { matmul.run_units(begin, end); });
+}
+
+// Several matmuls, one after the other, as one range of units that threads share evenly: a
+// thread's share may end inside one matmul and go on into the next. Every output is computed as
+// the matmul alone computes it (run_units on its own units), so the result is bitwise the same.
+template <typename T, bool kGateUp>
+void run_matmuls(const std::vector<PanelMatmul<T, kGateUp>>& matmuls) {
+  std::vector<int64_t> first_unit{0};  // matmul i's units are [first_unit[i], first_unit[i + 1])
+  int64_t grain = 1;
+  for (const auto& matmul : matmuls) {
+    first_unit.push_back(first_unit.back() + matmul.num_units);
+    grain = std::max(grain, matmul.grain());
+  }
+  at::parallel_for(0, first_unit.back(), grain, [&](int64_t begin, int64_t end) {
+    auto i = std::upper_bound(first_unit.begin(), first_unit.end(), begin) - first_unit.begin() - 1;
+    for (; begin < end; ++i) {
+      const int64_t stop = std::min(end, first_unit[i + 1]);
+      matmuls[i].run_units(begin - first_unit[i], stop - first_unit[i]);
+      begin = stop;
+    }
   });
+}
+
+// A sparse layer's experts on their rows (see panel_experts): every expert's gate/up matmul in one
+// range of units, then every expert's down matmul in another.
+template <typename T>
+void panel_experts_impl(const at::Tensor& rows, at::IntArrayRef counts, at::TensorList gate_up, at::TensorList down,
+                        at::Tensor& mid, at::Tensor& out) {
+  const int64_t hidden = rows.size(1), inter = mid.size(1);
+  std::vector<PanelMatmul<T, true>> gate_ups;
+  std::vector<PanelMatmul<T, false>> downs;
+  int64_t start = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] == 0) {
+      continue;  // no row chose it: its weights are never read
+    }
+    T* expert_mid = mid.mutable_data_ptr<T>() + start * inter;
+    gate_ups.emplace_back(rows.const_data_ptr<T>() + start * hidden, hidden, counts[e], gate_up[e], nullptr, expert_mid, inter);
+    downs.emplace_back(expert_mid, inter, counts[e], down[e], nullptr, out.mutable_data_ptr<T>() + start * hidden, hidden);
+    start += counts[e];
+  }
+  run_matmuls(gate_ups);
+  run_matmuls(downs);
 }
 
 #endif  // CPU_CAPABILITY_AVX512
@@ -346,14 +415,73 @@ at::Tensor panel_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& w) {
   return panel_matmul<true>("panel_linear_silu_and_mul", x, w, std::nullopt);
 }
 
+// A sparse layer's routed experts, every weight in panels (kernels/cpu/moe.py fused_moe_by_expert):
+// rows (num_run, hidden) grouped by expert, counts[e] of them for expert e, whose gate/up weight
+// (gate first, each half whole panels) is gate_up[e] and whose down weight is down[e]. Returns
+// (num_run, hidden): each row's down(silu(gate) * up) of its expert, bitwise what
+// panel_linear_silu_and_mul and then panel_linear give expert by expert, in two parallel regions
+// in all instead of two per expert, and with no call from Python per expert.
+at::Tensor panel_experts(const at::Tensor& rows, at::IntArrayRef counts, at::TensorList gate_up, at::TensorList down) {
+  const char* op = "panel_experts";
+  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous(), op, ": rows must be a contiguous (rows, hidden) tensor");
+  TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16,
+              op, ": float32 and bfloat16 only, not ", rows.scalar_type());
+  TORCH_CHECK(gate_up.size() == counts.size() && down.size() == counts.size(), op, ": ", counts.size(),
+              " counts but ", gate_up.size(), " gate/up and ", down.size(), " down weights; one of each per expert");
+  const int64_t k_step = rows.scalar_type() == at::kBFloat16 ? 2 : 1, hidden = rows.size(1);
+  int64_t num_run = 0, inter = -1;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    TORCH_CHECK(counts[e] >= 0, op, ": expert ", e, " has a negative count");
+    num_run += counts[e];
+    const at::Tensor& w1 = gate_up[e];
+    const at::Tensor& w2 = down[e];
+    for (const at::Tensor* w : {&w1, &w2}) {
+      TORCH_CHECK(w->dim() == 4 && w->size(2) == kPanel && w->size(3) == k_step && w->is_contiguous() &&
+                      w->scalar_type() == rows.scalar_type(),
+                  op, ": expert ", e, "'s weights must be packed by graphrt.kernels.cpu.linear.pack_panels, ",
+                  "contiguous, in the rows' dtype");
+    }
+    TORCH_CHECK(w1.size(1) * k_step == hidden && w1.size(0) % 2 == 0, op, ": expert ", e, "'s gate/up weight must take ",
+                hidden, " features and have two halves of whole panels");
+    const int64_t expert_inter = w1.size(0) / 2 * kPanel;
+    TORCH_CHECK(inter < 0 || expert_inter == inter, op, ": the experts' intermediate sizes differ");
+    inter = expert_inter;
+    TORCH_CHECK(w2.size(1) * k_step == inter && w2.size(0) * kPanel == hidden, op, ": expert ", e,
+                "'s down weight must take ", inter, " features to ", hidden);
+  }
+  TORCH_CHECK(num_run == rows.size(0), op, ": the counts sum to ", num_run, " but there are ", rows.size(0), " rows");
+  at::Tensor out = at::empty({num_run, hidden}, rows.options());
+  if (num_run == 0) {
+    return out;
+  }
+  at::Tensor mid = at::empty({num_run, inter}, rows.options());
+#if defined(CPU_CAPABILITY_AVX512)
+  if (rows.scalar_type() == at::kBFloat16) {
+#if defined(GRAPHRT_PANEL_BF16)
+    TORCH_CHECK(cpu_has_avx512_bf16(), op, ": bfloat16 needs a CPU with AVX512-BF16");
+    panel_experts_impl<at::BFloat16>(rows, counts, gate_up, down, mid, out);
+#else
+    TORCH_CHECK(false, op, ": built by a compiler without AVX512-BF16 support, so no bfloat16");
+#endif
+  } else {
+    panel_experts_impl<float>(rows, counts, gate_up, down, mid, out);
+  }
+#else
+  TORCH_CHECK(false, op, ": built without AVX-512 (torch's CPU capability here is AVX2)");
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(graphrt, m) {
   m.def("panel_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("panel_linear_silu_and_mul(Tensor x, Tensor w) -> Tensor");
+  m.def("panel_experts(Tensor rows, int[] counts, Tensor[] gate_up, Tensor[] down) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graphrt, CPU, m) {
   m.impl("panel_linear", &panel_linear);
   m.impl("panel_linear_silu_and_mul", &panel_linear_silu_and_mul);
+  m.impl("panel_experts", &panel_experts);
 }

@@ -17,7 +17,7 @@ from graphrt import LLM
 from graphrt.kernels.cpu import matmul_choice, stage_kernels
 from graphrt.kernels.cpu import moe as cpu_moe
 from graphrt.kernels.cpu.forcing import ForcedModes
-from graphrt.kernels.cpu.linear import can_pack, convert, dense_weight, linear, pack_panels, weight_form
+from graphrt.kernels.cpu.linear import can_pack, can_use_panels, convert, dense_weight, linear, pack_panels, weight_form
 from graphrt.kernels.cpu.matmul_choice import EXPERT_NAMES, available_paths, summarize
 from graphrt.kernels.cpu.moe import ExpertWeights, fused_moe_by_expert
 from graphrt.kernels.moe import fused_moe
@@ -114,19 +114,75 @@ def test_experts_kept_one_weight_per_expert_give_the_reference_to_float32_roundi
     if top_k > 1:
         topk_ids[0, 1] = topk_ids[0, 0]  # a row that names one expert twice
     per_expert = lambda stacked: ExpertWeights([convert(path, w) for w in stacked], stacked.shape, stacked.dtype)  # noqa: E731
-    fused_calls = []
-    fused = cpu_moe.panel_linear_silu_and_mul
-    monkeypatch.setattr(cpu_moe, "panel_linear_silu_and_mul", lambda *args: fused_calls.append(1) or fused(*args))
-    out = fused_moe_by_expert(hidden, per_expert(w_gate_up), per_expert(w_down), topk_weights, topk_ids)
-    assert bool(fused_calls) == (path == "panel" and inter % 32 == 0)  # the one-pass SiLU-and-mul, where it applies
-    if fused_calls:  # bitwise what the matmul, then SiLU-and-mul in torch, give
+    experts = (per_expert(w_gate_up), per_expert(w_down))
+    out = fused_moe_by_expert(hidden, *experts, topk_weights, topk_ids)
+    compiled = cpu_moe.in_panels(*experts, torch.float32)
+    assert compiled == (path == "panel" and inter % 32 == 0)  # all experts in one compiled op, where it applies
+    if compiled:  # bitwise the loop over the experts, whose gate/up runs its SiLU-and-mul in the matmul's pass,
+        monkeypatch.setattr(cpu_moe, "in_panels", lambda *args: False)
+        fused_calls = []
+        fused = cpu_moe.panel_linear_silu_and_mul
+        monkeypatch.setattr(cpu_moe, "panel_linear_silu_and_mul", lambda *args: fused_calls.append(1) or fused(*args))
+        assert torch.equal(fused_moe_by_expert(hidden, *experts, topk_weights, topk_ids), out) and fused_calls
+        # and bitwise what the matmul, then SiLU-and-mul in torch, give
         unfused = lambda x, w: (lambda gate, up: F.silu(gate) * up)(*linear(x, w).chunk(2, dim=-1))  # noqa: E731
         monkeypatch.setattr(cpu_moe, "panel_linear_silu_and_mul", unfused)
-        assert torch.equal(fused_moe_by_expert(hidden, per_expert(w_gate_up), per_expert(w_down), topk_weights, topk_ids), out)
+        assert torch.equal(fused_moe_by_expert(hidden, *experts, topk_weights, topk_ids), out)
     assert out.shape == (num_tokens, hidden_size) and out.dtype == torch.float32
     # The definition in float64 (tests/model/test_moe.py holds the reference to a per-token loop).
     expected = fused_moe(hidden.double(), w_gate_up.double(), w_down.double(), topk_weights, topk_ids)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts"), SHAPES + [(200, 2, 5)])  # 200: chunks of 128 rows
+def test_the_compiled_experts_are_bitwise_the_loop_over_the_experts(num_tokens, top_k, num_experts, dtype, monkeypatch):
+    """`panel_experts` runs every expert's gate/up matmul in one range of work that the threads
+    share, then every down matmul: bitwise the loop over the experts, in both dtypes of the panels;
+    where the forms differ (a gate/up in panels, a down weight packed) the loop runs."""
+    hidden_size, inter = 48, 32
+    if not can_use_panels(CPU, dtype, (2 * inter, hidden_size)):
+        pytest.skip(f"no {dtype} panel matmuls on this CPU")
+    gen = torch.Generator().manual_seed(num_tokens * 100 + top_k * 10 + num_experts)
+    hidden = torch.randn(num_tokens, hidden_size, generator=gen).to(dtype)
+    w_gate_up = (torch.randn(num_experts, 2 * inter, hidden_size, generator=gen) * 0.2).to(dtype)
+    w_down = (torch.randn(num_experts, hidden_size, inter, generator=gen) * 0.2).to(dtype)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    topk_weights[0, 0] = 0.0  # a pair of weight 0 is never run
+    topk_ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
+    if top_k > 1:
+        topk_ids[-1, 1] = topk_ids[-1, 0]  # a row that names one expert twice
+    in_panels = lambda stacked: ExpertWeights([pack_panels(w) for w in stacked], stacked.shape, dtype)  # noqa: E731
+    experts = (in_panels(w_gate_up), in_panels(w_down))
+    assert cpu_moe.in_panels(*experts, dtype)
+    out = fused_moe_by_expert(hidden, *experts, topk_weights, topk_ids)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_moe, "in_panels", lambda *args: False)
+        assert torch.equal(fused_moe_by_expert(hidden, *experts, topk_weights, topk_ids), out)
+    torch.testing.assert_close(  # and the definition
+        out.double(), fused_moe(hidden.double(), w_gate_up.double(), w_down.double(), topk_weights, topk_ids),
+        **(dict(atol=2e-5, rtol=0) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)),  # bfloat16: rounded at each op
+    )
+    if can_pack(CPU, dtype):
+        mixed = (experts[0], ExpertWeights([convert("packed", w) for w in w_down], w_down.shape, dtype))
+        assert mixed[1].form == "packed" and not cpu_moe.in_panels(*mixed, dtype)
+        torch.testing.assert_close(fused_moe_by_expert(hidden, *mixed, topk_weights, topk_ids), out, atol=1e-2, rtol=0)
+
+
+def test_the_compiled_experts_say_what_is_wrong_with_their_weights():
+    if not can_use_panels(CPU, torch.float32, (64, 32)):
+        pytest.skip("no panel matmuls on this CPU")
+    gate_up, down = [pack_panels(torch.randn(64, 32))] * 2, [pack_panels(torch.randn(32, 32))] * 2
+    rows = torch.randn(3, 32)
+    with pytest.raises(RuntimeError, match="the counts sum to 2 but there are 3 rows"):
+        torch.ops.graphrt.panel_experts(rows, [1, 1], gate_up, down)
+    with pytest.raises(RuntimeError, match="2 counts but 1 gate/up"):
+        torch.ops.graphrt.panel_experts(rows, [1, 2], gate_up[:1], down)
+    with pytest.raises(RuntimeError, match="expert 1's weights must be packed"):
+        torch.ops.graphrt.panel_experts(rows, [1, 2], [gate_up[0], torch.randn(64, 32)], down)
+    with pytest.raises(RuntimeError, match="down weight must take 32 features to 32"):
+        torch.ops.graphrt.panel_experts(rows, [1, 2], gate_up, [down[0], pack_panels(torch.randn(32, 16))])
+    assert torch.ops.graphrt.panel_experts(rows[:0], [0, 0], gate_up, down).shape == (0, 32)
 
 
 def test_rows_none_of_whose_experts_this_rank_holds_sum_to_zero():
