@@ -19,8 +19,8 @@ from graphrt.engine.block_allocator import BlockAllocator
 from graphrt.engine.drafter import Acceptance, NgramDrafter, StepCosts, drafts_that_pay
 from graphrt.engine.scheduler import Scheduler
 from graphrt.engine.sequence import FinishReason, Sequence
-from graphrt.engine.stats import SpecStats
 from graphrt.engine.speculation import HOST_GAP_WEIGHT, Speculation, accept_drafts
+from graphrt.engine.stats import SpecStats
 from graphrt.runtime.sampler import Sampler
 from graphrt.speculative import SpeculativeConfig
 from graphrt.tools.synthetic import make_tiny_model
