@@ -61,11 +61,16 @@ class LayerShapes:
     head_dim: int
     hidden_size: int
     intermediate_size: int
+    # Latent attention (MLA): the width of its cache row, over which decode attention runs as
+    # multi-query attention (graphrt.kernels.cpu.paged_attention.paged_latent_decode_attention).
+    latent_cache_dim: int | None = None
 
     @classmethod
     def of(cls, cfg) -> LayerShapes:
-        """From a graphrt.model.config.ModelConfig (or anything with its five fields)."""
-        return cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size)
+        """From a graphrt.model.config.ModelConfig (or anything with its fields)."""
+        mla = getattr(cfg, "mla", None)
+        return cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size,
+                   mla.cache_dim if mla is not None else None)
 
 
 def compiled_ops() -> dict[str, Callable]:
@@ -143,6 +148,8 @@ def timing_inputs(op: str, shapes: LayerShapes, rows: int, block_size: int, dtyp
     generator = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=generator).to(dtype)  # noqa: E731
     if op == "paged_decode_attention":
+        if shapes.latent_cache_dim is not None:  # what latent attention runs on it: one KV head, the whole row
+            return random_decode_inputs(rows, shapes.num_heads, 1, shapes.latent_cache_dim, block_size, dtype, seed)
         return random_decode_inputs(rows, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim, block_size, dtype, seed)
     if op == "paged_prefill_attention":  # whole prompts, so every query token but the first sees several
         q, k_cache, v_cache, tables, _, scale, _ = random_decode_inputs(

@@ -63,6 +63,22 @@ def paged_decode_attention(
     return torch.ops.graphrt.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, float(scale))
 
 
+def paged_latent_decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    latent_dim: int,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """The contract of graphrt.kernels.mla.paged_latent_decode_attention on the compiled decode
+    kernel, which takes K and V of one shape: multi-query attention whose values are the whole
+    cache row, of which the first `latent_dim` columns are the result (the rotary key's columns
+    are summed too, and dropped)."""
+    return paged_decode_attention(q, cache, cache, block_tables, seq_lens, scale, max_seq_len)[..., :latent_dim]
+
+
 def kernel_layout(q, k_cache, v_cache, block_tables) -> tuple[torch.Tensor, ...]:
     """The tensors as the kernels take them (unit-stride rows, caches of one layout), copying only
     what is not; raises RuntimeError with the reason where the kernels can't be built."""
@@ -115,4 +131,4 @@ def write_kv(
 paged_prefill_attention = functools.partial(reference.paged_prefill_attention, prompt_attention=prompt_attention)
 
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "prompt_attention", "write_kv"]
+__all__ = ["paged_decode_attention", "paged_latent_decode_attention", "paged_prefill_attention", "prompt_attention", "write_kv"]

@@ -135,9 +135,16 @@ def cpu_kernel_set(ops: KernelSet, choice: CpuKernelChoice) -> KernelSet:
             return panel_linear_silu_and_mul(x, weight)  # bitwise the two ops below, in one pass
         return silu_and_mul(linear(x, weight))
 
+    # Latent attention runs on the decode attention chosen (timed at its shapes: LayerShapes.latent_cache_dim).
+    latent_decode = ops.paged_latent_decode_attention
+    if choice.paths["paged_decode_attention"] == "compiled":
+        from graphrt.kernels.cpu import paged_attention  # built by now: the choice ran it
+
+        latent_decode = paged_attention.paged_latent_decode_attention
     one_call = choice.one_call and all(choice.paths[op] == "compiled" for op in DECODE_LAYER_OPS)
     return dataclasses.replace(
         ops, **{**chosen, "paged_prefill_attention": prefill}, linear=linear, gate_up_silu=gate_up_silu,
+        paged_latent_decode_attention=latent_decode,
         fused_moe=fused_moe_by_expert, decode_layers=bind_decode_layers if one_call else None,
         stream_hook=TeamSizer if openmp_available() else None,
     )

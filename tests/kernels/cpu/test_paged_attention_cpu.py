@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphrt.kernels import paged_attention
+from graphrt import LLM, SamplingParams
+from graphrt.kernels import mla, paged_attention
 from graphrt.kernels.cpu import paged_attention as paged_attention_cpu
+from helpers import hf_model
 
 needs_kernel = pytest.mark.usefixtures("built_cpu_kernels")  # tests/conftest.py
 
@@ -37,10 +39,10 @@ CASES = {
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 
-def decode_inputs(case: str, dtype: torch.dtype, seed: int = 0):
+def decode_inputs(case: str, dtype: torch.dtype, seed: int = 0, cases: dict = CASES):
     """q, NaN-poisoned caches with context only up to seq_lens, shuffled block ids, and padded
     table columns pointing at block 0 (scratch, NaN too)."""
-    heads, kv_heads, head_dim, block_size, seq_lens = CASES[case]
+    heads, kv_heads, head_dim, block_size, seq_lens = cases[case]
     generator = torch.Generator().manual_seed(seed)
     blocks_per_row = [-(-seq_len // block_size) for seq_len in seq_lens]
     max_blocks = max(blocks_per_row) + 1  # one more column than any row needs
@@ -98,6 +100,50 @@ def test_bfloat16_is_float32_math_rounded_once(case, threads):
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference(*inputs, dtype=torch.float32), atol=1e-6, rtol=2**-8)
     torch.testing.assert_close(got, reference(*inputs), atol=1.6e-2, rtol=1.6e-2)
+
+
+# Latent attention (MLA) as the decode kernel runs it: one KV head whose row is the latent and the
+# rotary key; heads, latent_dim, rope_dim, block_size, seq_lens.
+LATENT_CASES = {
+    "deepseek-v3-row": (16, 512, 64, 16, [1, 17, 40]),  # DeepSeek-V3's 576-wide row
+    "tiny-batch12": (8, 128, 32, 16, [1 + (7 * row) % 60 for row in range(12)]),  # the tiny test models' row
+    "odd-block5": (3, 40, 8, 5, [23, 5, 1]),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("case", sorted(LATENT_CASES))
+def test_latent_attention_on_the_decode_kernel_matches_the_reference(case, dtype, threads):
+    heads, latent_dim, rope_dim, block_size, seq_lens = LATENT_CASES[case]
+    shape = {case: (heads, 1, latent_dim + rope_dim, block_size, seq_lens)}
+    q, cache, _, block_tables, lens, _ = decode_inputs(case, dtype, cases=shape)
+    scale = 0.07
+    got = paged_attention_cpu.paged_latent_decode_attention(q, cache, block_tables, lens, scale, latent_dim)
+    assert got.shape == (len(seq_lens), heads, latent_dim) and got.dtype == dtype
+    expected = mla.paged_latent_decode_attention(q, cache.nan_to_num(0.0), block_tables, lens, scale, latent_dim)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["compiled", "torch"])
+def test_a_latent_attention_model_decodes_alike_on_either_decode_attention(tiny_model_factory, monkeypatch, mode):
+    """A CPU stage's latent attention runs on the decode attention its timing chose: the compiled
+    kernel, or the torch reference. Both give transformers' greedy tokens (float64, several blocks)."""
+    model_dir = tiny_model_factory("deepseek-v3")
+    monkeypatch.setenv("GRAPHRT_CPU_KERNELS", f"paged_decode_attention={mode}")
+    llm = LLM(model=model_dir, pp=2, dtype="float64", kv_cache_tokens=512)
+    stages = llm.engine.pipeline.stages
+    expected_op = paged_attention_cpu.paged_latent_decode_attention if mode == "compiled" else mla.paged_latent_decode_attention
+    assert all(stage.ops.paged_latent_decode_attention is expected_op for stage in stages)
+    prompts = [[5, 9, 13], list(range(20, 45))]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    llm.engine.close()
+    hf = hf_model(model_dir, torch.float64)
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert output.token_ids == ref[0, len(prompt):].tolist()
 
 
 @needs_kernel
