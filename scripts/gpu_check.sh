@@ -20,6 +20,8 @@
 #                      kernels, captured as graphs, greedy = eager (EP across GPUs needs several: not run)
 #   graph_replay_gpu   decode step per bucket, graph replay against eager; capture per (stage, bucket)
 #   pp_throughput_gpu  the 1B-shaped model at pp 1, 2, 4 on the one GPU, batch 64; share of the HBM peak
+#   spec_gpu           benchmarks/spec_decode_bench.py: the 1B-shaped model at batch 1, ngram speculation
+#                      off and on (verify steps on graphs), tok/s, acceptance, the same greedy tokens
 #   kernels_gpu        each Triton kernel against its torch reference: error and GB/s
 #   generate           `graphrt generate` of token-id prompts (the random models have no tokenizer),
 #                      on the capture step's graph cache
@@ -60,9 +62,11 @@ SELF_CHECK=${GPU_CHECK_SELF_CHECK:-0}
 # all 227 variants there would take about 20-30 s more, spread over the steps.
 # On an H200 (2026-12-04, carried cache warm) the steps took: setup 16, smoke 20, write_model 7, capture 17,
 # pytest_cuda 56 + 53 + 30 one part after another, moe_graphs 17, graph_replay_gpu 18, kernels_gpu 9,
-# generate 16, serve 22, doctor 5 s; pp_throughput_gpu's 1B model about 25 s.
-STEP_LIMITS=(setup:20 smoke:26 write_model:10 capture:21 pytest_cuda:80 moe_graphs:20 graph_replay_gpu:23
-    pp_throughput_gpu:30 kernels_gpu:12 generate:20 serve:28 doctor:6)
+# generate 16, serve 22, doctor 5 s; pp_throughput_gpu's 1B model about 25 s. spec_gpu has not run on
+# a GPU yet: two engines of the 1B model at batch 1 (buckets up to 5 tokens), 2 x 3 rounds of 2 requests
+# of 96 tokens, guessed at 20-25 s; the other limits were cut to the measured times plus 10-15% for it.
+STEP_LIMITS=(setup:20 smoke:24 write_model:10 capture:20 pytest_cuda:64 moe_graphs:20 graph_replay_gpu:22
+    pp_throughput_gpu:30 spec_gpu:28 kernels_gpu:12 generate:20 serve:26 doctor:6)
 REPORT_SECONDS=20   # the machine report and the CUDA probe, outside any step
 SUMMARY_SECONDS=10  # kept back at the end for writing the summary
 MARGIN_SECONDS=15
@@ -398,6 +402,8 @@ else
         '$PY' benchmarks/graph_replay_gpu.py --models 1b --model '$MODEL_DIR' --buckets 1,8,32,64"
     run_step pp_throughput_gpu "$(limit_of pp_throughput_gpu)" "$(cpu_first 'benchmarks/pp_throughput_gpu.py --device cpu --batches 1,4 --output-len 4')\
         '$PY' benchmarks/pp_throughput_gpu.py --models 1b --model '$MODEL_DIR' --pp 1,2,4 --batches 64"
+    run_step spec_gpu "$(limit_of spec_gpu)" "$(cpu_first 'benchmarks/spec_decode_bench.py --device cpu --workload random --requests 2 --max-tokens 8 --rounds 1')\
+        '$PY' benchmarks/spec_decode_bench.py --device cuda --model '$MODEL_DIR' --dtype bfloat16 --workload random --concurrency 1 --requests 2 --max-tokens 96 --rounds 3"
     run_step kernels_gpu "$(limit_of kernels_gpu)" "$(cpu_first 'benchmarks/kernels_gpu.py --device cpu --dtype float32 --batch-sizes 1 --contexts 32 --repeats 1')\
         '$PY' benchmarks/kernels_gpu.py --batch-sizes 1,64 --contexts 1024,4096"
 
@@ -485,7 +491,7 @@ EOF
         else
             echo "(no manifest: see capture.log)"
         fi
-        for step in graph_replay_gpu pp_throughput_gpu kernels_gpu; do
+        for step in graph_replay_gpu pp_throughput_gpu spec_gpu kernels_gpu; do
             printf '\n## %s\n\n' "$step"
             tables_of "$step"
         done

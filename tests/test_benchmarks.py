@@ -435,8 +435,15 @@ covers("spec_decode_bench")
 @pytest.mark.parametrize("workload", ["copy", "random"])
 def test_spec_decode_bench(talking_tiny, workload):
     out = run("spec_decode_bench", "--model", talking_tiny, "--workload", workload, "--requests", 2, "--concurrency", 2,
-              "--max-tokens", 4, "--rounds", 1)
-    has(out, r"^\| output tok/s \| # \(#-#\) \| # \(#-#\) \| #x \|$", r"^\| acceptance \| \| #%, # tokens per verify row \| \|$")
+              "--max-tokens", 4, "--rounds", 1, "--device", "cpu", "--dtype", "float32")
+    has(out, r"^\| output tok/s \| # \(#-#\) \| # \(#-#\) \| #x \|$", r"^\| acceptance \| \| #%, # tokens per verify row \| \|$",
+        r"^greedy tokens the same with and without speculation: 2 of 2 requests \(torch\.float32, cpu\)$")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU it measures on it (scripts/gpu_check.sh runs it)")
+def test_spec_decode_bench_on_cuda_without_a_gpu_says_so():
+    out = run("spec_decode_bench", "--device", "cuda", expect=NO_CUDA_EXIT)
+    has(out, r"no CUDA device: torch .* sees none")
 
 
 covers("structured_bench")
