@@ -194,3 +194,30 @@ def test_triton_kernels_capture_and_replay(tiny_model_factory):
     assert generated_ids(graphs) == generated_ids(eager)
     graphs.engine.close()
     eager.engine.close()
+
+
+def test_verify_steps_replay_graphs_and_keep_the_greedy_tokens(tmp_path):
+    """Speculative decoding on graphs: a verify step's tokens are rows of the decode graph of its
+    width, so the buckets reach max_num_seqs * (1 + k); tokens equal eager decoding without
+    speculation, drafts kept and rejected, and no step fell back to eager."""
+    from graphrt.tools.synthetic import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "looping", "llama-gqa-tied", weight_scale=0.6)  # its greedy output loops
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    options = dict(pp=2, devices=["cuda:0", "cuda:0"], dtype="float32", kv_cache_tokens=8192, max_num_seqs=4)
+    prompts = [[5, 9, 2, 5, 9], [3] * 7, [11, 12, 13, 11, 12, 13, 11], [40, 41]]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    speculating = LLM(model=model, speculative_config=ngram, **options)
+    eager = LLM(model=model, use_graphs=False, **options)
+    try:
+        engine = speculating.engine
+        assert engine.backend == "cuda" and max(engine.plan.sizes) >= 4 * (1 + 3)
+        engine.scheduler.speculation.step_costs = None  # every draft proposed is verified
+        got = [out.token_ids for out in speculating.generate(prompts, params)]
+        assert got == [out.token_ids for out in eager.generate(prompts, params)]
+        spec = engine.stats.spec
+        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec.describe()
+        assert engine.num_eager_fallbacks == 0
+    finally:
+        speculating.engine.close()
+        eager.engine.close()
