@@ -521,11 +521,16 @@ class Engine:
             # the next step hands these out, so no request that survives misses a token.
             self._undelivered += self._update(self._poll(block=False))
             launched = self._launch_next()
-            self._measure_host_gap(launched)
+            self._measure_host_gap()
             self._undelivered += self.scheduler.take_ended()
             if not launched and not self._undelivered and self.ring.busy:
-                self._undelivered += self._update(self._poll(block=True))
-                self._blocked_until = time.perf_counter()
+                finished = self._poll(block=True)
+                returned = time.perf_counter()
+                self._undelivered += self._update(finished)
+                # The device now waits for the next launch, if there is one to come at once
+                # (not at the end of the work, before a caller's next requests).
+                if not self.ring.busy and self.scheduler.running:
+                    self._blocked_until = returned
             elif not launched and not self._undelivered:
                 self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)  # nothing to run but requests whose grammars compile
         if self.timeline:
@@ -533,13 +538,15 @@ class Engine:
         outputs, self._undelivered = self._undelivered, []
         return outputs
 
-    def _measure_host_gap(self, launched: bool) -> None:
-        """After a step that blocked on a read-back: how long the device then waited for the next
-        launch, which speculative decoding weighs (Speculation.host_gap)."""
+    def _measure_host_gap(self) -> None:
+        """After a step that blocked on a read-back and left the ring empty: how long the device
+        then waited for this step's decode launch, which speculative decoding weighs
+        (Scheduler.record_host_gap)."""
         if self._blocked_until is None:
             return
-        if launched and self.scheduler.speculation is not None:
-            self.scheduler.speculation.record_host_gap(time.perf_counter() - self._blocked_until)
+        newest = self.ring.in_flight[-1] if self.ring.busy else None
+        if newest is not None and not newest.step.is_prefill:
+            self.scheduler.record_host_gap(time.perf_counter() - self._blocked_until)
         self._blocked_until = None
 
     def _launch_next(self) -> bool:

@@ -232,8 +232,9 @@ class Scheduler:
                 return self._launched(self._prefill_chunk(prefilling, riders))
             batch = riders
         else:
-            candidates = ready[: min(rows_per_slot, self.max_decode_batch)]
-            if follows is not None and self._waits_for_verify_rows(decode_phase, candidates, follows):
+            max_rows = min(rows_per_slot, self.max_decode_batch)
+            candidates = ready[:max_rows]
+            if follows is not None and self._waits_for_verify_rows(decode_phase, candidates, follows, max_rows):
                 return None
             batch = self._with_blocks(candidates)
         if not batch:
@@ -261,13 +262,23 @@ class Scheduler:
             rows, [1 + len(d) for d in draft_ids], is_prefill=False, draft_ids=draft_ids, id=next(self._step_ids)
         )
 
-    def _waits_for_verify_rows(self, decode_phase: list[Sequence], candidates: list[Sequence], follows: int) -> bool:
+    def _waits_for_verify_rows(
+        self, decode_phase: list[Sequence], candidates: list[Sequence], follows: int, max_rows: int
+    ) -> bool:
         """Whether the step launched ahead after step `follows` with `candidates` should wait
-        instead for the rows whose verify steps (that one or earlier) are still in flight."""
+        instead for the rows whose verify steps (that one or earlier) are still in flight: only
+        where one step of `max_rows` rows at most would hold them all."""
         if self.speculation is None:
             return False
         verifying = sum(1 for seq in decode_phase if seq.draft_ids and seq.sampling_step <= follows)
+        if len(candidates) + verifying > max_rows:
+            return False
         return self.speculation.waits_for_verify_rows(len(candidates), verifying)
+
+    def record_host_gap(self, seconds: float) -> None:
+        """The engine saw the device wait `seconds` from a read-back to the next decode launch."""
+        if self.speculation is not None:
+            self.speculation.record_host_gap(seconds)
 
     def _with_draft_blocks(self, seq: Sequence, drafts: list[int]) -> list[int]:
         """`drafts`, cut to what free KV blocks hold, with blocks for their positions (after the

@@ -47,7 +47,10 @@ class Speculation:
         self.stats = stats
 
     def record_host_gap(self, seconds: float) -> None:
-        """The engine saw the device wait `seconds` from a read-back to the next launch."""
+        """The engine saw the device wait `seconds` from a read-back to the next decode launch; a
+        wait longer than the dearest step (the caller held the engine) counts as that step."""
+        if self.step_costs is not None:
+            seconds = min(seconds, max(self.step_costs.seconds.values()))
         self.host_gap += HOST_GAP_WEIGHT * (seconds - self.host_gap)
 
     def waits_for_verify_rows(self, num_ready: int, num_verifying: int) -> bool:
@@ -55,7 +58,8 @@ class Speculation:
         verify steps are in flight before it: those rows' next input is known only once their
         kept tokens are back (the drafter reads them on the host), so launching the `num_ready`
         rows now splits the batch in two steps, each reading every weight. Wait when the two
-        steps cost more than one step of all the rows plus the device's wait for the host."""
+        steps cost more than one step of all the rows plus the device's wait for the host. Steps
+        are priced by their rows; the drafts they will carry pay for themselves (drafts_that_pay)."""
         costs = self.step_costs
         if costs is None or not num_verifying or not num_ready:
             return False

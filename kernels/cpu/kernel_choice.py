@@ -67,10 +67,9 @@ class LayerShapes:
 
     @classmethod
     def of(cls, cfg) -> LayerShapes:
-        """From a graphrt.model.config.ModelConfig (or anything with its fields)."""
-        mla = getattr(cfg, "mla", None)
+        """From a graphrt.model.config.ModelConfig."""
         return cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size,
-                   mla.cache_dim if mla is not None else None)
+                   cfg.mla.cache_dim if cfg.mla is not None else None)
 
 
 def compiled_ops() -> dict[str, Callable]:

@@ -30,9 +30,17 @@ class ExpertWeights(nn.ParameterList):
     def __init__(self, weights: list[torch.Tensor], shape: torch.Size, dtype: torch.dtype):
         super().__init__(nn.Parameter(w, requires_grad=False) for w in weights)
         self.shape, self.dtype = torch.Size(shape), dtype
-        self.weights = list(self)  # what a compiled op takes, listed once
-        forms = {weight_form(w) for w in self.weights}
-        self.form = forms.pop() if len(forms) == 1 else "mixed"
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """Every expert's weight, as a compiled op takes them."""
+        return list(self)
+
+    @property
+    def form(self) -> str:
+        """The experts' weight form (dense, packed, panel), or "mixed"."""
+        forms = {weight_form(w) for w in self}
+        return forms.pop() if len(forms) == 1 else "mixed"
 
 
 def fused_moe_by_expert(

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from graphrt.kernels import KernelSet
+from graphrt.kernels.cpu import paged_attention
 from graphrt.kernels.cpu.forcing import ForcedModes, as_forced
 from graphrt.kernels.cpu.kernel_choice import DECODE_LAYER_OPS, CpuKernelChoice
 from graphrt.kernels.cpu.linear import convert, linear, panel_linear_silu_and_mul
@@ -136,11 +137,8 @@ def cpu_kernel_set(ops: KernelSet, choice: CpuKernelChoice) -> KernelSet:
         return silu_and_mul(linear(x, weight))
 
     # Latent attention runs on the decode attention chosen (timed at its shapes: LayerShapes.latent_cache_dim).
-    latent_decode = ops.paged_latent_decode_attention
-    if choice.paths["paged_decode_attention"] == "compiled":
-        from graphrt.kernels.cpu import paged_attention  # built by now: the choice ran it
-
-        latent_decode = paged_attention.paged_latent_decode_attention
+    compiled_decode = choice.paths["paged_decode_attention"] == "compiled"
+    latent_decode = paged_attention.paged_latent_decode_attention if compiled_decode else ops.paged_latent_decode_attention
     one_call = choice.one_call and all(choice.paths[op] == "compiled" for op in DECODE_LAYER_OPS)
     return dataclasses.replace(
         ops, **{**chosen, "paged_prefill_attention": prefill}, linear=linear, gate_up_silu=gate_up_silu,

@@ -18,6 +18,7 @@ from graphrt.capture.capture import random_decode_rows
 from graphrt.capture.cuda_info import pool_segment_bytes
 from graphrt.capture.graphs import CudaStageGraph
 from graphrt.model.llama import Stage
+from graphrt.tools.synthetic import make_tiny_model
 from helpers import run_counting_feed_reads
 
 pytestmark = pytest.mark.cuda
@@ -199,12 +200,11 @@ def test_triton_kernels_capture_and_replay(tiny_model_factory):
 def test_verify_steps_replay_graphs_and_keep_the_greedy_tokens(tmp_path):
     """Speculative decoding on graphs: a verify step's tokens are rows of the decode graph of its
     width, so the buckets reach max_num_seqs * (1 + k); tokens equal eager decoding without
-    speculation, drafts kept and rejected, and no step fell back to eager."""
-    from graphrt.tools.synthetic import make_tiny_model
-
+    speculation (float64: no near tie a wider matmul could round the other way), drafts kept and
+    rejected, and no step fell back to eager."""
     model = make_tiny_model(tmp_path / "looping", "llama-gqa-tied", weight_scale=0.6)  # its greedy output loops
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    options = dict(pp=2, devices=["cuda:0", "cuda:0"], dtype="float32", kv_cache_tokens=8192, max_num_seqs=4)
+    options = dict(pp=2, devices=["cuda:0", "cuda:0"], dtype="float64", kernels="torch", kv_cache_tokens=8192, max_num_seqs=4)
     prompts = [[5, 9, 2, 5, 9], [3] * 7, [11, 12, 13, 11, 12, 13, 11], [40, 41]]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     speculating = LLM(model=model, speculative_config=ngram, **options)

@@ -74,13 +74,35 @@ def test_a_step_launched_ahead_waits_for_verify_rows_when_two_steps_cost_more_th
     speculation.step_costs = StepCosts({1: 1.0, 2: 1.0, 4: 1.1, 8: 1.3})  # a weight read, and little per row
     assert speculation.waits_for_verify_rows(4, 4)  # 1.1 + 1.1 > 1.3
     assert not speculation.waits_for_verify_rows(4, 0) and not speculation.waits_for_verify_rows(0, 4)
-    speculation.record_host_gap(10.0)  # the host keeps the device waiting longer than a step
-    assert speculation.host_gap == pytest.approx(HOST_GAP_WEIGHT * 10.0)
+    speculation.record_host_gap(10.0)  # the caller held the engine: counted as the dearest step
+    assert speculation.host_gap == pytest.approx(HOST_GAP_WEIGHT * 1.3)
     speculation.host_gap = 1.0
     assert not speculation.waits_for_verify_rows(4, 4)
     speculation.host_gap = 0.0
     speculation.step_costs = StepCosts({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0})  # cost by the row: splitting is free
     assert not speculation.waits_for_verify_rows(4, 4) and not speculation.waits_for_verify_rows(2, 2)
+
+
+@pytest.mark.parametrize("num_slots", [1, 2])
+def test_a_step_launched_ahead_waits_only_where_one_step_would_hold_every_row(num_slots):
+    """A looping row verifies drafts and a row without a match does not; the step launched ahead
+    after theirs waits for the verify row where one step of the slot's rows holds both (one
+    decode micro-batch), and goes with the other row alone where the rows are spread over two."""
+    scheduler = Scheduler(BlockAllocator(num_blocks=16, block_size=4), 4, 16, 64, 8, drafter=NgramDrafter(3, 1, 3))
+    scheduler.speculation.step_costs = StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})  # one step costs what two do
+    looping = Sequence(0, [1, 2, 3, 1, 2], SamplingParams(max_tokens=20, temperature=0), max_tokens=20)
+    plain = Sequence(1, [10, 11, 12], SamplingParams(max_tokens=20, temperature=0), max_tokens=20)
+    for seq in (looping, plain):
+        scheduler.add(seq)
+    prefill = scheduler.schedule()
+    scheduler.update_from_output(prefill, [3, 13], now=0.0)
+    first = scheduler.schedule()
+    assert first.draft_ids == [[], [1, 2, 3]] and first.seqs == [plain, looping]
+    ahead = scheduler.schedule(num_slots, follows=first.id)
+    if num_slots == 1:
+        assert ahead is None
+    else:
+        assert ahead is not None and ahead.seqs == [plain] and not ahead.is_prefill
 
 
 def test_drafts_a_model_must_make_pay_for_its_rounds_of_guesses_too():
