@@ -84,10 +84,11 @@ def test_a_step_launched_ahead_waits_for_verify_rows_when_two_steps_cost_more_th
 
 
 @pytest.mark.parametrize("num_slots", [1, 2])
-def test_a_step_launched_ahead_waits_only_where_one_step_would_hold_every_row(num_slots):
+def test_a_step_launched_ahead_waits_for_the_verify_row_before_it(num_slots):
     """A looping row verifies drafts and a row without a match does not; the step launched ahead
-    after theirs waits for the verify row where one step of the slot's rows holds both (one
-    decode micro-batch), and goes with the other row alone where the rows are spread over two."""
+    after theirs waits for the verify row, whether the rows go to one decode micro-batch or are
+    spread over two (whose step could not hold both: waiting still lets them come back together),
+    and launches ahead with the other row where splitting costs nothing."""
     scheduler = Scheduler(BlockAllocator(num_blocks=16, block_size=4), 4, 16, 64, 8, drafter=NgramDrafter(3, 1, 3))
     scheduler.speculation.step_costs = StepCosts({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})  # one step costs what two do
     looping = Sequence(0, [1, 2, 3, 1, 2], SamplingParams(max_tokens=20, temperature=0), max_tokens=20)
@@ -98,11 +99,10 @@ def test_a_step_launched_ahead_waits_only_where_one_step_would_hold_every_row(nu
     scheduler.update_from_output(prefill, [3, 13], now=0.0)
     first = scheduler.schedule()
     assert first.draft_ids == [[], [1, 2, 3]] and first.seqs == [plain, looping]
+    assert scheduler.schedule(num_slots, follows=first.id) is None
+    scheduler.speculation.step_costs = StepCosts({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0})  # by the row: two steps cost one
     ahead = scheduler.schedule(num_slots, follows=first.id)
-    if num_slots == 1:
-        assert ahead is None
-    else:
-        assert ahead is not None and ahead.seqs == [plain] and not ahead.is_prefill
+    assert ahead is not None and ahead.seqs == [plain] and not ahead.is_prefill
 
 
 def test_drafts_a_model_must_make_pay_for_its_rounds_of_guesses_too():
