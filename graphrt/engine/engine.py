@@ -189,7 +189,7 @@ class Engine:
             if drafter.guess_costs is not None:
                 logger.info("draft model: %s", drafter.guess_costs.describe("a round of guesses, ms by rows"))
         self._decode_busy_until = 0.0
-        self._blocked_until: float | None = None  # when the last blocking read-back returned, until the next step
+        self._blocked_until: float | None = None  # when a blocking read-back that emptied the ring returned, until the next step
         self.synthetic_host_s = 0.0  # host time a synthetic engine adds per micro-batch read back (graphrt.tools.synthetic)
         self.weight_reads = self.pipeline.weight_reads() + (self.cluster.remote_weight_reads if self.cluster else WeightReads(0))
         self.weight_bytes = self.weight_reads.total_bytes  # all of them; a decode step reads weight_reads.at(rows)
