@@ -248,11 +248,13 @@ def test_stage_zero_keeps_the_heartbeat_going_while_it_waits_for_a_reply():
         reply = RemoteEvent()
         RemoteRing._wait_on_stage0(ring, SimpleNamespace(done=reply))
         after = stream.record()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10  # four beats take 0.2 s; a loaded machine may take longer
+        while len(beats) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(beats) >= 4  # one every watchdog_s / 4, while it waits
         assert not after.query()  # still waiting for the reply
         reply._set()
         after.synchronize()
-        assert len(beats) >= 4  # one every watchdog_s / 4
 
         failed = RemoteEvent()
         RemoteRing._wait_on_stage0(ring, SimpleNamespace(done=failed))

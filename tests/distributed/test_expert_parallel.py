@@ -163,7 +163,11 @@ def test_expert_ranks_give_the_single_rank_tokens(tiny_model_factory, variant, p
         assert sum(r.dense_bytes for r in ranks) == 2 * single_rank_reads.dense_bytes - head_bytes
         assert "each rank holds 1/2" in llm.engine.expert_rank_summary()
         if pp == 2:  # each rank's figures, the workers' through the store (published and read every STATS_INTERVAL_S)
-            time.sleep(3 * STATS_INTERVAL_S)
+            halves = [len(tokens) // 2 for tokens in expert_tokens]
+            wanted = [sum(expert_tokens[stage][rank * halves[stage] : (rank + 1) * halves[stage]]) for stage in range(2) for rank in range(2)]
+            deadline = time.monotonic() + 30  # a loaded machine may publish late; nothing published fails below
+            while [figures.expert_tokens for _, _, figures in llm.engine.expert_rank_stats()] != wanted and time.monotonic() < deadline:
+                time.sleep(STATS_INTERVAL_S / 2)
             stats = llm.engine.expert_rank_stats()
             assert [(stage, rank) for stage, rank, _ in stats] == [(0, 0), (0, 1), (1, 0), (1, 1)]
             for stage, rank, figures in stats:
@@ -179,19 +183,26 @@ def test_expert_ranks_give_the_single_rank_tokens(tiny_model_factory, variant, p
 
 def assert_a_lane_per_rank(engine) -> None:
     """The profile's timeline after a pp 2 x ep 2 run: every rank ran every micro-batch of its stage,
-    each on a lane of its own in the trace; the stages' figures count the leaders' work once."""
-    engine.gather_rank_timelines()
-    timeline = engine.timeline
-    trace = chrome_trace(timeline, num_stages=2)["traceEvents"]
+    each on a lane of its own in the trace; the stages' figures count the leaders' work once. The
+    workers' slices come through the store, published every STATS_INTERVAL_S: gathered until each
+    worker's lane has its leader's micro-batches (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while True:
+        engine.gather_rank_timelines()
+        timeline = engine.timeline
+        trace = chrome_trace(timeline, num_stages=2)["traceEvents"]
+        lanes = {tid: sorted((e for e in trace if e["ph"] == "X" and e["tid"] == tid), key=lambda e: e["ts"]) for tid in range(1, 5)}
+        micro_batches = {tid: [e["args"]["micro_batch"] for e in lane] for tid, lane in lanes.items()}
+        if (micro_batches[1] == micro_batches[2] and micro_batches[3] == micro_batches[4]) or time.monotonic() > deadline:
+            break
+        time.sleep(STATS_INTERVAL_S / 2)
     names = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
     assert names == {
         0: "host scheduler", 1: "stage 0 expert rank 0 (rank 0)", 2: "stage 0 expert rank 1 (rank 1)",
         3: "stage 1 expert rank 0 (rank 2)", 4: "stage 1 expert rank 1 (rank 3)",
     }
-    lanes = {tid: sorted((e for e in trace if e["ph"] == "X" and e["tid"] == tid), key=lambda e: e["ts"]) for tid in range(1, 5)}
     for tid, lane in lanes.items():
         assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(lane, lane[1:])), names[tid]  # one at a time
-    micro_batches = {tid: [e["args"]["micro_batch"] for e in lane] for tid, lane in lanes.items()}
     assert micro_batches[1] == micro_batches[2] and micro_batches[3] == micro_batches[4] and set(micro_batches[1]) == set(micro_batches[3])
     for e in lanes[2] + lanes[3] + lanes[4]:  # the workers', on gloo: time in the all-reduces, within the slice
         assert 0 < e["args"]["all_reduce_ms"] * 1000 <= e["dur"], e

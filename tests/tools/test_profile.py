@@ -53,11 +53,14 @@ def test_the_report_adds_up_from_the_trace(sweep):
 
 def test_micro_batches_in_flight_never_exceed_the_ring(sweep):
     """Without async scheduling a ring of pp + depth slots holds at most that many micro-batches,
-    and the host's 10 ms per read-back shows in its ticks (load only lengthens them)."""
+    and the host's 10 ms per read-back shows in its ticks (load only lengthens them). At depth 0
+    ticks alternate between a launch (under 1 ms) and a read-back (10 ms), so their median sits
+    between the two and falls to the short kind when the window takes one more of those: the mean,
+    about 5 ms with the read-back's time and under 1 ms without it, is what tells."""
     summaries, _, _ = sweep
     for summary in summaries:
         assert 0 < summary.in_flight <= PP + summary.depth
-    assert summaries[0].host_ms_per_tick_median >= HOST_MS * 0.5
+    assert summaries[0].host_ms_per_tick >= HOST_MS * 0.4
 
 
 def test_a_sweep_writes_every_file_and_a_report_that_names_its_window(sweep):
