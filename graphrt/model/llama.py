@@ -242,6 +242,7 @@ class Stage(nn.Module):
         for layer in self.layers:
             if layer.moe is not None:
                 layer.moe.combine, layer.moe.ranges = combine, ranges
+        self.use_kernels(self.ops)  # a one-call decode step (the set's decode_layers) has no all-reduce: decided afresh
 
     def matmul_owners(self) -> dict[str, list[tuple[nn.Module, str]]]:
         """Weight shape name -> where each weight of that shape lives (one per layer; the LM head

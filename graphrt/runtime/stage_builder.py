@@ -15,7 +15,7 @@ from graphrt.kernels import kernel_set
 from graphrt.kernels.cpu.forcing import ForcedModes
 from graphrt.kernels.cpu.kernel_choice import CpuKernelChoice, LayerShapes, choose_cpu_kernels
 from graphrt.kernels.cpu.matmul_choice import MatmulChoice, MatmulPlan
-from graphrt.kernels.cpu.stage_kernels import choose_matmuls, cpu_kernel_set
+from graphrt.kernels.cpu.stage_kernels import choose_matmuls, cpu_kernel_set, gate_ups_end_in_silu
 from graphrt.model.config import ModelConfig
 from graphrt.model.llama import Stage
 from graphrt.model.moe import WHOLE, ExpertShard
@@ -64,7 +64,8 @@ def choose_stage_kernels(
         return StageKernels(plan, None)
     if cpu_choice is None:
         cpu_choice = choose_cpu_kernels(
-            LayerShapes.of(stage.cfg), block_size, stage.dtype, stage.device, max_rows, cpu_mode, cached=cached_ops
+            LayerShapes.of(stage.cfg), block_size, stage.dtype, stage.device, max_rows, cpu_mode, cached=cached_ops,
+            fused_silu=gate_ups_end_in_silu(stage),
         )
     stage.use_kernels(cpu_kernel_set(stage.ops, cpu_choice))
     return StageKernels(plan, cpu_choice)

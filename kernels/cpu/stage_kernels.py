@@ -27,7 +27,7 @@ from graphrt.kernels.cpu.forcing import ForcedModes, as_forced
 from graphrt.kernels.cpu.kernel_choice import DECODE_LAYER_OPS, CpuKernelChoice
 from graphrt.kernels.cpu.linear import convert, linear, panel_linear_silu_and_mul
 from graphrt.kernels.cpu.matmul_choice import EXPERT_NAMES, MatmulChoice, MatmulPlan, available_paths, choose_path
-from graphrt.kernels.cpu.moe import ExpertWeights, fused_moe_by_expert
+from graphrt.kernels.cpu.moe import ExpertWeights, fused_moe_by_expert, in_panels
 from graphrt.kernels.cpu.openmp import TeamSizer, openmp_available
 
 # A stage here is a graphrt.model.llama.Stage, read by its attributes (the kernels sit below the
@@ -36,10 +36,10 @@ from graphrt.kernels.cpu.openmp import TeamSizer, openmp_available
 Stage = nn.Module
 
 # What graphrt::decode_layers (csrc/decode_layers_cpu.cpp) runs a decode step's layers with: the
-# DECODE_LAYER_OPS, compiled, and each layer's weights in this order (its LayerWeight enum), the
-# matmuls' in panels, gate/up's with whole panels of up columns (it ends in silu_and_mul).
-DECODE_LAYER_WEIGHTS = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
-DECODE_LAYER_MATMULS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# DECODE_LAYER_OPS, compiled, and each layer's weights in this order (its LayerWeight enum), then
+# its MLP's (bind_decode_layers), every matmul's in panels, a gate/up's with whole panels of up
+# columns (it ends in silu_and_mul).
+DECODE_LAYER_WEIGHTS = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm")
 
 
 def choose_matmuls(
@@ -151,26 +151,68 @@ def cpu_kernel_set(ops: KernelSet, choice: CpuKernelChoice) -> KernelSet:
 def bind_decode_layers(stage: Stage) -> Callable | None:
     """graphrt::decode_layers bound to the stage's weights: a decode step's layers in one call,
     bitwise the Python loop of DecoderLayer.forward. None where a layer's matmul weights are not all
-    in panels (or gate/up's not in whole panels of up columns), or a layer is a mixture of experts
-    or has latent attention: the loop runs those."""
+    in panels (or a gate/up's not in whole panels of up columns), or a layer has latent attention
+    or a mixture of experts the op does not run (`runs_sparse_layer`): the loop runs those."""
     layers = stage.layers
-    # The compiled loop knows one MLP, the dense gated one, and one attention, over keys and values
-    # per head: a stage with a sparse (MoE) or latent attention layer runs the loop.
-    if any(layer.moe is not None or layer.mla is not None for layer in layers):
+    if not layers or any(layer.mla is not None for layer in layers):  # the op's attention is over keys and values per head
         return None
-    if not layers or not all(
-        all(getattr(layer, name).dim() == 4 for name in DECODE_LAYER_MATMULS) and layer.gate_up_proj.shape[0] % 2 == 0
+    attention_in_panels = all(getattr(layer, name).dim() == 4 for layer in layers for name in ("qkv_proj", "o_proj"))
+    if not attention_in_panels or not all(
+        runs_sparse_layer(layer.moe, stage.dtype) if layer.moe is not None
+        else is_gated_mlp_in_panels(layer.gate_up_proj, layer.down_proj)
         for layer in layers
     ):
         return None
     weights = [getattr(layer, name) for layer in layers for name in DECODE_LAYER_WEIGHTS]
+    mlp = [
+        weight for layer in layers
+        for weight in ((layer.moe.shared_gate_up_proj, layer.moe.shared_down_proj) if layer.moe is not None
+                       else (layer.gate_up_proj, layer.down_proj))
+    ]
     biases, q_norms, k_norms = ([getattr(layer, name) for layer in layers] for name in ("qkv_bias", "q_norm", "k_norm"))
+    sparse = [layer.moe for layer in layers]
+    routers = [moe.router if moe is not None else None for moe in sparse]
+    shared_gates = [moe.shared_expert_gate if moe is not None else None for moe in sparse]
+    experts = [w for moe in sparse if moe is not None for w in (*moe.experts_gate_up.weights, *moe.experts_down.weights)]
     cfg, scale = stage.cfg, layers[0].scale
+    top_k, renormalize = (cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob) if cfg.moe is not None else (0, False)
 
     def run(hidden, meta, cos, sin, kv) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ops.graphrt.decode_layers(
-            hidden, weights, biases, q_norms, k_norms, cos, sin, kv.k, kv.v, meta.slot_mapping, meta.block_tables,
-            meta.seq_lens, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, scale,
+            hidden, weights, mlp, biases, q_norms, k_norms, routers, shared_gates, experts, stage.expert_tokens, top_k,
+            renormalize, cos, sin, kv.k, kv.v, meta.slot_mapping, meta.block_tables, meta.seq_lens, cfg.num_heads,
+            cfg.num_kv_heads, cfg.rms_norm_eps, scale,
         )
 
     return run
+
+
+def gate_ups_end_in_silu(stage: Stage) -> bool:
+    """Whether every gate/up weight of the stage (dense MLPs', shared and routed experts') is in
+    panels whose halves are whole panels: with silu_and_mul compiled each ends in it in one pass, so
+    the op alone never runs (kernel_choice.choose_cpu_kernels' fused_silu). False without any."""
+    weights = []
+    for layer in stage.layers:
+        if layer.moe is None:
+            weights.append(layer.gate_up_proj)
+            continue
+        if layer.moe.shared_gate_up_proj is not None:
+            weights.append(layer.moe.shared_gate_up_proj)
+        weights += list(layer.moe.experts_gate_up)
+    return bool(weights) and all(w.dim() == 4 and w.shape[0] % 2 == 0 for w in weights)
+
+
+def is_gated_mlp_in_panels(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether a gated MLP's weights are in panels, gate/up's halves whole panels (it ends in silu_and_mul)."""
+    return gate_up.dim() == 4 and gate_up.shape[0] % 2 == 0 and down.dim() == 4
+
+
+def runs_sparse_layer(moe: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether graphrt::decode_layers runs this sparse layer (graphrt.model.moe.SparseMoE): softmax
+    routing on a dense router, every routed expert in panels (`in_panels`), the shared expert (if
+    any) in panels too, and no all-reduce over expert ranks (--ep keeps the loop)."""
+    shared_in_panels = moe.shared_gate_up_proj is None or is_gated_mlp_in_panels(moe.shared_gate_up_proj, moe.shared_down_proj)
+    return (
+        moe.moe_cfg.scoring == "softmax" and moe.combine is None and moe.router.dim() == 2 and not moe.router.is_mkldnn
+        and in_panels(moe.experts_gate_up, moe.experts_down, dtype) and shared_in_panels
+    )

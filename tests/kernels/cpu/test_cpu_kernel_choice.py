@@ -14,7 +14,8 @@ from graphrt.kernels.cpu import extension as cpu_extension
 from graphrt.kernels.cpu import kernel_choice as cpu_kernel_choice
 from graphrt.kernels.cpu import paged_attention as paged_attention_cpu
 from graphrt.kernels.cpu.kernel_choice import OPS, CpuKernelChoice, LayerShapes, choose_cpu_kernels, mode_from_env, time_paths
-from graphrt.kernels.cpu.stage_kernels import cpu_kernel_set
+from graphrt.kernels.cpu.linear import can_pack, can_use_panels
+from graphrt.kernels.cpu.stage_kernels import cpu_kernel_set, gate_ups_end_in_silu
 from graphrt.kernels.torch_ops import TORCH
 from graphrt.runtime.pipeline import Pipeline
 
@@ -184,6 +185,45 @@ def test_the_graph_cache_gives_the_ops_nothing_forces(monkeypatch):
     assert forced.paths == {op: "compiled" for op in OPS}  # the environment comes first
     assert forced.summary().endswith("(KV writes forced by GRAPHRT_CPU_KERNELS; decode attention, prefill attention, "
                                      "rms_norm, rotary, silu_and_mul from the graph cache)")
+
+
+def test_silu_and_mul_in_the_gate_up_matmuls_pass_is_not_timed_alone(monkeypatch):
+    """Where every gate/up matmul ends in silu_and_mul (fused_silu), the op alone never runs: it is
+    the compiled one whatever its time alone, or a graph cache, would say; forcing still decides."""
+    timed = []
+    monkeypatch.setattr(cpu_extension, "unavailable_reason", lambda *_: None)
+    monkeypatch.setattr(cpu_kernel_choice, "timing_inputs", lambda op, *_: (op,))
+    monkeypatch.setattr(cpu_kernel_choice, "time_paths", lambda paths, inputs, timer: timed.append(inputs[0]) or {"compiled": 2.0, "torch": 1.0})
+    choice = choose_cpu_kernels(**SHAPES, fused_silu=True)
+    assert timed == [op for op in OPS if op != "silu_and_mul"]
+    assert choice.paths["silu_and_mul"] == "compiled" and choice.settled == {"silu_and_mul": "fused"}
+    assert choice.summary().endswith("; silu_and_mul in the gate/up matmuls' pass)")
+    assert choose_cpu_kernels(**SHAPES).paths["silu_and_mul"] == "torch"  # timed alone, it loses here
+    cached = {op: "torch" for op in OPS}
+    assert choose_cpu_kernels(**SHAPES, cached=cached, fused_silu=True).paths == {**cached, "silu_and_mul": "compiled"}
+    forced = mode_from_env({"GRAPHRT_CPU_KERNELS": "silu_and_mul=torch"})
+    assert choose_cpu_kernels(**SHAPES, mode=forced, fused_silu=True).paths["silu_and_mul"] == "torch"
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+@pytest.mark.parametrize(("variant", "matmul", "fuses"), [
+    ("llama-gqa-tied", "panel", True),
+    ("llama-gqa-tied", "packed", False),  # gate/up on oneDNN: silu_and_mul runs alone
+    ("qwen2-moe", "panel", True),  # the shared expert and every routed one in panels
+    ("qwen2-moe", "experts_gate_up=packed", False),
+    ("qwen3-moe-dense-first", "panel", False),  # experts of 40 gate and 40 up columns: not whole panels
+])
+def test_a_stage_says_whether_its_every_gate_up_ends_in_silu_and_mul(tiny_model_factory, monkeypatch, variant, matmul, fuses):
+    if not (can_use_panels(CPU, torch.float32) and can_pack(CPU, torch.float32)):
+        pytest.skip("the panel matmuls or oneDNN's packed ones don't run on this CPU")
+    monkeypatch.setenv("GRAPHRT_MATMUL", matmul)
+    llm = LLM(model=tiny_model_factory(variant), dtype="float32", kv_cache_tokens=512)
+    try:
+        stage = llm.engine.pipeline.stages[0]
+        assert gate_ups_end_in_silu(stage) is fuses
+        assert (llm.engine.pipeline.cpu_kernels().settled.get("silu_and_mul") == "fused") is fuses
+    finally:
+        llm.engine.close()
 
 
 @pytest.mark.usefixtures("built_cpu_kernels")

@@ -1,7 +1,8 @@
 """A CPU decode step's layers in one call (graphrt::decode_layers, kernels/cpu/csrc/decode_layers_cpu.cpp):
-bitwise what the Python loop over DecoderLayer.forward computes, logits and KV cache alike, for
-plain Llama, Qwen2's q/k/v bias and Qwen3's per-head norms; taken only where every op is compiled
-and every matmul is in panels."""
+bitwise what the Python loop over DecoderLayer.forward computes, logits, KV cache and tokens per
+expert alike, for plain Llama, Qwen2's q/k/v bias, Qwen3's per-head norms and the mixtures of
+experts with softmax routing (Mixtral, Qwen2-MoE's gated shared expert, Qwen3-MoE, dense and
+sparse layers mixed); taken only where every op is compiled and every matmul is in panels."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from graphrt import LLM, SamplingParams
 from graphrt.kernels.cpu import stage_kernels
 from graphrt.kernels.cpu.linear import can_use_panels
 from graphrt.model.batch import StepMetadata
+from graphrt.profiling.nvtx import Ranges
 from graphrt.tools.synthetic import make_tiny_model
 
 CPU = torch.device("cpu")
@@ -58,8 +60,10 @@ def decode_step(llm: LLM, seed: int = 0) -> tuple[torch.Tensor, StepMetadata]:
 
 def forward(llm: LLM, token_ids: torch.Tensor, meta: StepMetadata, one_call: bool, monkeypatch):
     """The stage's logits and its caches after the step, from the caches as they are now (left so);
-    checks that graphrt::decode_layers ran (once) exactly where `one_call` says."""
+    checks that graphrt::decode_layers ran (once) exactly where `one_call` says. A mixture of
+    experts' tokens per expert are zeroed first."""
     stage, cache = llm.engine.pipeline.stages[0], llm.engine.pipeline.caches[0]
+    stage.zero_expert_tokens()
     k, v = cache.k.clone(), cache.v.clone()
     calls = []
     op = torch.ops.graphrt.decode_layers
@@ -76,22 +80,59 @@ def forward(llm: LLM, token_ids: torch.Tensor, meta: StepMetadata, one_call: boo
     return logits, after
 
 
+# Qwen3-MoE with layers 0 and 2 dense, experts whose gate/up halves are whole panels (32 columns).
+MIXED_LAYERS = ("qwen3-moe-dense-first", {"moe_intermediate_size": 32})
+ONE_CALL_VARIANTS = ["llama-gqa-tied", "qwen2-qkv-bias", "qwen3-qk-norm", "mixtral", "qwen2-moe", "qwen3-moe", MIXED_LAYERS]
+
+
+def model_of(variant, tiny_model_factory, tmp_path):
+    if isinstance(variant, tuple):
+        name, overrides = variant
+        return make_tiny_model(tmp_path, name, overrides=overrides)
+    return tiny_model_factory(variant)
+
+
 @pytest.mark.usefixtures("built_cpu_kernels")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", ["llama-gqa-tied", "qwen2-qkv-bias", "qwen3-qk-norm"])
-def test_one_call_computes_bitwise_what_the_python_loop_does(tiny_model_factory, monkeypatch, variant, dtype):
+@pytest.mark.parametrize("variant", ONE_CALL_VARIANTS, ids=lambda v: v[0] + "-panel-experts" if isinstance(v, tuple) else v)
+def test_one_call_computes_bitwise_what_the_python_loop_does(tiny_model_factory, tmp_path, monkeypatch, variant, dtype):
     if not can_use_panels(CPU, getattr(torch, dtype)):
         pytest.skip(f"the panel matmuls don't run {dtype} on this CPU")
-    llm = llm_for(tiny_model_factory(variant), dtype, monkeypatch)
-    assert llm.engine.pipeline.stages[0].decode_layers_in_one_call()
+    llm = llm_for(model_of(variant, tiny_model_factory, tmp_path), dtype, monkeypatch)
+    stage = llm.engine.pipeline.stages[0]
+    assert stage.decode_layers_in_one_call()
     assert "; a decode step's layers in one call (graphrt::decode_layers)" in llm.engine.kernel_summary()
     token_ids, meta = decode_step(llm)
+    # One padding row, as a graph's bucket has: routed like the others, never counted per expert.
+    meta.slot_mapping[-1] = 3
     logits, (k, v) = forward(llm, token_ids, meta, one_call=True, monkeypatch=monkeypatch)
+    expert_tokens = stage.seen_expert_tokens()
     expected_logits, (expected_k, expected_v) = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
     assert torch.equal(logits, expected_logits)
     assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
     # The step wrote this step's K/V: the comparison above is not of two untouched caches.
     assert not torch.equal(k, llm.engine.pipeline.caches[0].k)
+    assert expert_tokens == stage.seen_expert_tokens()
+    cfg = llm.engine.model_config
+    if cfg.moe is not None:  # every real row of every sparse layer counted once per choice
+        sparse = sum(layer.moe is not None for layer in stage.layers)
+        assert sum(expert_tokens) == sparse * (len(CONTEXTS) - 1) * cfg.moe.num_experts_per_tok
+
+
+@pytest.mark.usefixtures("built_cpu_kernels")
+def test_experts_not_in_panels_or_an_all_reduce_keep_the_python_loop(tiny_model_factory, monkeypatch):
+    """qwen3-moe-dense-first's experts have 40 gate and 40 up columns (not whole panels): the loop
+    runs the stage. A stage whose experts are summed over expert ranks (--ep) has its one call
+    taken back when the all-reduce is set, and given back with it gone."""
+    if not can_use_panels(CPU, torch.float32):
+        pytest.skip("the panel matmuls don't run on this CPU")
+    assert not llm_for(tiny_model_factory("qwen3-moe-dense-first"), "float32", monkeypatch).engine.pipeline.stages[0].decode_layers_in_one_call()
+    stage = llm_for(tiny_model_factory("qwen3-moe"), "float32", monkeypatch).engine.pipeline.stages[0]
+    assert stage.decode_layers_in_one_call()
+    stage.combine_experts_with(lambda out: None, Ranges())
+    assert not stage.decode_layers_in_one_call()
+    stage.combine_experts_with(None, None)
+    assert stage.decode_layers_in_one_call()
 
 
 @pytest.mark.usefixtures("built_cpu_kernels")
@@ -113,22 +154,30 @@ def test_the_op_names_what_a_call_lacks(tiny_model_factory, monkeypatch):
     token_ids, meta = decode_step(llm)
     layers = stage.layers
     weights = [getattr(layer, name) for layer in layers for name in stage_kernels.DECODE_LAYER_WEIGHTS]
+    mlp = [w for layer in layers for w in (layer.gate_up_proj, layer.down_proj)]
     nones = [None] * len(layers)
     norms = [layer.input_norm for layer in layers]  # refused before any shape is read
 
-    def call(weights, q_norm=nones, k_norm=nones):
+    def call(weights, mlp=mlp, q_norm=nones, k_norm=nones, router=nones, experts=()):
         torch.ops.graphrt.decode_layers(
-            torch.randn(len(CONTEXTS), stage.cfg.hidden_size), weights, nones, q_norm, k_norm,
-            stage.cos[meta.positions], stage.sin[meta.positions], cache.k, cache.v, meta.slot_mapping,
-            meta.block_tables, meta.seq_lens, stage.cfg.num_heads, stage.cfg.num_kv_heads, stage.cfg.rms_norm_eps,
-            layers[0].scale,
+            torch.randn(len(CONTEXTS), stage.cfg.hidden_size), weights, mlp, nones, q_norm, k_norm, router, nones,
+            list(experts), None, 2, True, stage.cos[meta.positions], stage.sin[meta.positions], cache.k, cache.v,
+            meta.slot_mapping, meta.block_tables, meta.seq_lens, stage.cfg.num_heads, stage.cfg.num_kv_heads,
+            stage.cfg.rms_norm_eps, layers[0].scale,
         )
 
-    wanted = 6 * len(layers)
-    with pytest.raises(RuntimeError, match=f"{wanted} weights \\(6 a layer\\) for the caches' {len(layers)} layers, got 2"):
+    num_layers = len(layers)
+    with pytest.raises(RuntimeError, match=f"{4 * num_layers} weights \\(4 a layer\\) for the caches' {num_layers} layers, got 2"):
         call(weights[:2])
     with pytest.raises(RuntimeError, match="layer 0 has a norm for q's heads or for k's but not both"):
         call(weights, q_norm=norms)
+    with pytest.raises(RuntimeError, match="layer 1 has a gate/up weight or a down weight but not both"):
+        call(weights, mlp=mlp[:3] + [None] + mlp[4:])
+    with pytest.raises(RuntimeError, match="layer 0 is dense \\(no router\\) but has no MLP weights"):
+        call(weights, mlp=[None, None] + mlp[2:])
+    routers = [torch.zeros(4, stage.cfg.hidden_size)] + nones[1:]
+    with pytest.raises(RuntimeError, match="the routers name 8 expert weights \\(a gate/up and a down per expert\\), got 0"):
+        call(weights, router=routers)
 
 
 @pytest.mark.usefixtures("built_cpu_kernels")
