@@ -21,6 +21,10 @@ import torch
 
 from graphrt.kernels import paged_attention
 
+# The eps of the query's and the latent's norms (q_a_layernorm, kv_a_layernorm): transformers builds
+# them with its default, not the model's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
 
 def write_latent_kv(kv: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """kv: (tokens, 1, latent_dim + rope_dim); slot_mapping: (tokens,) int64 flat slot ids."""

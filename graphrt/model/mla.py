@@ -22,11 +22,9 @@ import torch
 from torch import nn
 
 from graphrt.kernels import KernelSet
-from graphrt.kernels.mla import paged_latent_prefill_attention, write_latent_kv
+from graphrt.kernels.mla import LATENT_NORM_EPS, paged_latent_prefill_attention, write_latent_kv
 from graphrt.model.batch import StepMetadata
 from graphrt.model.config import ModelConfig
-
-LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the default eps, not rms_norm_eps
 
 
 class LatentAttention(nn.Module):

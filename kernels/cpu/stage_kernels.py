@@ -29,17 +29,24 @@ from graphrt.kernels.cpu.linear import convert, linear, panel_linear_silu_and_mu
 from graphrt.kernels.cpu.matmul_choice import EXPERT_NAMES, MatmulChoice, MatmulPlan, available_paths, choose_path
 from graphrt.kernels.cpu.moe import ExpertWeights, fused_moe_by_expert, in_panels
 from graphrt.kernels.cpu.openmp import TeamSizer, openmp_available
+from graphrt.kernels.mla import LATENT_NORM_EPS
 
 # A stage here is a graphrt.model.llama.Stage, read by its attributes (the kernels sit below the
 # model and do not import it): its layers, their weights by name, matmul_owners() and use_kernels(),
 # and a sparse layer's `moe` (graphrt.model.moe.SparseMoE) with its stacked experts by name.
 Stage = nn.Module
 
-# What graphrt::decode_layers (csrc/decode_layers_cpu.cpp) runs a decode step's layers with: the
-# DECODE_LAYER_OPS, compiled, and each layer's weights in this order (its LayerWeight enum), then
-# its MLP's (bind_decode_layers), every matmul's in panels, a gate/up's with whole panels of up
-# columns (it ends in silu_and_mul).
-DECODE_LAYER_WEIGHTS = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm")
+# graphrt::decode_layers (csrc/decode_layers_cpu.cpp) runs a decode step's layers with the
+# DECODE_LAYER_OPS, compiled, and each layer's weights in this order (its LayerWeight enum; None
+# where the layer has none), every matmul's in panels, a gate/up's with whole panels of up columns
+# (it ends in silu_and_mul). gate_up and down: the dense MLP's, or a sparse layer's shared expert.
+LAYER_WEIGHTS = (
+    "input_norm", "post_attention_norm", "o_proj",
+    "qkv_proj", "qkv_bias", "q_norm", "k_norm",  # attention over keys and values per head
+    "mla.qkv_a_proj", "mla.q_a_norm", "mla.q_b_proj", "mla.kv_a_norm", "mla.kv_b_proj",  # latent attention
+    "gate_up", "down",
+    "moe.router", "moe.e_score_correction_bias", "moe.shared_expert_gate",
+)
 
 
 def choose_matmuls(
@@ -151,40 +158,57 @@ def cpu_kernel_set(ops: KernelSet, choice: CpuKernelChoice) -> KernelSet:
 def bind_decode_layers(stage: Stage) -> Callable | None:
     """graphrt::decode_layers bound to the stage's weights: a decode step's layers in one call,
     bitwise the Python loop of DecoderLayer.forward. None where a layer's matmul weights are not all
-    in panels (or a gate/up's not in whole panels of up columns), or a layer has latent attention
-    or a mixture of experts the op does not run (`runs_sparse_layer`): the loop runs those."""
+    in panels (a gate/up's in whole panels of up columns), or a mixture of experts the op does not
+    run (`runs_sparse_layer`): the loop runs those."""
     layers = stage.layers
-    if not layers or any(layer.mla is not None for layer in layers):  # the op's attention is over keys and values per head
+    if not layers or not all(runs_layer(layer, stage.dtype) for layer in layers):
         return None
-    attention_in_panels = all(getattr(layer, name).dim() == 4 for layer in layers for name in ("qkv_proj", "o_proj"))
-    if not attention_in_panels or not all(
-        runs_sparse_layer(layer.moe, stage.dtype) if layer.moe is not None
-        else is_gated_mlp_in_panels(layer.gate_up_proj, layer.down_proj)
-        for layer in layers
-    ):
-        return None
-    weights = [getattr(layer, name) for layer in layers for name in DECODE_LAYER_WEIGHTS]
-    mlp = [
-        weight for layer in layers
-        for weight in ((layer.moe.shared_gate_up_proj, layer.moe.shared_down_proj) if layer.moe is not None
-                       else (layer.gate_up_proj, layer.down_proj))
-    ]
-    biases, q_norms, k_norms = ([getattr(layer, name) for layer in layers] for name in ("qkv_bias", "q_norm", "k_norm"))
-    sparse = [layer.moe for layer in layers]
-    routers = [moe.router if moe is not None else None for moe in sparse]
-    shared_gates = [moe.shared_expert_gate if moe is not None else None for moe in sparse]
-    experts = [w for moe in sparse if moe is not None for w in (*moe.experts_gate_up.weights, *moe.experts_down.weights)]
-    cfg, scale = stage.cfg, layers[0].scale
-    top_k, renormalize = (cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob) if cfg.moe is not None else (0, False)
+    weights = [weight for layer in layers for weight in layer_weights(layer)]
+    experts = [w for layer in layers if layer.moe is not None for w in (*layer.moe.experts_gate_up.weights, *layer.moe.experts_down.weights)]
+    cfg = stage.cfg
+    mla, moe = cfg.mla, cfg.moe
+    scale = mla.softmax_scale if mla is not None else layers[0].scale
+    latent_dims = [layers[0].mla.q_a_size, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim] if mla else []
+    scoring, top_k, renormalize = (moe.scoring, moe.num_experts_per_tok, moe.norm_topk_prob) if moe else ("softmax", 0, False)
+    n_group, topk_group, routed_scaling = (moe.n_group, moe.topk_group, moe.routed_scaling_factor) if moe and moe.scoring == "sigmoid" else (1, 1, 1.0)
 
     def run(hidden, meta, cos, sin, kv) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ops.graphrt.decode_layers(
-            hidden, weights, mlp, biases, q_norms, k_norms, routers, shared_gates, experts, stage.expert_tokens, top_k,
-            renormalize, cos, sin, kv.k, kv.v, meta.slot_mapping, meta.block_tables, meta.seq_lens, cfg.num_heads,
-            cfg.num_kv_heads, cfg.rms_norm_eps, scale,
+            hidden, weights, experts, stage.expert_tokens, cos, sin, kv.k, kv.v, meta.slot_mapping, meta.block_tables,
+            meta.seq_lens, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, scale, latent_dims, LATENT_NORM_EPS,
+            scoring, top_k, renormalize, n_group, topk_group, routed_scaling,
         )
 
     return run
+
+
+def layer_weights(layer: nn.Module) -> list[torch.Tensor | None]:
+    """A layer's weights as graphrt::decode_layers takes them (LAYER_WEIGHTS), None where absent."""
+    mla, moe = layer.mla, layer.moe
+    mlp = {"gate_up": moe.shared_gate_up_proj, "down": moe.shared_down_proj} if moe else {"gate_up": layer.gate_up_proj, "down": layer.down_proj}
+    owners = {"": layer, "mla.": mla, "moe.": moe}
+    weights = []
+    for name in LAYER_WEIGHTS:
+        if name in mlp:
+            weights.append(mlp[name])
+            continue
+        prefix, attr = (name[:4], name[4:]) if name[:4] in owners else ("", name)
+        owner = owners[prefix]
+        weights.append(getattr(owner, attr) if owner is not None else None)
+    return weights
+
+
+def runs_layer(layer: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether graphrt::decode_layers runs this layer: every matmul weight in panels (latent
+    attention's kv_b_proj, read per head by bmm, stays dense), its MLP a gated one in panels or a
+    sparse layer it runs."""
+    mla = layer.mla
+    projections = [layer.o_proj] + ([mla.qkv_a_proj] + ([mla.q_b_proj] if mla.q_b_proj is not None else []) if mla else [layer.qkv_proj])
+    if not all(weight.dim() == 4 for weight in projections):
+        return False
+    if layer.moe is not None:
+        return runs_sparse_layer(layer.moe, dtype)
+    return is_gated_mlp_in_panels(layer.gate_up_proj, layer.down_proj)
 
 
 def gate_ups_end_in_silu(stage: Stage) -> bool:
@@ -208,11 +232,11 @@ def is_gated_mlp_in_panels(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
 
 
 def runs_sparse_layer(moe: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether graphrt::decode_layers runs this sparse layer (graphrt.model.moe.SparseMoE): softmax
-    routing on a dense router, every routed expert in panels (`in_panels`), the shared expert (if
-    any) in panels too, and no all-reduce over expert ranks (--ep keeps the loop)."""
+    """Whether graphrt::decode_layers runs this sparse layer (graphrt.model.moe.SparseMoE): a dense
+    router, every routed expert in panels (`in_panels`), the shared expert (if any) in panels too,
+    and no all-reduce over expert ranks (--ep keeps the loop)."""
     shared_in_panels = moe.shared_gate_up_proj is None or is_gated_mlp_in_panels(moe.shared_gate_up_proj, moe.shared_down_proj)
     return (
-        moe.moe_cfg.scoring == "softmax" and moe.combine is None and moe.router.dim() == 2 and not moe.router.is_mkldnn
+        moe.combine is None and moe.router.dim() == 2 and not moe.router.is_mkldnn
         and in_panels(moe.experts_gate_up, moe.experts_down, dtype) and shared_in_panels
     )

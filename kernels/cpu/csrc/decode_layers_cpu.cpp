@@ -1,44 +1,75 @@
 // A stage's decoder layers for one decode step in one call: the loop of DecoderLayer.forward
-// (graphrt/model/llama.py) over every layer, run here rather than in Python. It calls the same compiled
-// ops in the same order through the dispatcher (the gate/up matmul ending in silu_and_mul, as the
-// loop runs it where both are compiled), so its output is bitwise the Python loop's
-// (tests/kernels/cpu/test_decode_layers_cpu.py), without the interpreter's time per op: about 16 ops a layer,
-// 500 a step, each 5-8 us of Python on the host thread while torch's other thread waits (8% of the
-// host thread's samples in a 32-row float32 step; benchmarks/results.md). The CPU's counterpart of a
-// CUDA graph: one launch per micro-batch. The CPU kernel set's decode_layers (kernels/cpu/
-// stage_kernels.py) runs it where every op of the layers is the compiled one and every matmul weight
-// is in panels; anything else (prefill chunks, torch's reference ops, oneDNN or dense weights) goes
-// through Python.
+// (graphrt/model/llama.py) over every layer, run here rather than in Python. It calls the same ops in
+// the same order (the compiled ones through the dispatcher, torch's as aten calls; the gate/up matmul
+// ending in silu_and_mul, as the loop runs it where both are compiled), so its output is bitwise
+// the Python loop's (tests/kernels/cpu/test_decode_layers_cpu.py), without the interpreter's time per
+// op: each call 5-8 us of Python on the host thread while torch's other thread waits (8% of the
+// host thread's samples in a dense 32-row float32 step; benchmarks/results.md). The CPU's
+// counterpart of a CUDA graph: one launch per micro-batch. The CPU kernel set's decode_layers
+// (kernels/cpu/stage_kernels.py) runs it where every op of the layers is the compiled one and every
+// matmul weight is in panels; anything else (prefill chunks, torch's reference ops, oneDNN or dense
+// weights) goes through Python.
 //
-// A sparse (mixture-of-experts) layer runs SparseMoE.forward's softmax routing (graphrt/model/moe.py,
-// kernels/moe.py's route_topk), the count of tokens per expert, kernels/cpu/moe.py's
-// fused_moe_by_expert over experts in panels (graphrt::panel_experts) and the shared expert, with
-// the same aten ops in the same order: at one row its Python was about 40% of a Qwen3-MoE step
-// (about 145 op calls a layer). DeepSeek-V3's grouped sigmoid routing, latent attention and expert
-// parallelism's all-reduce stay in Python.
+// Besides attention over keys and values per head, a layer may have DeepSeek-V3's latent attention
+// (LatentAttention.forward, graphrt/model/mla.py: the absorbed form over the latent cache), and
+// besides the dense gated MLP, a mixture of experts (SparseMoE.forward, graphrt/model/moe.py):
+// softmax or grouped sigmoid routing (kernels/moe.py), the count of tokens per expert,
+// kernels/cpu/moe.py's fused_moe_by_expert over experts in panels (graphrt::panel_experts) and the
+// shared expert. A sparse layer is about 145 op calls at one row, 40% of a Qwen3-MoE step there.
+// Expert parallelism's all-reduce stays in Python.
 
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/argsort.h>
 #include <ATen/ops/bincount.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <optional>
+#include <string_view>
 #include <tuple>
 
 namespace {
 
-// Per layer in `weights`, in this order (kernels/cpu/stage_kernels.py's DECODE_LAYER_WEIGHTS).
-enum LayerWeight : int64_t { kInputNorm, kQkvProj, kOProj, kPostAttentionNorm, kPerLayer };
-// Per layer in `mlp`: the dense MLP's, or a sparse layer's shared expert (None without one).
-enum MlpWeight : int64_t { kGateUpProj, kDownProj, kPerMlp };
+// Each layer's weights in `weights`, in this order, None where the layer has none
+// (kernels/cpu/stage_kernels.py's layer_weights).
+enum LayerWeight : int64_t {
+  kInputNorm,
+  kPostAttentionNorm,
+  kOProj,
+  // attention over keys and values per head
+  kQkvProj,
+  kQkvBias,
+  kQNorm,
+  kKNorm,
+  // latent attention
+  kQkvAProj,
+  kQANorm,
+  kQBProj,
+  kKvANorm,
+  kKvBProj,
+  // the dense MLP, or a sparse layer's shared expert
+  kGateUpProj,
+  kDownProj,
+  // a sparse layer's router
+  kRouter,
+  kRouterBias,  // DeepSeek-V3's e_score_correction_bias
+  kSharedGate,  // Qwen2-MoE's gate on its shared expert
+  kPerLayer
+};
+
+// latent_dims, for a model with latent attention.
+enum LatentDim : int64_t { kQASize, kKvLoraRank, kQkNopeHeadDim, kQkRopeHeadDim, kVHeadDim, kLatentDims };
 
 using RmsNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&,
                                                    const at::Tensor&, double);
@@ -74,38 +105,152 @@ struct LayerOps {
   }
 };
 
-// q or k (tokens, heads, head_dim) normalized per head, as the rms_norm wrapper in
-// kernels/cpu/elementwise.py runs it on a 3-D tensor.
-at::Tensor head_norm(const LayerOps& ops, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const at::Tensor rows = x.reshape({-1, x.size(-1)});
+// What every layer of the step shares.
+struct Step {
+  const LayerOps& ops;
+  const at::Tensor &cos, &sin, &slot_mapping, &block_tables, &seq_lens;
+  int64_t num_heads, num_kv_heads;
+  double eps, scale;
+};
+
+// A layer's weights: weight(kQkvProj), or None.
+struct Layer {
+  const c10::List<std::optional<at::Tensor>>& weights;
+  int64_t index;
+
+  std::optional<at::Tensor> get(LayerWeight which) const { return weights.get(index * kPerLayer + which); }
+  at::Tensor operator[](LayerWeight which) const {
+    const std::optional<at::Tensor> weight = get(which);
+    TORCH_CHECK(weight.has_value(), "decode_layers: layer ", index, " lacks weight ", int64_t(which),
+                " (the LayerWeight enum)");
+    return *weight;
+  }
+};
+
+// x normalized over its last dimension, as the rms_norm wrapper in kernels/cpu/elementwise.py runs
+// it (rows of unit stride, without a residual).
+at::Tensor norm(const LayerOps& ops, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor rows = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
   return std::get<0>(ops.rms_norm.call(rows.stride(-1) == 1 ? rows : rows.contiguous(), std::nullopt, weight, eps))
       .view(x.sizes());
 }
 
-// The gated MLP on weights in panels: down(silu(gate) * up), gate/up ending in silu_and_mul.
-at::Tensor gated_mlp(const LayerOps& ops, const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down) {
-  return ops.panel_linear.call(ops.panel_linear_silu_and_mul.call(x, gate_up), down, std::nullopt);
+// kernels/cpu/linear.py's `linear` on a weight in panels.
+at::Tensor panel_linear(const LayerOps& ops, const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias = std::nullopt) {
+  return ops.panel_linear.call(x.stride(-1) == 1 ? x : x.contiguous(), weight, bias);
 }
 
-// A sparse layer's routed experts, in panels: expert e's gate/up weight is gate_up[e], its down weight down[e].
-struct SparseLayer {
-  const at::Tensor& router;  // (num_experts, hidden_size), dense
-  at::TensorList gate_up, down;
-  const std::optional<at::Tensor>& shared_gate;  // Qwen2-MoE's (1, hidden_size) gate on the shared expert
+// The gated MLP on weights in panels: down(silu(gate) * up), gate/up ending in silu_and_mul.
+at::Tensor gated_mlp(const LayerOps& ops, const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down) {
+  return panel_linear(ops, ops.panel_linear_silu_and_mul.call(x, gate_up), down);
+}
+
+// DecoderLayer.forward's attention over keys and values per head: (tokens, num_heads * head_dim).
+at::Tensor per_head_attention(const Step& step, const Layer& layer, const at::Tensor& normed, at::Tensor& k_cache,
+                              at::Tensor& v_cache) {
+  const int64_t head_dim = k_cache.size(3), q_size = step.num_heads * head_dim, kv_size = step.num_kv_heads * head_dim;
+  TORCH_CHECK(step.cos.size(-1) == head_dim, "decode_layers: cos/sin rows of ", step.cos.size(-1), " for heads of ",
+              head_dim);
+  const at::Tensor qkv = panel_linear(step.ops, normed, layer[kQkvProj], layer.get(kQkvBias));
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, step.num_heads, head_dim});
+  at::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, step.num_kv_heads, head_dim});
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, step.num_kv_heads, head_dim});
+  const std::optional<at::Tensor> q_weight = layer.get(kQNorm), k_weight = layer.get(kKNorm);
+  TORCH_CHECK(q_weight.has_value() == k_weight.has_value(), "decode_layers: layer ", layer.index,
+              " has a norm for q's heads or for k's but not both");
+  if (q_weight.has_value()) {
+    q = norm(step.ops, q, *q_weight, step.eps);
+    k = norm(step.ops, k, *k_weight, step.eps);
+  }
+  std::tie(q, k) = step.ops.apply_rotary.call(q, k, step.cos, step.sin);
+  step.ops.write_kv.call(k, v, k_cache, v_cache, step.slot_mapping);
+  const at::Tensor attn =
+      step.ops.decode_attention.call(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.scale);
+  return attn.reshape({-1, q_size});
+}
+
+// LatentAttention.forward, decode: the query into the latent space through W_UK, attention over the
+// cached rows (the compiled decode kernel with the cache as keys and values: kernels/cpu/
+// paged_attention.py's paged_latent_decode_attention), out through W_UV. (tokens, num_heads * v_head_dim).
+at::Tensor latent_attention(const Step& step, const Layer& layer, const at::Tensor& normed, at::Tensor& cache,
+                            at::IntArrayRef dims, double latent_eps) {
+  const int64_t heads = step.num_heads, q_a_size = dims[kQASize], kv_lora_rank = dims[kKvLoraRank];
+  const int64_t nope = dims[kQkNopeHeadDim], rope = dims[kQkRopeHeadDim], v_head_dim = dims[kVHeadDim];
+  const at::Tensor qkv_a = panel_linear(step.ops, normed, layer[kQkvAProj]);
+  at::Tensor q = qkv_a.narrow(1, 0, q_a_size);
+  at::Tensor latent = qkv_a.narrow(1, q_a_size, kv_lora_rank);
+  at::Tensor k_rope = qkv_a.narrow(1, q_a_size + kv_lora_rank, rope);
+  if (layer.get(kQBProj).has_value()) {
+    q = panel_linear(step.ops, norm(step.ops, q, layer[kQANorm], latent_eps), layer[kQBProj]);
+  }
+  const at::Tensor q_heads = q.reshape({-1, heads, nope + rope});
+  const at::Tensor q_nope = q_heads.narrow(-1, 0, nope);
+  at::Tensor q_rope = q_heads.narrow(-1, nope, rope);
+  latent = norm(step.ops, latent, layer[kKvANorm], latent_eps);
+  std::tie(q_rope, k_rope) = step.ops.apply_rotary.call(q_rope, k_rope.reshape({-1, 1, rope}), step.cos, step.sin);
+  // kernels/mla.py's write_latent_kv
+  const at::Tensor row = at::cat({latent.unsqueeze(1), k_rope}, -1);
+  cache.view({-1, row.size(1), row.size(2)}).index_copy_(0, step.slot_mapping, row);
+  const at::Tensor w_kv_b = layer[kKvBProj].view({heads, -1, kv_lora_rank});
+  const at::Tensor w_uk = w_kv_b.narrow(1, 0, nope), w_uv = w_kv_b.narrow(1, nope, v_head_dim);
+  const at::Tensor q_latent = at::bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1);
+  const at::Tensor query = at::cat({q_latent, q_rope}, -1);
+  const at::Tensor attn =
+      step.ops.decode_attention.call(query, cache, cache, step.block_tables, step.seq_lens, step.scale)
+          .narrow(-1, 0, kv_lora_rank);
+  return at::bmm(attn.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).reshape({-1, heads * v_head_dim});
+}
+
+// How a sparse layer routes its tokens (kernels/moe.py: route_topk, route_grouped_topk).
+struct Routing {
+  std::string_view scoring;  // softmax | sigmoid (grouped, with the router's bias)
+  int64_t top_k;
+  bool renormalize;
+  int64_t n_group, topk_group;
+  double routed_scaling_factor;
 };
 
-// SparseMoE.forward with softmax routing, over `normed` (tokens, hidden_size): route_topk, the
-// tokens per expert (`real` marks the rows that are not a graph's padding), fused_moe_by_expert
-// over experts in panels, then the shared expert if the layer has one (`mlp`, gated or not).
-at::Tensor sparse_mlp(const LayerOps& ops, const at::Tensor& normed, const SparseLayer& layer, const at::Tensor* mlp,
-                      const std::optional<at::Tensor>& expert_tokens, const at::Tensor& real, int64_t top_k,
-                      bool renormalize) {
-  const int64_t num_experts = layer.router.size(0);
-  const at::Tensor probs = at::softmax(at::linear(normed, layer.router), -1, at::kFloat);
-  auto [topk_weights, topk_ids] = at::topk(probs, top_k, -1);
-  if (renormalize) {
-    topk_weights = topk_weights / topk_weights.sum({-1}, /*keepdim=*/true);
+// SparseMoE.route: (topk_weights (tokens, top_k) float32 or wider, topk_ids (tokens, top_k) int64).
+std::tuple<at::Tensor, at::Tensor> route(const Layer& layer, const at::Tensor& normed, const Routing& routing) {
+  const at::Tensor router = layer[kRouter];
+  if (routing.scoring == "softmax") {
+    const at::Tensor probs = at::softmax(at::linear(normed, router), -1, at::kFloat);
+    auto [topk_weights, topk_ids] = at::topk(probs, routing.top_k, -1);
+    if (routing.renormalize) {
+      topk_weights = topk_weights / topk_weights.sum({-1}, /*keepdim=*/true);
+    }
+    return {topk_weights, topk_ids};
   }
+  // sigmoid: the router multiplies in float32 at least
+  const at::ScalarType wide = at::promote_types(normed.scalar_type(), at::kFloat);
+  const at::Tensor logits = at::linear(normed.to(wide), router.to(wide));
+  const int64_t num_tokens = logits.size(0), num_experts = logits.size(1);
+  const at::Tensor scores = at::sigmoid(logits.to(at::kFloat));
+  at::Tensor biased = scores + layer[kRouterBias].to(at::kFloat);
+  const at::Tensor per_group = biased.view({num_tokens, routing.n_group, num_experts / routing.n_group});
+  const at::Tensor group_scores = std::get<0>(per_group.topk(2, -1)).sum({-1});
+  const at::Tensor best_groups = std::get<1>(group_scores.topk(routing.topk_group, -1));
+  const at::Tensor group_chosen = at::zeros_like(group_scores).scatter_(1, best_groups, 1.0);
+  const at::Tensor eligible = group_chosen.unsqueeze(-1).expand_as(per_group).reshape({num_tokens, num_experts});
+  biased = biased.masked_fill(eligible == 0, -std::numeric_limits<double>::infinity());
+  const at::Tensor topk_ids = std::get<1>(biased.topk(routing.top_k, -1));
+  at::Tensor topk_weights = scores.gather(1, topk_ids);
+  if (routing.renormalize) {
+    topk_weights = topk_weights / (topk_weights.sum({-1}, /*keepdim=*/true) + 1e-20);
+  }
+  return {topk_weights * routing.routed_scaling_factor, topk_ids};
+}
+
+// SparseMoE.forward over `normed` (tokens, hidden_size): the routing, the tokens per expert (`real`
+// marks the rows that are not a graph's padding), fused_moe_by_expert over the routed experts in
+// panels (expert e's gate/up weight gate_up[e], its down weight down[e]), then the shared expert if
+// the layer has one (gated or not).
+at::Tensor sparse_mlp(const Step& step, const Layer& layer, const at::Tensor& normed, at::TensorList gate_up,
+                      at::TensorList down, const Routing& routing, const std::optional<at::Tensor>& expert_tokens,
+                      const at::Tensor& real) {
+  const int64_t num_experts = gate_up.size();
+  const auto [topk_weights, topk_ids] = route(layer, normed, routing);
   const at::Tensor flat_ids = topk_ids.reshape(-1), flat_weights = topk_weights.reshape(-1);
   if (expert_tokens.has_value()) {
     at::Tensor counted = *expert_tokens;
@@ -125,16 +270,16 @@ at::Tensor sparse_mlp(const LayerOps& ops, const at::Tensor& normed, const Spars
   at::Tensor out = at::zeros(normed.sizes(), normed.options().dtype(sum_dtype));
   if (num_run > 0) {
     order = order.narrow(0, 0, num_run);
-    const at::Tensor rows_of = order.div(top_k, "floor");
-    const at::Tensor downs = ops.panel_experts.call(normed.index_select(0, rows_of), per_expert, layer.gate_up, layer.down);
+    const at::Tensor rows_of = order.div(routing.top_k, "floor");
+    const at::Tensor downs = step.ops.panel_experts.call(normed.index_select(0, rows_of), per_expert, gate_up, down);
     const at::Tensor weights = flat_weights.index_select(0, order).to(sum_dtype);
     out.index_add_(0, rows_of, downs.to(sum_dtype) * weights.unsqueeze(1));
   }
   out = out.to(normed.scalar_type());
-  if (mlp[kGateUpProj].defined()) {
-    at::Tensor shared = gated_mlp(ops, normed, mlp[kGateUpProj], mlp[kDownProj]);
-    if (layer.shared_gate.has_value()) {
-      shared = at::sigmoid(at::linear(normed, *layer.shared_gate)) * shared;
+  if (layer.get(kGateUpProj).has_value()) {
+    at::Tensor shared = gated_mlp(step.ops, normed, layer[kGateUpProj], layer[kDownProj]);
+    if (const std::optional<at::Tensor> gate = layer.get(kSharedGate)) {
+      shared = at::sigmoid(at::linear(normed, *gate)) * shared;
     }
     out = out + shared;
   }
@@ -142,90 +287,76 @@ at::Tensor sparse_mlp(const LayerOps& ops, const at::Tensor& normed, const Spars
 }
 
 // The stage's input hidden states (tokens, hidden_size) -> (hidden, residual) after every layer, as
-// the Python loop leaves them for the final norm. `router` names the sparse layers; their experts
-// are `experts`, layer after layer, each sparse layer's num_experts gate/up weights then as many down.
+// the Python loop leaves them for the final norm. A layer has latent attention where it has a
+// qkv_a_proj (latent_dims then gives its sizes), and is sparse where it has a router; the sparse
+// layers' routed experts are `experts`, layer after layer, each layer's num_experts (its router's
+// rows) gate/up weights, then as many down weights.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
-    const at::Tensor& hidden_in, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& mlp,
-    const c10::List<std::optional<at::Tensor>>& qkv_bias, const c10::List<std::optional<at::Tensor>>& q_norm,
-    const c10::List<std::optional<at::Tensor>>& k_norm, const c10::List<std::optional<at::Tensor>>& router,
-    const c10::List<std::optional<at::Tensor>>& shared_gate, at::TensorList experts,
-    const std::optional<at::Tensor>& expert_tokens, int64_t top_k, bool renormalize, const at::Tensor& cos,
-    const at::Tensor& sin, at::Tensor& k_caches, at::Tensor& v_caches, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-    double scale) {
-  TORCH_CHECK(k_caches.dim() == 5 && v_caches.sizes() == k_caches.sizes() && k_caches.size(0) > 0,
+    const at::Tensor& hidden_in, const c10::List<std::optional<at::Tensor>>& weights, at::TensorList experts,
+    const std::optional<at::Tensor>& expert_tokens, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor& k_caches, at::Tensor& v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+    at::IntArrayRef latent_dims, double latent_eps, c10::string_view scoring, int64_t top_k, bool renormalize,
+    int64_t n_group, int64_t topk_group, double routed_scaling_factor) {
+  TORCH_CHECK(k_caches.dim() == 5 && v_caches.dim() == 5 && k_caches.size(0) > 0 &&
+                  v_caches.size(0) == k_caches.size(0),
               "decode_layers: the caches must be (layers, num_blocks, block_size, kv_heads, head_dim) both, "
               "for at least one layer");
-  const int64_t num_layers = k_caches.size(0), head_dim = k_caches.size(4);
-  const auto per_layer = [&](const char* what, int64_t given, int64_t wanted) {
-    TORCH_CHECK(given == wanted, "decode_layers: ", wanted, " ", what, " for the caches' ", num_layers, " layers, got ",
-                given);
-  };
-  per_layer("weights (4 a layer)", int64_t(weights.size()), num_layers * kPerLayer);
-  per_layer("MLP weights (2 a layer, None where absent)", int64_t(mlp.size()), num_layers * kPerMlp);
-  per_layer("q/k/v biases (None where absent)", int64_t(qkv_bias.size()), num_layers);
-  per_layer("q norms (None where absent)", int64_t(q_norm.size()), num_layers);
-  per_layer("k norms (None where absent)", int64_t(k_norm.size()), num_layers);
-  per_layer("routers (None for a dense layer)", int64_t(router.size()), num_layers);
-  per_layer("shared expert gates (None where absent)", int64_t(shared_gate.size()), num_layers);
+  const int64_t num_layers = k_caches.size(0);
+  TORCH_CHECK(int64_t(weights.size()) == num_layers * kPerLayer, "decode_layers: ", num_layers * kPerLayer,
+              " weights (", int64_t(kPerLayer), " a layer, None where absent) for the caches' ", num_layers,
+              " layers, got ", weights.size());
+  TORCH_CHECK(hidden_in.dim() == 2, "decode_layers: hidden must be (tokens, hidden_size)");
+  TORCH_CHECK(scoring == "softmax" || scoring == "sigmoid", "decode_layers: scoring is softmax or sigmoid, not ",
+              scoring);
   int64_t num_expert_weights = 0;
-  for (int64_t layer = 0; layer < num_layers; ++layer) {
-    const std::optional<at::Tensor> layer_router = router.get(layer);
-    const bool has_mlp = mlp.get(layer * kPerMlp + kGateUpProj).has_value();
-    TORCH_CHECK(has_mlp == mlp.get(layer * kPerMlp + kDownProj).has_value(), "decode_layers: layer ", layer,
-                " has a gate/up weight or a down weight but not both");
-    TORCH_CHECK(layer_router.has_value() || has_mlp, "decode_layers: layer ", layer,
-                " is dense (no router) but has no MLP weights");
-    if (layer_router.has_value()) {
-      TORCH_CHECK(layer_router->dim() == 2, "decode_layers: layer ", layer, "'s router must be (num_experts, hidden_size)");
-      num_expert_weights += 2 * layer_router->size(0);
+  for (int64_t index = 0; index < num_layers; ++index) {
+    const Layer layer{weights, index};
+    const bool latent = layer.get(kQkvAProj).has_value();
+    TORCH_CHECK(latent != layer.get(kQkvProj).has_value(), "decode_layers: layer ", index,
+                " needs one attention: a qkv_proj or a qkv_a_proj");
+    TORCH_CHECK(!latent || int64_t(latent_dims.size()) == kLatentDims, "decode_layers: layer ", index,
+                " has latent attention but latent_dims has ", latent_dims.size(), " sizes, not ", int64_t(kLatentDims));
+    TORCH_CHECK(layer.get(kGateUpProj).has_value() == layer.get(kDownProj).has_value(), "decode_layers: layer ",
+                index, " has a gate/up weight or a down weight but not both");
+    if (const std::optional<at::Tensor> router = layer.get(kRouter)) {
+      TORCH_CHECK(router->dim() == 2, "decode_layers: layer ", index, "'s router must be (num_experts, hidden_size)");
+      TORCH_CHECK(scoring == "softmax" || layer.get(kRouterBias).has_value(), "decode_layers: layer ", index,
+                  " routes by sigmoid scores but has no bias");
+      num_expert_weights += 2 * router->size(0);
+    } else {
+      TORCH_CHECK(layer.get(kGateUpProj).has_value(), "decode_layers: layer ", index,
+                  " is dense (no router) but has no MLP weights");
     }
   }
   TORCH_CHECK(int64_t(experts.size()) == num_expert_weights, "decode_layers: the routers name ", num_expert_weights,
               " expert weights (a gate/up and a down per expert), got ", experts.size());
-  TORCH_CHECK(hidden_in.dim() == 2, "decode_layers: hidden must be (tokens, hidden_size)");
-  TORCH_CHECK(cos.size(-1) == head_dim, "decode_layers: cos/sin rows of ", cos.size(-1), " for heads of ", head_dim);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const LayerOps& ops = LayerOps::get();
+  const Step step{LayerOps::get(), cos, sin, slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, eps, scale};
+  const Routing routing{scoring, top_k, renormalize, n_group, topk_group, routed_scaling_factor};
   // A graph's padding rows write to the scratch block 0: the tokens per expert count only the others.
   const at::Tensor real = slot_mapping >= k_caches.size(2);
   at::Tensor hidden = hidden_in, normed, summed;
   std::optional<at::Tensor> residual;  // none before the first layer
   int64_t next_expert = 0;
-  for (int64_t layer = 0; layer < num_layers; ++layer) {
-    const at::Tensor* layer_weights = weights.data() + layer * kPerLayer;
-    std::tie(normed, summed) = ops.rms_norm.call(hidden, residual, layer_weights[kInputNorm], eps);
+  for (int64_t index = 0; index < num_layers; ++index) {
+    const Layer layer{weights, index};
+    std::tie(normed, summed) = step.ops.rms_norm.call(hidden, residual, layer[kInputNorm], eps);
     residual = residual.has_value() ? summed : hidden;  // the op returns an empty sum without a residual
-    const at::Tensor qkv = ops.panel_linear.call(normed, layer_weights[kQkvProj], qkv_bias.get(layer));
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({-1, num_heads, head_dim});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({-1, num_kv_heads, head_dim});
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({-1, num_kv_heads, head_dim});
-    const std::optional<at::Tensor> q_weight = q_norm.get(layer), k_weight = k_norm.get(layer);
-    TORCH_CHECK(q_weight.has_value() == k_weight.has_value(), "decode_layers: layer ", layer,
-                " has a norm for q's heads or for k's but not both");
-    if (q_weight.has_value()) {
-      q = head_norm(ops, q, *q_weight, eps);
-      k = head_norm(ops, k, *k_weight, eps);
-    }
-    std::tie(q, k) = ops.apply_rotary.call(q, k, cos, sin);
-    at::Tensor k_cache = k_caches.select(0, layer), v_cache = v_caches.select(0, layer);
-    ops.write_kv.call(k, v, k_cache, v_cache, slot_mapping);
-    const at::Tensor attn = ops.decode_attention.call(q, k_cache, v_cache, block_tables, seq_lens, scale);
-    hidden = ops.panel_linear.call(attn.reshape({-1, q_size}), layer_weights[kOProj], std::nullopt);
-    std::tie(normed, summed) = ops.rms_norm.call(hidden, residual, layer_weights[kPostAttentionNorm], eps);
+    at::Tensor k_cache = k_caches.select(0, index), v_cache = v_caches.select(0, index);
+    const at::Tensor attn = layer.get(kQkvAProj).has_value()
+                                ? latent_attention(step, layer, normed, k_cache, latent_dims, latent_eps)
+                                : per_head_attention(step, layer, normed, k_cache, v_cache);
+    hidden = panel_linear(step.ops, attn, layer[kOProj]);
+    std::tie(normed, summed) = step.ops.rms_norm.call(hidden, residual, layer[kPostAttentionNorm], eps);
     residual = summed;
-    const at::Tensor layer_mlp[kPerMlp] = {mlp.get(layer * kPerMlp + kGateUpProj).value_or(at::Tensor()),
-                                           mlp.get(layer * kPerMlp + kDownProj).value_or(at::Tensor())};
-    const std::optional<at::Tensor> layer_router = router.get(layer);
-    if (layer_router.has_value()) {
-      const int64_t num_experts = layer_router->size(0);
-      const std::optional<at::Tensor> gate = shared_gate.get(layer);
-      const SparseLayer sparse{*layer_router, experts.slice(next_expert, num_experts),
-                               experts.slice(next_expert + num_experts, num_experts), gate};
+    if (const std::optional<at::Tensor> router = layer.get(kRouter)) {
+      const int64_t num_experts = router->size(0);
+      const at::TensorList gate_up = experts.slice(next_expert, num_experts);
+      const at::TensorList down = experts.slice(next_expert + num_experts, num_experts);
       next_expert += 2 * num_experts;
-      hidden = sparse_mlp(ops, normed, sparse, layer_mlp, expert_tokens, real, top_k, renormalize);
+      hidden = sparse_mlp(step, layer, normed, gate_up, down, routing, expert_tokens, real);
     } else {
-      hidden = gated_mlp(ops, normed, layer_mlp[kGateUpProj], layer_mlp[kDownProj]);
+      hidden = gated_mlp(step.ops, normed, layer[kGateUpProj], layer[kDownProj]);
     }
   }
   return {hidden, *residual};
@@ -235,11 +366,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 
 TORCH_LIBRARY_FRAGMENT(graphrt, m) {
   m.def(
-      "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] mlp, Tensor?[] qkv_bias, Tensor?[] q_norm, "
-      "Tensor?[] k_norm, Tensor?[] router, Tensor?[] shared_gate, Tensor[] experts, Tensor(c!)? expert_tokens, "
-      "int top_k, bool renormalize, Tensor cos, Tensor sin, Tensor(a!) k_caches, Tensor(b!) v_caches, "
-      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float eps, "
-      "float scale) -> (Tensor, Tensor)");
+      "decode_layers(Tensor hidden, Tensor?[] weights, Tensor[] experts, Tensor(c!)? expert_tokens, Tensor cos, "
+      "Tensor sin, Tensor(a!) k_caches, Tensor(b!) v_caches, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale, int[] latent_dims, float latent_eps, "
+      "str scoring, int top_k, bool renormalize, int n_group, int topk_group, float routed_scaling_factor) "
+      "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(graphrt, CPU, m) {

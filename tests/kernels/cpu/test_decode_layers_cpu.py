@@ -1,8 +1,9 @@
 """A CPU decode step's layers in one call (graphrt::decode_layers, kernels/cpu/csrc/decode_layers_cpu.cpp):
 bitwise what the Python loop over DecoderLayer.forward computes, logits, KV cache and tokens per
-expert alike, for plain Llama, Qwen2's q/k/v bias, Qwen3's per-head norms and the mixtures of
-experts with softmax routing (Mixtral, Qwen2-MoE's gated shared expert, Qwen3-MoE, dense and
-sparse layers mixed); taken only where every op is compiled and every matmul is in panels."""
+expert alike, for plain Llama, Qwen2's q/k/v bias, Qwen3's per-head norms, the mixtures of experts
+(Mixtral, Qwen2-MoE's gated shared expert, Qwen3-MoE, dense and sparse layers mixed) and
+DeepSeek-V3's latent attention and grouped sigmoid routing (its layout and Kimi K2's); taken only
+where every op is compiled and every matmul is in panels."""
 
 from __future__ import annotations
 
@@ -82,7 +83,10 @@ def forward(llm: LLM, token_ids: torch.Tensor, meta: StepMetadata, one_call: boo
 
 # Qwen3-MoE with layers 0 and 2 dense, experts whose gate/up halves are whole panels (32 columns).
 MIXED_LAYERS = ("qwen3-moe-dense-first", {"moe_intermediate_size": 32})
-ONE_CALL_VARIANTS = ["llama-gqa-tied", "qwen2-qkv-bias", "qwen3-qk-norm", "mixtral", "qwen2-moe", "qwen3-moe", MIXED_LAYERS]
+ONE_CALL_VARIANTS = [
+    "llama-gqa-tied", "qwen2-qkv-bias", "qwen3-qk-norm", "mixtral", "qwen2-moe", "qwen3-moe", MIXED_LAYERS, "deepseek-v3",
+    "deepseek-kimi-layout",
+]
 
 
 def model_of(variant, tiny_model_factory, tmp_path):
@@ -153,31 +157,40 @@ def test_the_op_names_what_a_call_lacks(tiny_model_factory, monkeypatch):
     stage, cache = llm.engine.pipeline.stages[0], llm.engine.pipeline.caches[0]
     token_ids, meta = decode_step(llm)
     layers = stage.layers
-    weights = [getattr(layer, name) for layer in layers for name in stage_kernels.DECODE_LAYER_WEIGHTS]
-    mlp = [w for layer in layers for w in (layer.gate_up_proj, layer.down_proj)]
-    nones = [None] * len(layers)
-    norms = [layer.input_norm for layer in layers]  # refused before any shape is read
+    weights = [w for layer in layers for w in stage_kernels.layer_weights(layer)]
+    per_layer = len(weights) // len(layers)
+    slot = stage_kernels.LAYER_WEIGHTS.index
 
-    def call(weights, mlp=mlp, q_norm=nones, k_norm=nones, router=nones, experts=()):
+    def call(weights, experts=(), latent_dims=(), scoring="softmax"):
         torch.ops.graphrt.decode_layers(
-            torch.randn(len(CONTEXTS), stage.cfg.hidden_size), weights, mlp, nones, q_norm, k_norm, router, nones,
-            list(experts), None, 2, True, stage.cos[meta.positions], stage.sin[meta.positions], cache.k, cache.v,
-            meta.slot_mapping, meta.block_tables, meta.seq_lens, stage.cfg.num_heads, stage.cfg.num_kv_heads,
-            stage.cfg.rms_norm_eps, layers[0].scale,
+            torch.randn(len(CONTEXTS), stage.cfg.hidden_size), weights, list(experts), None, stage.cos[meta.positions],
+            stage.sin[meta.positions], cache.k, cache.v, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            stage.cfg.num_heads, stage.cfg.num_kv_heads, stage.cfg.rms_norm_eps, layers[0].scale, list(latent_dims), 1e-6,
+            scoring, 2, True, 1, 1, 1.0,
         )
 
+    def with_weight(layer: int, offset: int, weight):
+        changed = list(weights)
+        changed[layer * per_layer + offset] = weight
+        return changed
+
     num_layers = len(layers)
-    with pytest.raises(RuntimeError, match=f"{4 * num_layers} weights \\(4 a layer\\) for the caches' {num_layers} layers, got 2"):
+    with pytest.raises(RuntimeError, match=f"{per_layer * num_layers} weights \\({per_layer} a layer, None where absent\\) "
+                                           f"for the caches' {num_layers} layers, got 2"):
         call(weights[:2])
     with pytest.raises(RuntimeError, match="layer 0 has a norm for q's heads or for k's but not both"):
-        call(weights, q_norm=norms)
+        call(with_weight(0, slot("q_norm"), layers[0].input_norm))
     with pytest.raises(RuntimeError, match="layer 1 has a gate/up weight or a down weight but not both"):
-        call(weights, mlp=mlp[:3] + [None] + mlp[4:])
-    with pytest.raises(RuntimeError, match="layer 0 is dense \\(no router\\) but has no MLP weights"):
-        call(weights, mlp=[None, None] + mlp[2:])
-    routers = [torch.zeros(4, stage.cfg.hidden_size)] + nones[1:]
+        call(with_weight(1, slot("gate_up"), None))
+    with pytest.raises(RuntimeError, match="layer 0 lacks weight 0 \\(the LayerWeight enum\\)"):
+        call(with_weight(0, 0, None))
+    with pytest.raises(RuntimeError, match="scoring is softmax or sigmoid, not cosine"):
+        call(weights, scoring="cosine")
+    router = slot("moe.router")
     with pytest.raises(RuntimeError, match="the routers name 8 expert weights \\(a gate/up and a down per expert\\), got 0"):
-        call(weights, router=routers)
+        call(with_weight(0, router, torch.zeros(4, stage.cfg.hidden_size)))
+    with pytest.raises(RuntimeError, match="layer 0 routes by sigmoid scores but has no bias"):
+        call(with_weight(0, router, torch.zeros(4, stage.cfg.hidden_size)), scoring="sigmoid")
 
 
 @pytest.mark.usefixtures("built_cpu_kernels")
