@@ -217,22 +217,27 @@ def test_the_python_loop_ends_gate_up_in_silu_and_mul_where_that_op_is_compiled(
 
 
 @pytest.mark.usefixtures("built_cpu_kernels")
-def test_two_stages_in_one_call_each_generate_what_one_stage_does(tiny_model_factory, monkeypatch):
+@pytest.mark.parametrize("variant", ["llama-gqa-tied", "qwen2-moe", "deepseek-v3"])
+def test_two_stages_in_one_call_each_generate_what_one_stage_and_the_loop_do(tiny_model_factory, monkeypatch, variant):
+    """Through the engine (graphs' padding rows, the ring, KV over several blocks): one stage and two
+    in one call each, and one stage in the Python loop, greedy alike."""
     if not can_use_panels(CPU, torch.float32):
         pytest.skip("the panel matmuls don't run on this CPU")
-    monkeypatch.setenv("GRAPHRT_CPU_KERNELS", "compiled")
     monkeypatch.setenv("GRAPHRT_MATMUL", "panel")
     prompts = [[5, 9, 2, 41], list(range(3, 40)), [7] * 20]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = {}
-    for pp in (1, 2):
-        llm = LLM(model=tiny_model_factory(), pp=pp, dtype="float32", kv_cache_tokens=1024, block_size=16)
+    for pp, kernels in ((1, "compiled"), (2, "compiled"), (1, "compiled,decode_layers=off")):
+        monkeypatch.setenv("GRAPHRT_CPU_KERNELS", kernels)
+        llm = LLM(model=tiny_model_factory(variant), pp=pp, dtype="float32", kv_cache_tokens=1024, block_size=16)
         try:
-            assert all(stage.decode_layers_in_one_call() for stage in llm.engine.pipeline.stages)
-            outputs[pp] = [out.token_ids for out in llm.generate(prompts, params)]
+            one_call = "off" not in kernels
+            assert all(stage.decode_layers_in_one_call() is one_call for stage in llm.engine.pipeline.stages)
+            outputs[pp, one_call] = [out.token_ids for out in llm.generate(prompts, params)]
         finally:
             llm.engine.close()
-    assert outputs[1] == outputs[2] and all(len(tokens) == 12 for tokens in outputs[1])
+    assert outputs[1, True] == outputs[2, True] == outputs[1, False]
+    assert all(len(tokens) == 12 for tokens in outputs[1, True])
 
 
 @pytest.mark.usefixtures("built_cpu_kernels")
