@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import types
 from typing import Callable
 
 import torch
@@ -39,12 +40,12 @@ Stage = nn.Module
 # graphrt::decode_layers (csrc/decode_layers_cpu.cpp) runs a decode step's layers with the
 # DECODE_LAYER_OPS, compiled, and each layer's weights in this order (its LayerWeight enum; None
 # where the layer has none), every matmul's in panels, a gate/up's with whole panels of up columns
-# (it ends in silu_and_mul). gate_up and down: the dense MLP's, or a sparse layer's shared expert.
+# (it ends in silu_and_mul). The mlp's: the dense MLP's, or a sparse layer's shared expert.
 LAYER_WEIGHTS = (
     "input_norm", "post_attention_norm", "o_proj",
     "qkv_proj", "qkv_bias", "q_norm", "k_norm",  # attention over keys and values per head
     "mla.qkv_a_proj", "mla.q_a_norm", "mla.q_b_proj", "mla.kv_a_norm", "mla.kv_b_proj",  # latent attention
-    "gate_up", "down",
+    "mlp.gate_up", "mlp.down",
     "moe.router", "moe.e_score_correction_bias", "moe.shared_expert_gate",
 )
 
@@ -164,13 +165,19 @@ def bind_decode_layers(stage: Stage) -> Callable | None:
     if not layers or not all(runs_layer(layer, stage.dtype) for layer in layers):
         return None
     weights = [weight for layer in layers for weight in layer_weights(layer)]
-    experts = [w for layer in layers if layer.moe is not None for w in (*layer.moe.experts_gate_up.weights, *layer.moe.experts_down.weights)]
+    sparse = [layer.moe for layer in layers if layer.moe is not None]
+    experts = [w for moe in sparse for w in (*moe.experts_gate_up.weights, *moe.experts_down.weights)]
     cfg = stage.cfg
     mla, moe = cfg.mla, cfg.moe
-    scale = mla.softmax_scale if mla is not None else layers[0].scale
-    latent_dims = [layers[0].mla.q_a_size, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim] if mla else []
-    scoring, top_k, renormalize = (moe.scoring, moe.num_experts_per_tok, moe.norm_topk_prob) if moe else ("softmax", 0, False)
-    n_group, topk_group, routed_scaling = (moe.n_group, moe.topk_group, moe.routed_scaling_factor) if moe and moe.scoring == "sigmoid" else (1, 1, 1.0)
+    scale, latent_dims = layers[0].scale, []
+    if mla is not None:
+        scale = mla.softmax_scale
+        latent_dims = [layers[0].mla.q_a_size, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim]
+    scoring, top_k, renormalize, n_group, topk_group, routed_scaling = "softmax", 0, False, 1, 1, 1.0
+    if moe is not None:
+        scoring, top_k, renormalize = moe.scoring, moe.num_experts_per_tok, moe.norm_topk_prob
+        if moe.scoring == "sigmoid":
+            n_group, topk_group, routed_scaling = moe.n_group, moe.topk_group, moe.routed_scaling_factor
 
     def run(hidden, meta, cos, sin, kv) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ops.graphrt.decode_layers(
@@ -184,27 +191,26 @@ def bind_decode_layers(stage: Stage) -> Callable | None:
 
 def layer_weights(layer: nn.Module) -> list[torch.Tensor | None]:
     """A layer's weights as graphrt::decode_layers takes them (LAYER_WEIGHTS), None where absent."""
-    mla, moe = layer.mla, layer.moe
-    mlp = {"gate_up": moe.shared_gate_up_proj, "down": moe.shared_down_proj} if moe else {"gate_up": layer.gate_up_proj, "down": layer.down_proj}
-    owners = {"": layer, "mla.": mla, "moe.": moe}
-    weights = []
-    for name in LAYER_WEIGHTS:
-        if name in mlp:
-            weights.append(mlp[name])
-            continue
-        prefix, attr = (name[:4], name[4:]) if name[:4] in owners else ("", name)
-        owner = owners[prefix]
-        weights.append(getattr(owner, attr) if owner is not None else None)
-    return weights
+    moe = layer.moe
+    mlp = types.SimpleNamespace(
+        gate_up=layer.gate_up_proj if moe is None else moe.shared_gate_up_proj,
+        down=layer.down_proj if moe is None else moe.shared_down_proj,
+    )
+    owners = {"": layer, "mla": layer.mla, "moe": moe, "mlp": mlp}
+
+    def weight(name: str) -> torch.Tensor | None:
+        owner, _, attr = name.rpartition(".")
+        return None if owners[owner] is None else getattr(owners[owner], attr)
+
+    return [weight(name) for name in LAYER_WEIGHTS]
 
 
 def runs_layer(layer: nn.Module, dtype: torch.dtype) -> bool:
     """Whether graphrt::decode_layers runs this layer: every matmul weight in panels (latent
     attention's kv_b_proj, read per head by bmm, stays dense), its MLP a gated one in panels or a
     sparse layer it runs."""
-    mla = layer.mla
-    projections = [layer.o_proj] + ([mla.qkv_a_proj] + ([mla.q_b_proj] if mla.q_b_proj is not None else []) if mla else [layer.qkv_proj])
-    if not all(weight.dim() == 4 for weight in projections):
+    attention = [layer.qkv_proj] if layer.mla is None else [layer.mla.qkv_a_proj, layer.mla.q_b_proj]
+    if not all(weight.dim() == 4 for weight in (layer.o_proj, *attention) if weight is not None):
         return False
     if layer.moe is not None:
         return runs_sparse_layer(layer.moe, dtype)

@@ -181,7 +181,7 @@ def test_the_op_names_what_a_call_lacks(tiny_model_factory, monkeypatch):
     with pytest.raises(RuntimeError, match="layer 0 has a norm for q's heads or for k's but not both"):
         call(with_weight(0, slot("q_norm"), layers[0].input_norm))
     with pytest.raises(RuntimeError, match="layer 1 has a gate/up weight or a down weight but not both"):
-        call(with_weight(1, slot("gate_up"), None))
+        call(with_weight(1, slot("mlp.gate_up"), None))
     with pytest.raises(RuntimeError, match="layer 0 lacks weight 0 \\(the LayerWeight enum\\)"):
         call(with_weight(0, 0, None))
     with pytest.raises(RuntimeError, match="scoring is softmax or sigmoid, not cosine"):
