@@ -50,6 +50,7 @@ from graphrt.errors import GraphrtError
 from graphrt.kernels.cpu.kernel_choice import choose_greedy_argmax
 from graphrt.kernels.cpu.kernel_choice import mode_from_env as cpu_kernel_mode_from_env
 from graphrt.kernels.cpu.matmul_choice import mode_from_env
+from graphrt.kernels.cpu.stage_kernels import choose_matmuls
 from graphrt.model.config import ModelConfig
 from graphrt.model.kv_cache import StageKVCache
 from graphrt.model.moe import ExpertShard
@@ -59,7 +60,7 @@ from graphrt.profiling.timeline import Timeline
 from graphrt.runtime.logprobs import score_rows
 from graphrt.runtime.pipeline import partition_layers
 from graphrt.runtime.sampler import Sampler
-from graphrt.runtime.stage_builder import choose_stage_kernels, load_stage
+from graphrt.runtime.stage_builder import choose_stage_ops, load_stage
 
 DEFAULT_WATCHDOG_S = 30.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
@@ -127,14 +128,11 @@ class StageWorker:
         )
         if link.ep > 1:
             self.stage.combine_experts_with(link.combine_experts, Ranges())
-        if self.leads:
-            self.kernels = choose_stage_kernels(self.stage, max(plan.buckets), plan.block_size, mode_from_env(), cpu_kernel_mode_from_env())
-        else:  # the leader's choices, so that the replicated work runs (and rounds) alike on every rank
-            matmuls, ops = link.leader_kernels()
-            self.kernels = choose_stage_kernels(
-                self.stage, max(plan.buckets), plan.block_size, mode_from_env(), cpu_kernel_mode_from_env(),
-                previous_matmuls=matmuls.by_name(), cached_ops=ops,
-            )
+        # The leader's choices on its other expert ranks, so that the replicated work runs (and rounds) alike on every rank.
+        leader_matmuls, leader_ops = (None, None) if self.leads else link.leader_kernels()
+        max_rows = max(plan.buckets)
+        matmuls = choose_matmuls(self.stage, max_rows, mode_from_env(), leader_matmuls.by_name() if leader_matmuls else None)
+        self.kernels = choose_stage_ops(self.stage, matmuls, max_rows, plan.block_size, cpu_kernel_mode_from_env(), leader_ops)
         if link.ep > 1:
             link.publish_kernels(self.kernels)
         self.cache = StageKVCache.allocate(cfg, len(plan.layers[index]), plan.num_blocks, plan.block_size, device, dtype)

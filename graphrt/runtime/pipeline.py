@@ -9,13 +9,14 @@ from graphrt.kernels.cpu.forcing import ForcedModes
 from graphrt.kernels.cpu.kernel_choice import CpuKernelChoice
 from graphrt.kernels.cpu.kernel_choice import mode_from_env as cpu_kernel_mode_from_env
 from graphrt.kernels.cpu.matmul_choice import MatmulChoice, MatmulPlan, mode_from_env, summarize
+from graphrt.kernels.cpu.stage_kernels import choose_matmuls, runs_silu_and_mul_alone
 from graphrt.model.batch import StepMetadata
 from graphrt.model.config import ModelConfig
 from graphrt.model.kv_cache import StageKVCache
 from graphrt.model.llama import Stage
 from graphrt.model.weight_reads import WeightReads, head_read_elements, layer_read_elements
 from graphrt.model.weights import WeightFiles
-from graphrt.runtime.stage_builder import StageKernels, choose_stage_kernels, load_stage
+from graphrt.runtime.stage_builder import StageKernels, choose_stage_ops, load_stage
 
 
 def partition_layers(cfg: ModelConfig, pp: int, decode_rows: int = 1) -> list[range]:
@@ -118,16 +119,22 @@ class Pipeline:
         matmul_mode = mode_from_env() if matmul_mode is None else matmul_mode
         cpu_mode = cpu_kernel_mode_from_env() if cpu_mode is None else cpu_mode
         known: dict[torch.device, dict[str, MatmulChoice]] = {}
-        cpu_choices: dict[torch.device, CpuKernelChoice] = {}
-        self.kernels = []
+        plans = []
         for position, stage in enumerate(self.stages):
             previous = dict(known.get(stage.device, {}))
             if cached_matmuls is not None and position < len(cached_matmuls):
                 previous.update(cached_matmuls[position].by_name())
-            chosen = choose_stage_kernels(
-                stage, max_rows, block_size, matmul_mode, cpu_mode, previous, cached_ops, cpu_choices.get(stage.device)
+            plans.append(choose_matmuls(stage, max_rows, matmul_mode, previous))
+            known.setdefault(stage.device, {}).update(plans[-1].by_name())
+        # Then the ops, once per device, knowing the forms every stage there runs.
+        cpu_choices: dict[torch.device, CpuKernelChoice] = {}
+        self.kernels = []
+        for stage, plan in zip(self.stages, plans):
+            on_device = [s for s in self.stages if s.device == stage.device]
+            silu_alone = stage.device.type != "cpu" or any(map(runs_silu_and_mul_alone, on_device))
+            chosen = choose_stage_ops(
+                stage, plan, max_rows, block_size, cpu_mode, cached_ops, cpu_choices.get(stage.device), silu_alone
             )
-            known.setdefault(stage.device, {}).update(chosen.matmuls.by_name())
             if chosen.cpu is not None:
                 cpu_choices[stage.device] = chosen.cpu
             self.kernels.append(chosen)

@@ -1,8 +1,9 @@
 """One way to build a pipeline stage, for rank 0 (every stage of an in-process pipeline, stage 0
 under --procs) and for each stage process (graphrt.distributed.worker) alike: load the stage's
-weights (`load_stage`), then choose what it runs (`choose_stage_kernels`): its kernel set's
-matmuls on every weight shape and, on a CPU, the kernels the CPU wing chooses and the weight forms
-they read (graphrt.kernels.cpu). Capture (graphrt.capture.capture.capture_stage) comes after.
+weights (`load_stage`), then choose what it runs: its kernel set's matmuls on every weight shape
+(graphrt.kernels.cpu.stage_kernels.choose_matmuls) and, on a CPU, the kernels the CPU wing chooses
+for its ops (`choose_stage_ops`), which read the weight forms chosen (graphrt.kernels.cpu). Capture
+(graphrt.capture.capture.capture_stage) comes after.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import torch
 from graphrt.kernels import kernel_set
 from graphrt.kernels.cpu.forcing import ForcedModes
 from graphrt.kernels.cpu.kernel_choice import CpuKernelChoice, LayerShapes, choose_cpu_kernels
-from graphrt.kernels.cpu.matmul_choice import MatmulChoice, MatmulPlan
-from graphrt.kernels.cpu.stage_kernels import choose_matmuls, cpu_kernel_set, gate_ups_end_in_silu
+from graphrt.kernels.cpu.matmul_choice import MatmulPlan
+from graphrt.kernels.cpu.stage_kernels import cpu_kernel_set, runs_silu_and_mul_alone
 from graphrt.model.config import ModelConfig
 from graphrt.model.llama import Stage
 from graphrt.model.moe import WHOLE, ExpertShard
@@ -38,34 +39,36 @@ def load_stage(
 ) -> Stage:
     """Stage `index` of `num_stages`, holding `layers` (of their routed experts, the `shard`'s; on the
     last stage the LM head unless not `head`), its weights loaded onto `device`; it runs the
-    `kernels` set (--kernels) until `choose_stage_kernels`."""
+    `kernels` set (--kernels) until `choose_stage_ops`."""
     stage = Stage(cfg, index, num_stages, layers, device, dtype, max_position, kernel_set(kernels, device.type), shard, head)
     stage.load(files)
     return stage
 
 
-def choose_stage_kernels(
+def choose_stage_ops(
     stage: Stage,
+    matmuls: MatmulPlan,
     max_rows: int,
     block_size: int,
-    matmul_mode: ForcedModes | str,
     cpu_mode: ForcedModes | str,
-    previous_matmuls: dict[str, MatmulChoice] | None = None,
     cached_ops: dict[str, str] | None = None,
     cpu_choice: CpuKernelChoice | None = None,
+    silu_alone: bool | None = None,
 ) -> StageKernels:
-    """Choose and apply what `stage` runs at up to `max_rows` decode rows: the matmul form of each
-    weight shape (`matmul_mode` forcing, `previous_matmuls` reused by shape name), then on a CPU
-    the kernel of each op (`cpu_mode` forcing, `cached_ops` the graph cache's, or `cpu_choice`
-    already made for another stage on the same device)."""
-    plan = choose_matmuls(stage, max_rows, matmul_mode, previous_matmuls)
+    """After its matmul forms (`choose_matmuls`, whose plan is `matmuls`), what `stage` runs at up to
+    `max_rows` decode rows: on a CPU the kernel of each op (`cpu_mode` forcing, `cached_ops` the graph
+    cache's, or `cpu_choice` already made for another stage on the same device); a CUDA stage its
+    kernel set's. `silu_alone`: whether some stage on the device runs SiLU-and-mul as an op of its own
+    (`runs_silu_and_mul_alone`; None: this stage, alone on its device); where none does, that op is
+    not timed."""
     if stage.device.type != "cpu":
         stage.use_kernels(stage.ops)  # a CUDA stage keeps its kernel set's (--kernels), over its new weights
-        return StageKernels(plan, None)
+        return StageKernels(matmuls, None)
     if cpu_choice is None:
+        silu_alone = runs_silu_and_mul_alone(stage) if silu_alone is None else silu_alone
         cpu_choice = choose_cpu_kernels(
             LayerShapes.of(stage.cfg), block_size, stage.dtype, stage.device, max_rows, cpu_mode, cached=cached_ops,
-            fused_silu=gate_ups_end_in_silu(stage),
+            fused_silu=not silu_alone,
         )
     stage.use_kernels(cpu_kernel_set(stage.ops, cpu_choice))
-    return StageKernels(plan, cpu_choice)
+    return StageKernels(matmuls, cpu_choice)

@@ -24,6 +24,7 @@ from graphrt.capture.cuda_info import driver_version
 from graphrt.config import EngineConfig
 from graphrt.kernels.cpu.info import cpu_bf16_support, cpu_model_name
 from graphrt.kernels.cpu.kernel_choice import LayerShapes, choose_cpu_kernels, choose_greedy_argmax
+from graphrt.kernels.cpu.linear import PANEL_WIDTH
 from graphrt.kernels.cpu.matmul_choice import measure_shapes
 from graphrt.kernels.cpu.openmp import LoadWatch
 from graphrt.profiling.nvtx import find_backend
@@ -170,8 +171,12 @@ def cpu_report(measure: bool = True) -> list[str]:
         for dtype in (torch.float32, torch.bfloat16) if bf16 else (torch.float32,):
             plan = measure_shapes(DEFAULT_MODEL_MATMULS, dtype, (1, CPU_DEFAULT_MAX_BATCH))
             lines.append(f"    {str(dtype).removeprefix('torch.')}: {plan.summary()}")
+            # As a stage decides: SiLU-and-mul is timed only where gate/up does not end in it (in panels).
+            gate_up_rows = DEFAULT_MODEL_MATMULS["gate_up_proj"][0]
+            fused_silu = plan.by_name()["gate_up_proj"].path == "panel" and gate_up_rows % (2 * PANEL_WIDTH) == 0
             kernels = choose_cpu_kernels(
-                DEFAULT_MODEL_LAYER, EngineConfig.block_size, dtype, torch.device("cpu"), CPU_DEFAULT_MAX_BATCH
+                DEFAULT_MODEL_LAYER, EngineConfig.block_size, dtype, torch.device("cpu"), CPU_DEFAULT_MAX_BATCH,
+                fused_silu=fused_silu,
             )
             lines.append(f"    {str(dtype).removeprefix('torch.')}: {kernels.summary()}")
         vocab_size = DEFAULT_MODEL_MATMULS["lm_head"][0]

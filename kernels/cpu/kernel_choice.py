@@ -288,7 +288,8 @@ def choose_cpu_kernels(
     `fused_silu`: every gate/up matmul of the stage is in panels that end in silu_and_mul's compiled
     row function (kernels/cpu/linear.py), so the op alone never runs and is not timed: compiled
     (unless forced), which lets a decode step's layers run in one call. Timed alone it lost a
-    Qwen3-MoE model that call (0.019 against 0.015 ms at 32 rows), worth 1.2-1.7x its decode."""
+    Qwen3-MoE model that call (0.019 against 0.015 ms at 32 rows), worth 1.25x its decode at 32
+    rows and 1.55x at one (benchmarks/results.md)."""
     if device.type != "cpu":
         raise ValueError(f"only a CPU stage chooses its CPU kernels; a {device.type} stage runs its kernel set's")
     modes = as_forced(mode)

@@ -217,19 +217,13 @@ def runs_layer(layer: nn.Module, dtype: torch.dtype) -> bool:
     return is_gated_mlp_in_panels(layer.gate_up_proj, layer.down_proj)
 
 
-def gate_ups_end_in_silu(stage: Stage) -> bool:
-    """Whether every gate/up weight of the stage (dense MLPs', shared and routed experts') is in
-    panels whose halves are whole panels: with silu_and_mul compiled each ends in it in one pass, so
-    the op alone never runs (kernel_choice.choose_cpu_kernels' fused_silu). False without any."""
-    weights = []
-    for layer in stage.layers:
-        if layer.moe is None:
-            weights.append(layer.gate_up_proj)
-            continue
-        if layer.moe.shared_gate_up_proj is not None:
-            weights.append(layer.moe.shared_gate_up_proj)
-        weights += list(layer.moe.experts_gate_up)
-    return bool(weights) and all(w.dim() == 4 and w.shape[0] % 2 == 0 for w in weights)
+def runs_silu_and_mul_alone(stage: Stage) -> bool:
+    """Whether some gate/up matmul of the stage would run the set's silu_and_mul as an op of its own:
+    a dense MLP's or shared expert's not in panels of whole halves (those end in it in the matmul's
+    pass, where it is compiled). Routed experts never call the op (kernels/cpu/moe.py), so for a
+    stage of routed experts alone it never runs (kernel_choice.choose_cpu_kernels' fused_silu)."""
+    gate_ups = [layer.gate_up_proj if layer.moe is None else layer.moe.shared_gate_up_proj for layer in stage.layers]
+    return any(w.dim() != 4 or w.shape[0] % 2 for w in gate_ups if w is not None)
 
 
 def is_gated_mlp_in_panels(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -243,6 +237,7 @@ def runs_sparse_layer(moe: nn.Module, dtype: torch.dtype) -> bool:
     and no all-reduce over expert ranks (--ep keeps the loop)."""
     shared_in_panels = moe.shared_gate_up_proj is None or is_gated_mlp_in_panels(moe.shared_gate_up_proj, moe.shared_down_proj)
     return (
-        moe.combine is None and moe.router.dim() == 2 and not moe.router.is_mkldnn
+        moe.combine is None and len(moe.experts) == moe.router.shape[0]  # every routed expert here: no --ep shard
+        and moe.router.dim() == 2 and not moe.router.is_mkldnn
         and in_panels(moe.experts_gate_up, moe.experts_down, dtype) and shared_in_panels
     )

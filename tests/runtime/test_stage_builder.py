@@ -13,12 +13,13 @@ import torch
 import graphrt
 from graphrt.capture.buckets import BucketPlan
 from graphrt.capture.capture import capture_stage
+from graphrt.kernels.cpu.stage_kernels import choose_matmuls
 from graphrt.kernels.torch_ops import TORCH
 from graphrt.model.config import ModelConfig
 from graphrt.model.kv_cache import StageKVCache
 from graphrt.model.weights import WeightFiles
 from graphrt.runtime.pipeline import partition_layers
-from graphrt.runtime.stage_builder import choose_stage_kernels, load_stage
+from graphrt.runtime.stage_builder import choose_stage_ops, load_stage
 
 PACKAGE = Path(graphrt.__file__).parent
 CPU = torch.device("cpu")
@@ -48,7 +49,7 @@ def calls_in(path: Path) -> set[str]:
 
 
 def test_rank_0_and_every_stage_process_build_a_stage_with_the_same_functions():
-    builders = {"load_stage", "choose_stage_kernels", "capture_stage"}
+    builders = {"load_stage", "choose_matmuls", "choose_stage_ops", "capture_stage"}
     worker = calls_in(PACKAGE / "distributed" / "worker.py")
     rank_0 = calls_in(PACKAGE / "runtime" / "pipeline.py") | calls_in(PACKAGE / "distributed" / "remote.py") | calls_in(
         PACKAGE / "engine" / "engine.py"
@@ -67,7 +68,7 @@ def test_a_stage_built_and_captured_as_the_worker_does_leaves_its_kv_cache_zeroe
     cfg = ModelConfig.from_dir(model)
     layers = partition_layers(cfg, 2)[rank]
     stage = load_stage(cfg, rank, 2, layers, CPU, torch.float32, 64, "torch", WeightFiles(model))
-    chosen = choose_stage_kernels(stage, 4, 16, "dense", "torch")
+    chosen = choose_stage_ops(stage, choose_matmuls(stage, 4, "dense"), 4, 16, "torch")
     assert chosen.cpu is not None and set(chosen.cpu.paths.values()) == {"torch"} and stage.ops.name == TORCH.name
     cache = StageKVCache.allocate(cfg, len(layers), 8, 16, CPU, torch.float32)
     written = []

@@ -53,17 +53,20 @@ def test_doctor_times_the_cpu_kernels_on_the_team_busy_neighbours_leave(monkeypa
         clock["busy"] += 0.3
         return watch
 
-    timed_on = []
+    timed_on, keywords = [], []
 
     def spy(result):
         def record(*args, **kwargs):
             timed_on.append(torch.get_num_threads())
+            keywords.append(kwargs)
             return result
         return record
 
     monkeypatch.setattr(doctor, "LoadWatch", lambda window: busy_neighbours())
     monkeypatch.setattr(doctor, "NEIGHBOUR_WATCH_S", 0.0)
-    monkeypatch.setattr(doctor, "measure_shapes", spy(type("Plan", (), {"summary": lambda self: "matmuls"})()))
+    panel_gate_up = {"gate_up_proj": type("Choice", (), {"path": "panel"})()}  # so SiLU-and-mul is in its pass, untimed
+    plan = type("Plan", (), {"summary": lambda self: "matmuls", "by_name": lambda self: panel_gate_up})()
+    monkeypatch.setattr(doctor, "measure_shapes", spy(plan))
     monkeypatch.setattr(doctor, "choose_cpu_kernels", spy(type("Choice", (), {"summary": lambda self: "kernels"})()))
     monkeypatch.setattr(doctor, "choose_greedy_argmax", spy((None, "argmax")))
     box = {}
@@ -78,6 +81,7 @@ def test_doctor_times_the_cpu_kernels_on_the_team_busy_neighbours_leave(monkeypa
     thread.join()
     torch.set_num_threads(before)  # torch's default for new threads, as the suite had it
     assert timed_on and set(timed_on) == {1} and box["after"] == 2
+    assert all(kw["fused_silu"] for kw in keywords if "fused_silu" in kw) and any("fused_silu" in kw for kw in keywords)
     assert box["lines"][-1] == "    all timed on 1 of 2 threads (other processes used 1.00 cores just before)"
 
 

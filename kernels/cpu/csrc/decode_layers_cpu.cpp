@@ -15,8 +15,9 @@
 // besides the dense gated MLP, a mixture of experts (SparseMoE.forward, graphrt/model/moe.py):
 // softmax or grouped sigmoid routing (kernels/moe.py), the count of tokens per expert,
 // kernels/cpu/moe.py's fused_moe_by_expert over experts in panels (graphrt::panel_experts) and the
-// shared expert. A sparse layer is about 145 op calls at one row, 40% of a Qwen3-MoE step there.
-// Expert parallelism's all-reduce stays in Python.
+// shared expert. A sparse layer is about 145 op calls; at one row the Python between them was 40%
+// of a Qwen3-MoE step (the ops' own time 3.3 ms of 5.4). Expert parallelism's all-reduce stays in
+// Python.
 
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
@@ -67,6 +68,12 @@ enum LayerWeight : int64_t {
   kSharedGate,  // Qwen2-MoE's gate on its shared expert
   kPerLayer
 };
+
+// Each slot's name, as kernels/cpu/stage_kernels.py's LAYER_WEIGHTS lists them (a test checks the two agree).
+constexpr const char* kLayerWeightNames[kPerLayer] = {
+    "input_norm", "post_attention_norm", "o_proj", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "mla.qkv_a_proj",
+    "mla.q_a_norm", "mla.q_b_proj", "mla.kv_a_norm", "mla.kv_b_proj", "mlp.gate_up", "mlp.down", "moe.router",
+    "moe.e_score_correction_bias", "moe.shared_expert_gate"};
 
 // latent_dims, for a model with latent attention.
 enum LatentDim : int64_t { kQASize, kKvLoraRank, kQkNopeHeadDim, kQkRopeHeadDim, kVHeadDim, kLatentDims };
@@ -121,8 +128,7 @@ struct Layer {
   std::optional<at::Tensor> get(LayerWeight which) const { return weights.get(index * kPerLayer + which); }
   at::Tensor operator[](LayerWeight which) const {
     const std::optional<at::Tensor> weight = get(which);
-    TORCH_CHECK(weight.has_value(), "decode_layers: layer ", index, " lacks weight ", int64_t(which),
-                " (the LayerWeight enum)");
+    TORCH_CHECK(weight.has_value(), "decode_layers: layer ", index, " lacks its ", kLayerWeightNames[which]);
     return *weight;
   }
 };
@@ -211,7 +217,7 @@ struct Routing {
   double routed_scaling_factor;
 };
 
-// SparseMoE.route: (topk_weights (tokens, top_k) float32 or wider, topk_ids (tokens, top_k) int64).
+// SparseMoE.route: (topk_weights (tokens, top_k) float32, topk_ids (tokens, top_k) int64).
 std::tuple<at::Tensor, at::Tensor> route(const Layer& layer, const at::Tensor& normed, const Routing& routing) {
   const at::Tensor router = layer[kRouter];
   if (routing.scoring == "softmax") {
@@ -332,7 +338,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   TORCH_CHECK(int64_t(experts.size()) == num_expert_weights, "decode_layers: the routers name ", num_expert_weights,
               " expert weights (a gate/up and a down per expert), got ", experts.size());
   const Step step{LayerOps::get(), cos, sin, slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, eps, scale};
-  const Routing routing{scoring, top_k, renormalize, n_group, topk_group, routed_scaling_factor};
+  const Routing routing{std::string_view(scoring.data(), scoring.size()), top_k, renormalize, n_group, topk_group,
+                        routed_scaling_factor};
   // A graph's padding rows write to the scratch block 0: the tokens per expert count only the others.
   const at::Tensor real = slot_mapping >= k_caches.size(2);
   at::Tensor hidden = hidden_in, normed, summed;
@@ -342,6 +349,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const Layer layer{weights, index};
     std::tie(normed, summed) = step.ops.rms_norm.call(hidden, residual, layer[kInputNorm], eps);
     residual = residual.has_value() ? summed : hidden;  // the op returns an empty sum without a residual
+    // Latent attention's cache is k alone (its v a view of k's latent columns, never written here).
     at::Tensor k_cache = k_caches.select(0, index), v_cache = v_caches.select(0, index);
     const at::Tensor attn = layer.get(kQkvAProj).has_value()
                                 ? latent_attention(step, layer, normed, k_cache, latent_dims, latent_eps)

@@ -15,9 +15,10 @@ from graphrt.kernels.cpu import kernel_choice as cpu_kernel_choice
 from graphrt.kernels.cpu import paged_attention as paged_attention_cpu
 from graphrt.kernels.cpu.kernel_choice import OPS, CpuKernelChoice, LayerShapes, choose_cpu_kernels, mode_from_env, time_paths
 from graphrt.kernels.cpu.linear import can_pack, can_use_panels
-from graphrt.kernels.cpu.stage_kernels import cpu_kernel_set, gate_ups_end_in_silu
+from graphrt.kernels.cpu.stage_kernels import cpu_kernel_set, runs_silu_and_mul_alone
 from graphrt.kernels.torch_ops import TORCH
 from graphrt.runtime.pipeline import Pipeline
+from graphrt.tools.synthetic import make_tiny_model
 
 CPU = torch.device("cpu")
 SHAPES = dict(
@@ -205,23 +206,33 @@ def test_silu_and_mul_in_the_gate_up_matmuls_pass_is_not_timed_alone(monkeypatch
     assert choose_cpu_kernels(**SHAPES, mode=forced, fused_silu=True).paths["silu_and_mul"] == "torch"
 
 
+# Qwen2-MoE whose shared expert has 40 gate and 40 up columns (not whole panels), its layers 0-2 dense.
+SHARED_EXPERT_OF_40 = {"shared_expert_intermediate_size": 40, "mlp_only_layers": [0, 1, 2]}
+
+
 @pytest.mark.usefixtures("built_cpu_kernels")
-@pytest.mark.parametrize(("variant", "matmul", "fuses"), [
-    ("llama-gqa-tied", "panel", True),
-    ("llama-gqa-tied", "packed", False),  # gate/up on oneDNN: silu_and_mul runs alone
-    ("qwen2-moe", "panel", True),  # the shared expert and every routed one in panels
-    ("qwen2-moe", "experts_gate_up=packed", False),
-    ("qwen3-moe-dense-first", "panel", False),  # experts of 40 gate and 40 up columns: not whole panels
-])
-def test_a_stage_says_whether_its_every_gate_up_ends_in_silu_and_mul(tiny_model_factory, monkeypatch, variant, matmul, fuses):
+@pytest.mark.parametrize(("variant", "overrides", "pp", "matmul", "alone"), [
+    ("llama-gqa-tied", None, 1, "panel", [False]),
+    ("llama-gqa-tied", None, 1, "packed", [True]),  # gate/up on oneDNN: silu_and_mul runs alone
+    ("qwen2-moe", None, 1, "panel", [False]),  # the shared expert in panels too
+    ("qwen2-moe", None, 1, "experts_gate_up=packed,panel", [False]),  # routed experts never call the op
+    ("qwen3-moe", None, 1, "experts_gate_up=packed,experts_down=packed,panel", [False]),  # routed experts alone
+    ("qwen2-moe", SHARED_EXPERT_OF_40, 1, "panel", [True]),
+    ("qwen2-moe", SHARED_EXPERT_OF_40, 2, "panel", [False, True]),  # stage 0 dense layers only: timed for both
+], ids=lambda v: "-".join(map(str, v)) if isinstance(v, list) else None)
+def test_silu_and_mul_is_timed_where_a_stage_on_the_device_runs_it_alone(
+    tiny_model_factory, tmp_path, monkeypatch, variant, overrides, pp, matmul, alone
+):
     if not (can_use_panels(CPU, torch.float32) and can_pack(CPU, torch.float32)):
         pytest.skip("the panel matmuls or oneDNN's packed ones don't run on this CPU")
     monkeypatch.setenv("GRAPHRT_MATMUL", matmul)
-    llm = LLM(model=tiny_model_factory(variant), dtype="float32", kv_cache_tokens=512)
+    model = make_tiny_model(tmp_path, variant, overrides=overrides) if overrides else tiny_model_factory(variant)
+    llm = LLM(model=model, pp=pp, dtype="float32", kv_cache_tokens=512)
     try:
-        stage = llm.engine.pipeline.stages[0]
-        assert gate_ups_end_in_silu(stage) is fuses
-        assert (llm.engine.pipeline.cpu_kernels().settled.get("silu_and_mul") == "fused") is fuses
+        stages = llm.engine.pipeline.stages
+        assert [runs_silu_and_mul_alone(stage) for stage in stages] == alone
+        fused = [kernels.cpu.settled.get("silu_and_mul") == "fused" for kernels in llm.engine.pipeline.kernels]
+        assert fused == [not any(alone)] * pp
     finally:
         llm.engine.close()
 

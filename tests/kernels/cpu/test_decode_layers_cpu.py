@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,15 +32,15 @@ def llm_for(model, dtype: str, monkeypatch, kernels: str = "compiled", matmul: s
     return LLM(model=model, dtype=dtype, kv_cache_tokens=1024, block_size=16, buckets=[len(CONTEXTS)])
 
 
-def decode_step(llm: LLM, seed: int = 0) -> tuple[torch.Tensor, StepMetadata]:
-    """Token ids and metadata of a decode step over sequences of CONTEXTS tokens (this step's
+def decode_step(llm: LLM, seed: int = 0, contexts: list[int] = CONTEXTS) -> tuple[torch.Tensor, StepMetadata]:
+    """Token ids and metadata of a decode step over sequences of `contexts` tokens (this step's
     included), their earlier KV random, their blocks scattered over the cache."""
     engine, rng = llm.engine, random.Random(seed)
     block_size = engine.config.block_size
     free = engine.allocator.allocate(engine.allocator.num_free)
     rng.shuffle(free)
     tables, slots = [], []
-    for context in CONTEXTS:
+    for context in contexts:
         blocks = [free.pop() for _ in range(-(-context // block_size))]
         tables.append(blocks)
         slots.append(blocks[(context - 1) // block_size] * block_size + (context - 1) % block_size)
@@ -48,14 +50,14 @@ def decode_step(llm: LLM, seed: int = 0) -> tuple[torch.Tensor, StepMetadata]:
         cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
         cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
     meta = StepMetadata(
-        positions=torch.tensor([c - 1 for c in CONTEXTS]),
+        positions=torch.tensor([c - 1 for c in contexts]),
         slot_mapping=torch.tensor(slots),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        seq_lens=torch.tensor(CONTEXTS),
-        logits_indices=torch.arange(len(CONTEXTS)),
-        seq_lens_host=list(CONTEXTS),
+        seq_lens=torch.tensor(contexts),
+        logits_indices=torch.arange(len(contexts)),
+        seq_lens_host=list(contexts),
     )
-    token_ids = torch.randint(0, engine.model_config.vocab_size, (len(CONTEXTS),), generator=generator)
+    token_ids = torch.randint(0, engine.model_config.vocab_size, (len(contexts),), generator=generator)
     return token_ids, meta
 
 
@@ -83,9 +85,13 @@ def forward(llm: LLM, token_ids: torch.Tensor, meta: StepMetadata, one_call: boo
 
 # Qwen3-MoE with layers 0 and 2 dense, experts whose gate/up halves are whole panels (32 columns).
 MIXED_LAYERS = ("qwen3-moe-dense-first", {"moe_intermediate_size": 32})
+# DeepSeek-V3 with an rms_norm_eps apart from its latent norms' (LATENT_NORM_EPS, 1e-6), so a norm
+# given the other eps shows.
+DEEPSEEK_V3 = ("deepseek-v3", {"rms_norm_eps": 1e-5})
+KIMI_LAYOUT = ("deepseek-kimi-layout", {"rms_norm_eps": 1e-5})
 ONE_CALL_VARIANTS = [
-    "llama-gqa-tied", "qwen2-qkv-bias", "qwen3-qk-norm", "mixtral", "qwen2-moe", "qwen3-moe", MIXED_LAYERS, "deepseek-v3",
-    "deepseek-kimi-layout",
+    "llama-gqa-tied", "qwen2-qkv-bias", "qwen3-qk-norm", "mixtral", "qwen2-moe", "qwen3-moe", MIXED_LAYERS, DEEPSEEK_V3,
+    KIMI_LAYOUT,
 ]
 
 
@@ -98,17 +104,19 @@ def model_of(variant, tiny_model_factory, tmp_path):
 
 @pytest.mark.usefixtures("built_cpu_kernels")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", ONE_CALL_VARIANTS, ids=lambda v: v[0] + "-panel-experts" if isinstance(v, tuple) else v)
-def test_one_call_computes_bitwise_what_the_python_loop_does(tiny_model_factory, tmp_path, monkeypatch, variant, dtype):
+@pytest.mark.parametrize("variant", ONE_CALL_VARIANTS, ids=lambda v: "-".join([v[0], *map(str, v[1])]) if isinstance(v, tuple) else v)
+@pytest.mark.parametrize("rows", [1, len(CONTEXTS)])
+def test_one_call_computes_bitwise_what_the_python_loop_does(tiny_model_factory, tmp_path, monkeypatch, variant, dtype, rows):
     if not can_use_panels(CPU, getattr(torch, dtype)):
         pytest.skip(f"the panel matmuls don't run {dtype} on this CPU")
     llm = llm_for(model_of(variant, tiny_model_factory, tmp_path), dtype, monkeypatch)
     stage = llm.engine.pipeline.stages[0]
     assert stage.decode_layers_in_one_call()
     assert "; a decode step's layers in one call (graphrt::decode_layers)" in llm.engine.kernel_summary()
-    token_ids, meta = decode_step(llm)
-    # One padding row, as a graph's bucket has: routed like the others, never counted per expert.
-    meta.slot_mapping[-1] = 3
+    token_ids, meta = decode_step(llm, contexts=CONTEXTS[-rows:])
+    padding = int(rows > 1)  # a row as a graph's bucket pads with: routed like the others, never counted per expert
+    if padding:
+        meta.slot_mapping[-1] = 3  # in block 0, the scratch block
     logits, (k, v) = forward(llm, token_ids, meta, one_call=True, monkeypatch=monkeypatch)
     expert_tokens = stage.seen_expert_tokens()
     expected_logits, (expected_k, expected_v) = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
@@ -120,7 +128,7 @@ def test_one_call_computes_bitwise_what_the_python_loop_does(tiny_model_factory,
     cfg = llm.engine.model_config
     if cfg.moe is not None:  # every real row of every sparse layer counted once per choice
         sparse = sum(layer.moe is not None for layer in stage.layers)
-        assert sum(expert_tokens) == sparse * (len(CONTEXTS) - 1) * cfg.moe.num_experts_per_tok
+        assert sum(expert_tokens) == sparse * (rows - padding) * cfg.moe.num_experts_per_tok
 
 
 @pytest.mark.usefixtures("built_cpu_kernels")
@@ -182,8 +190,9 @@ def test_the_op_names_what_a_call_lacks(tiny_model_factory, monkeypatch):
         call(with_weight(0, slot("q_norm"), layers[0].input_norm))
     with pytest.raises(RuntimeError, match="layer 1 has a gate/up weight or a down weight but not both"):
         call(with_weight(1, slot("mlp.gate_up"), None))
-    with pytest.raises(RuntimeError, match="layer 0 lacks weight 0 \\(the LayerWeight enum\\)"):
-        call(with_weight(0, 0, None))
+    for name in ("input_norm", "post_attention_norm", "o_proj"):  # what every layer has
+        with pytest.raises(RuntimeError, match=f"layer 0 lacks its {name}$"):
+            call(with_weight(0, slot(name), None))
     with pytest.raises(RuntimeError, match="scoring is softmax or sigmoid, not cosine"):
         call(weights, scoring="cosine")
     router = slot("moe.router")
@@ -191,6 +200,17 @@ def test_the_op_names_what_a_call_lacks(tiny_model_factory, monkeypatch):
         call(with_weight(0, router, torch.zeros(4, stage.cfg.hidden_size)))
     with pytest.raises(RuntimeError, match="layer 0 routes by sigmoid scores but has no bias"):
         call(with_weight(0, router, torch.zeros(4, stage.cfg.hidden_size)), scoring="sigmoid")
+
+
+def test_the_op_and_the_binding_list_a_layers_weights_in_one_order():
+    """The op reads each layer's weights by slot (its LayerWeight enum, named in kLayerWeightNames);
+    stage_kernels.LAYER_WEIGHTS is what the binding fills them from."""
+    source = (Path(stage_kernels.__file__).parent / "csrc" / "decode_layers_cpu.cpp").read_text()
+    names = re.search(r"kLayerWeightNames\[kPerLayer\] = \{(.*?)\};", source, re.S).group(1)
+    assert re.findall(r'"([^"]+)"', names) == list(stage_kernels.LAYER_WEIGHTS)
+    enum = re.search(r"enum LayerWeight : int64_t \{(.*?)\};", source, re.S).group(1)
+    slots = [line.strip().rstrip(",").split()[0] for line in enum.splitlines() if line.strip().startswith("k")]
+    assert slots[-1] == "kPerLayer" and len(slots) - 1 == len(stage_kernels.LAYER_WEIGHTS)
 
 
 @pytest.mark.usefixtures("built_cpu_kernels")
