@@ -38,6 +38,8 @@ while True:
     time.sleep(0.3)
 body = {"prompt": %r, "max_tokens": %d, "temperature": 0, "ignore_eos": True}
 answer = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+if "choices" not in answer:
+    sys.exit(f"the server answered {answer}")
 print("WHOLE", json.dumps(answer["choices"][0]["text"]), flush=True)
 with httpx.stream("POST", url + "/v1/completions", json={**body, "max_tokens": 240, "stream": True}, timeout=60) as response:
     for line in response.iter_lines():
