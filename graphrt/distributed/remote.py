@@ -413,6 +413,7 @@ class RemoteRing(Ring):
     heartbeat_queued: bool = field(init=False, default=False)
     remote_busy_s: list[float] = field(init=False, default_factory=list)  # stages 1.., as of the last reply
     remote_expert_tokens: list[list[int]] = field(init=False, default_factory=list)  # likewise
+    remote_expert_reads: list[int] = field(init=False, default_factory=list)  # likewise
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -437,13 +438,21 @@ class RemoteRing(Ring):
         width = len(counters) // pp
         records = [counters[stage * width : (stage + 1) * width] for stage in range(1, pp)]
         self.remote_busy_s = [record[0] / 1e6 for record in records]
-        self.remote_expert_tokens = [record[1:] for record in records]
+        # A dense stage of a mixture of experts reports zeros past its busy time: no reads, no tokens.
+        self.remote_expert_reads = [record[1] if len(record) > 1 else 0 for record in records]
+        self.remote_expert_tokens = [record[2:] for record in records]
 
     @property
     def stage_expert_tokens(self) -> list[list[int]]:
         """Stage 0's tokens per expert, read here, then the other stages' from the last reply."""
         remote = self.remote_expert_tokens or [[] for _ in range(self.cluster.link.pp - 1)]
         return [self.pipeline.stages[0].seen_expert_tokens(), *remote]
+
+    @property
+    def stage_expert_reads(self) -> list[int]:
+        """Stage 0's experts read by decode steps, read here, then the other stages' from the last reply."""
+        remote = self.remote_expert_reads or [0] * (self.cluster.link.pp - 1)
+        return [self.pipeline.stages[0].seen_expert_reads(), *remote]
 
     def _make_feed(self) -> torch.Tensor:
         return self.host_tokens  # the receive thread writes the tokens there; stage 0 reads them on the host

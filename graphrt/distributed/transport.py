@@ -67,8 +67,9 @@ def cpu_threads_per_stage(world_size: int, num_cores: int | None = None) -> int:
 
 
 def counter_width(cfg: ModelConfig) -> int:
-    """Each stage's counters: its busy microseconds, then a mixture of experts' tokens per expert."""
-    return 1 + (cfg.moe.num_experts if cfg.moe is not None else 0)
+    """Each stage's counters: its busy microseconds, then a mixture of experts' experts read by decode
+    steps (Stage.seen_expert_reads) and tokens per expert."""
+    return 1 + (1 + cfg.moe.num_experts if cfg.moe is not None else 0)
 
 
 def stage_name(rank: int, ep: int = 1) -> str:

@@ -190,7 +190,8 @@ class StageWorker:
                 )
             self.stage.publish_expert_tokens()
             if message.counters:  # rank 0 reports every stage's busy time and expert load from these (/metrics)
-                record = [int(self.busy_s * 1e6), *self.stage.seen_expert_tokens()]
+                experts = self.stage.seen_expert_tokens()
+                record = [int(self.busy_s * 1e6), *([self.stage.seen_expert_reads(), *experts] if experts else [])]
                 width = len(message.counters) // self.link.pp
                 record += [0] * (width - len(record))  # a dense stage of a mixture of experts routes nothing
                 index = self.link.stage

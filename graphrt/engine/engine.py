@@ -192,8 +192,9 @@ class Engine:
         self._blocked_until: float | None = None  # when a blocking read-back that emptied the ring returned, until the next step
         self.synthetic_host_s = 0.0  # host time a synthetic engine adds per micro-batch read back (graphrt.tools.synthetic)
         self.weight_reads = self.pipeline.weight_reads() + (self.cluster.remote_weight_reads if self.cluster else WeightReads(0))
-        self.weight_bytes = self.weight_reads.total_bytes  # all of them; a decode step reads weight_reads.at(rows)
+        self.weight_bytes = self.weight_reads.total_bytes  # all of them; a decode step reads weight_reads.decode_bytes
         self.stats = EngineStats(spec=self.scheduler.spec)
+        self._experts_read = sum(self.ring.stage_expert_reads)  # by the stages' decode steps, as of the last read-back
         self._ids = itertools.count()
         self._undelivered: list[SequenceOutput] = []  # deltas of a step that raised before returning them
         # The stage threads compute from here on: the calling thread's OpenMP workers go, here and
@@ -620,8 +621,12 @@ class Engine:
         self._decode_busy_until = now
         self.stats.decode_steps += 1
         self.stats.decode_tokens += new_tokens
-        # Host arithmetic on the step's row count, no read-back: a MoE step's expected expert bytes.
-        self.stats.decode_weight_bytes += self.weight_reads.at(mb.step.num_tokens)
+        # A mixture of experts' experts read, as the stages counted them on the device: what the
+        # published counters gained since the last read-back (steps in flight since may be in it
+        # early; once the engine is idle the sum is exact). Nothing waits for them.
+        experts_read = sum(self.ring.stage_expert_reads)
+        self.stats.decode_weight_bytes += self.weight_reads.decode_bytes(experts_read - self._experts_read)
+        self._experts_read = experts_read
 
     def run(self, step: ScheduledStep) -> torch.Tensor:
         """Push one scheduled step through every stage on this thread; return each sequence's

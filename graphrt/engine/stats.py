@@ -14,7 +14,7 @@ class EngineStats:
     decode_tokens: int = 0  # tokens they gave to requests (not counting a dropped one after EOS)
     decode_seconds: float = 0.0  # the union of the intervals in which a decode micro-batch was in flight
     # Weight bytes those micro-batches read: all weights each for a dense model; for a mixture of
-    # experts the dense ones plus the experts each one's rows are expected to choose (WeightReads.at).
+    # experts the dense ones plus the experts their routing chose (WeightReads.decode_bytes).
     decode_weight_bytes: float = 0.0
     spec: SpecStats = field(default_factory=lambda: SpecStats())
 

@@ -129,7 +129,7 @@ class DecoderLayer(nn.Module):
         hidden, residual = ops.rms_norm(hidden, self.post_attention_norm, self.cfg.rms_norm_eps, residual)
         if self.moe is not None:
             real_tokens = meta.slot_mapping >= k_cache.shape[1]  # padding rows write to block 0, the scratch block
-            hidden = self.moe(hidden, ops, real_tokens)
+            hidden = self.moe(hidden, ops, real_tokens, decode=not meta.is_prefill)
         else:
             hidden = ops.linear(ops.gate_up_silu(hidden, self.gate_up_proj), self.down_proj)
         return hidden, residual
@@ -170,6 +170,9 @@ class Stage(nn.Module):
         # a buffer of the stage: a graph writes only into tensors the stage owns (capture/rehearsal.py)
         self.register_buffer("expert_tokens", None, persistent=False)
         self._expert_tokens_seen: torch.Tensor | None = None
+        # The experts its sparse layers' decode steps read (SparseMoE.expert_reads), likewise a buffer.
+        self.register_buffer("expert_reads", None, persistent=False)
+        self._expert_reads_seen: torch.Tensor | None = None
         # A synthetic stage (graphrt.tools.synthetic) also sleeps this long per forward, as a GPU
         # kernel would free the host; on CUDA only eager forwards sleep, a replayed graph does not.
         self.synthetic_delay_s = 0.0
@@ -231,8 +234,10 @@ class Stage(nn.Module):
             # what the host reads: on a GPU a pinned copy the stage's stream refreshes without waiting
             on_gpu = self.device.type == "cuda"
             self._expert_tokens_seen = torch.zeros_like(self.expert_tokens, device="cpu").pin_memory() if on_gpu else self.expert_tokens
+            self.expert_reads = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._expert_reads_seen = torch.zeros_like(self.expert_reads, device="cpu").pin_memory() if on_gpu else self.expert_reads
             for moe in sparse:
-                moe.expert_tokens = self.expert_tokens
+                moe.expert_tokens, moe.expert_reads = self.expert_tokens, self.expert_reads
         # Weights stay dense until the stage's kernels are chosen (graphrt.runtime.stage_builder),
         # which may keep them in forms of their own and needs the largest decode bucket.
 
@@ -295,22 +300,31 @@ class Stage(nn.Module):
         if not expert_bytes:
             return WeightReads(self.weight_bytes())
         moe = self.cfg.moe
-        return WeightReads(self.weight_bytes() - expert_bytes, expert_bytes, moe.num_experts, moe.num_experts_per_tok)
+        bytes_per_expert = expert_bytes // (len(experts) // 2)  # each expert a gate/up and a down weight
+        return WeightReads(self.weight_bytes() - expert_bytes, expert_bytes, moe.num_experts, moe.num_experts_per_tok, bytes_per_expert)
 
     def publish_expert_tokens(self) -> None:
         """After a micro-batch, on the stage's stream: refresh the copy `seen_expert_tokens` reads
         (on a GPU without waiting for it; on a CPU the counts are read where they are)."""
         if self._expert_tokens_seen is not None and self._expert_tokens_seen is not self.expert_tokens:
             self._expert_tokens_seen.copy_(self.expert_tokens, non_blocking=True)
+            self._expert_reads_seen.copy_(self.expert_reads, non_blocking=True)
 
     def seen_expert_tokens(self) -> list[int]:
         """Tokens routed to each expert by this stage's sparse layers since the counts were last
         zeroed (padding rows not counted), as of the last publish: [] for a dense stage."""
         return [] if self._expert_tokens_seen is None else self._expert_tokens_seen.tolist()
 
+    def seen_expert_reads(self) -> int:
+        """The experts this stage's sparse layers' decode steps have read (each layer's distinct
+        experts a step chose, summed), as of the last publish: 0 for a dense stage."""
+        return 0 if self._expert_reads_seen is None else int(self._expert_reads_seen.item())
+
     def zero_expert_tokens(self) -> None:
+        """The tokens per expert and the experts read start again from 0."""
         if self.expert_tokens is not None:
             self.expert_tokens.zero_()
+            self.expert_reads.zero_()
             self.publish_expert_tokens()
 
     @torch.inference_mode()

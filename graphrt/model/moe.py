@@ -85,6 +85,10 @@ class SparseMoE(nn.Module):
         # (num_experts,) int64 on the device, shared by the stage's sparse layers (Stage.load): the
         # tokens routed to each expert, for /metrics. None counts nothing (a layer built alone).
         self.expert_tokens: torch.Tensor | None = None
+        # (1,) int64 on the device, shared likewise: the experts decode steps read, each sparse layer's
+        # distinct experts a step's rows chose, for the weight bandwidth of `graphrt bench` and
+        # `generate` (Engine._account). None counts nothing.
+        self.expert_reads: torch.Tensor | None = None
 
     @staticmethod
     def hf_names(cfg: ModelConfig, layer: int, shard: ExpertShard = WHOLE) -> dict[str, list[str]]:
@@ -129,14 +133,22 @@ class SparseMoE(nn.Module):
             "router": p + "gate.weight", "experts_gate_up": p + "experts.gate_up_proj", "experts_down": p + "experts.down_proj",
         }
 
-    def forward(self, hidden: torch.Tensor, ops: KernelSet, real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, ops: KernelSet, real_tokens: torch.Tensor | None = None, decode: bool = False
+    ) -> torch.Tensor:
         """hidden: (tokens, hidden_size); real_tokens: (tokens,) bool, False for a graph's padding
-        rows, which are routed like any other but not counted in expert_tokens."""
+        rows, which are routed like any other but not counted in expert_tokens; `decode`: a decode
+        step, whose experts read are counted in expert_reads."""
         topk_weights, topk_ids = self.route(hidden, ops)  # (tokens, top_k) each
         if self.expert_tokens is not None and real_tokens is not None:
             # index_add_ of a static shape: a graph holds it, and nothing is read back here
             per_choice = real_tokens.to(torch.int64)[:, None].expand(topk_ids.shape).reshape(-1)
             self.expert_tokens.index_add_(0, topk_ids.reshape(-1), per_choice)
+            if decode and self.expert_reads is not None:
+                # The distinct experts the rows chose, padding rows' too (their experts are read as
+                # well), in a step with a real row: the start-up's all-padding steps count nothing.
+                chosen = torch.zeros(self.moe_cfg.num_experts, dtype=torch.int64, device=hidden.device)
+                self.expert_reads.add_(chosen.index_fill_(0, topk_ids.reshape(-1), 1).sum() * real_tokens.any())
         if self.combine is None:
             out = ops.fused_moe(hidden, self.experts_gate_up, self.experts_down, topk_weights, topk_ids)
         else:

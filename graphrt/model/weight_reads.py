@@ -65,6 +65,7 @@ class WeightReads:
     expert_bytes: int = 0
     num_experts: int = 0
     top_k: int = 0
+    bytes_per_expert: int = 0  # one routed expert's gate/up and down (every sparse layer's are alike)
 
     def at(self, num_rows: int) -> float:
         """Bytes a decode step of `num_rows` rows reads: the dense bytes (an int, exactly, for a
@@ -79,19 +80,23 @@ class WeightReads:
         if len(experts) > 1:
             raise ValueError(f"weight reads of different expert layouts (experts, top-k) {sorted(experts)} do not add up")
         num_experts, top_k = experts.pop() if experts else (0, 0)
-        return WeightReads(self.dense_bytes + other.dense_bytes, self.expert_bytes + other.expert_bytes, num_experts, top_k)
+        return WeightReads(
+            self.dense_bytes + other.dense_bytes, self.expert_bytes + other.expert_bytes, num_experts, top_k,
+            max(self.bytes_per_expert, other.bytes_per_expert),
+        )
 
     @property
     def total_bytes(self) -> int:
         return self.dense_bytes + self.expert_bytes
 
+    def decode_bytes(self, experts_read: int) -> int:
+        """Bytes a decode step reads that read `experts_read` routed experts (what its routing chose,
+        each sparse layer's distinct experts summed: Stage.seen_expert_reads), beside its dense bytes."""
+        return self.dense_bytes + experts_read * self.bytes_per_expert
+
     def counting_note(self) -> str:
-        """What a bandwidth figure built on `at` counts, for a report line: nothing to add for a
-        dense model (every weight, every step)."""
+        """What a bandwidth figure built on `decode_bytes` counts, for a report line: nothing to add
+        for a dense model (every weight, every step)."""
         if not self.expert_bytes:
             return ""
-        k, num_experts = self.top_k, self.num_experts
-        return (
-            f" (dense weights plus the experts a step's B rows are expected to choose, "
-            f"{num_experts} * (1 - (1 - {k}/{num_experts})^B) of {num_experts} per MoE layer)"
-        )
+        return " (dense weights plus the experts each step's routing chose)"

@@ -453,6 +453,11 @@ class Ring:
         """Each stage's tokens per expert ([] for a dense stage), as of its last micro-batch."""
         return [stage.seen_expert_tokens() for stage in self.pipeline.stages]
 
+    @property
+    def stage_expert_reads(self) -> list[int]:
+        """The experts each stage's decode steps have read (0 for a dense stage), as of its last micro-batch."""
+        return [stage.seen_expert_reads() for stage in self.pipeline.stages]
+
     def collect_busy(self, mb: MicroBatch) -> None:
         """Add a finished micro-batch's CUDA-timed stage work to `busy_s`."""
         for index, began, ended in mb.busy_events:

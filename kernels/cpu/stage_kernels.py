@@ -181,7 +181,7 @@ def bind_decode_layers(stage: Stage) -> Callable | None:
 
     def run(hidden, meta, cos, sin, kv) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ops.graphrt.decode_layers(
-            hidden, weights, experts, stage.expert_tokens, cos, sin, kv.k, kv.v, meta.slot_mapping, meta.block_tables,
+            hidden, weights, experts, stage.expert_tokens, stage.expert_reads, cos, sin, kv.k, kv.v, meta.slot_mapping, meta.block_tables,
             meta.seq_lens, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, scale, latent_dims, LATENT_NORM_EPS,
             scoring, top_k, renormalize, n_group, topk_group, routed_scaling,
         )

@@ -346,3 +346,29 @@ def test_expert_load_counts_each_token_the_experts_transformers_routes_it_to(tin
                     expected[stage][expert] += 1
     assert llm.engine.ring.stage_expert_tokens == expected
     assert min(min(counts) for counts in expected) < max(max(counts) for counts in expected)  # an uneven load
+
+
+@pytest.mark.parametrize("procs", [False, True])
+def test_each_decode_step_counts_the_experts_its_rows_chose(tiny_model_factory, procs):
+    """One request at a time: each decode step's one row reads its top-k experts (distinct) in each
+    sparse layer of each stage, the prompt chunks and the start-up's steps of padding rows count
+    none, and the weight bytes the engine counts for decode (its bandwidth figure) are each step's
+    dense bytes plus those experts'. Stage 1 in a process of its own reports its count with its
+    replies."""
+    llm = LLM(model=tiny_model_factory("qwen2-moe"), pp=2, procs=procs, dtype="float32", kv_cache_tokens=512, prefix_caching=False)
+    try:
+        engine = llm.engine
+        assert engine.ring.stage_expert_reads == [0, 0]
+        params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+        for prompt in ([5, 9, 13], list(range(20, 45))):
+            llm.generate([prompt], params)
+        cfg, stats, reads = engine.model_config, engine.stats, engine.weight_reads
+        sparse = [sum(cfg.moe.is_sparse(layer) for layer in layers) for layers in engine.layers]
+        assert stats.decode_steps == 2 * 8
+        assert engine.ring.stage_expert_reads == [stats.decode_steps * cfg.moe.num_experts_per_tok * n for n in sparse]
+        experts_read = sum(engine.ring.stage_expert_reads)
+        assert stats.decode_weight_bytes == stats.decode_steps * reads.dense_bytes + experts_read * reads.bytes_per_expert
+        assert reads.bytes_per_expert * cfg.moe.num_experts * sum(sparse) == reads.expert_bytes
+        assert "the experts each step's routing chose" in reads.counting_note()
+    finally:
+        llm.engine.close()

@@ -39,11 +39,12 @@ def test_one_row_reads_its_top_k_and_many_rows_nearly_all():
 def test_weight_reads_add_up_and_a_dense_model_reads_every_byte():
     dense = WeightReads(1000)
     assert dense.at(1) == dense.at(64) == 1000 and isinstance(dense.at(7), int) and dense.counting_note() == ""
-    stage_0, stage_1 = WeightReads(100, 1600, 16, 2), WeightReads(300, 800, 16, 2)
+    stage_0, stage_1 = WeightReads(100, 1600, 16, 2, 50), WeightReads(300, 800, 16, 2, 50)
     both = stage_0 + stage_1 + WeightReads(5)
-    assert both == WeightReads(405, 2400, 16, 2) and both.total_bytes == 2805
+    assert both == WeightReads(405, 2400, 16, 2, 50) and both.total_bytes == 2805
     assert both.at(1) == pytest.approx(405 + 2400 * 2 / 16)
-    assert "16 * (1 - (1 - 2/16)^B) of 16 per MoE layer" in both.counting_note()
+    assert both.decode_bytes(3) == 405 + 3 * 50 and dense.decode_bytes(0) == 1000
+    assert "the experts each step's routing chose" in both.counting_note()
     with pytest.raises(ValueError, match="different expert layouts"):
         stage_0 + WeightReads(1, 10, 8, 2)
 

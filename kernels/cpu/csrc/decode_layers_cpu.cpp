@@ -249,18 +249,22 @@ std::tuple<at::Tensor, at::Tensor> route(const Layer& layer, const at::Tensor& n
 }
 
 // SparseMoE.forward over `normed` (tokens, hidden_size): the routing, the tokens per expert (`real`
-// marks the rows that are not a graph's padding), fused_moe_by_expert over the routed experts in
+// marks the rows that are not a graph's padding) and the experts read, fused_moe_by_expert over the routed experts in
 // panels (expert e's gate/up weight gate_up[e], its down weight down[e]), then the shared expert if
 // the layer has one (gated or not).
 at::Tensor sparse_mlp(const Step& step, const Layer& layer, const at::Tensor& normed, at::TensorList gate_up,
                       at::TensorList down, const Routing& routing, const std::optional<at::Tensor>& expert_tokens,
-                      const at::Tensor& real) {
+                      const std::optional<at::Tensor>& expert_reads, const at::Tensor& real) {
   const int64_t num_experts = gate_up.size();
   const auto [topk_weights, topk_ids] = route(layer, normed, routing);
   const at::Tensor flat_ids = topk_ids.reshape(-1), flat_weights = topk_weights.reshape(-1);
   if (expert_tokens.has_value()) {
     at::Tensor counted = *expert_tokens;
     counted.index_add_(0, flat_ids, real.to(at::kLong).unsqueeze(1).expand(topk_ids.sizes()).reshape(-1));
+    if (expert_reads.has_value()) {  // the distinct experts the rows chose, in a step with a real row
+      at::Tensor reads = *expert_reads;
+      reads.add_(at::zeros({num_experts}, flat_ids.options()).index_fill_(0, flat_ids, 1).sum() * real.any());
+    }
   }
   // fused_moe_by_expert: the pairs grouped by expert, each chosen expert on its rows, the weighted
   // results summed into their rows in the wider of the two dtypes.
@@ -299,7 +303,8 @@ at::Tensor sparse_mlp(const Step& step, const Layer& layer, const at::Tensor& no
 // rows) gate/up weights, then as many down weights.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& hidden_in, const c10::List<std::optional<at::Tensor>>& weights, at::TensorList experts,
-    const std::optional<at::Tensor>& expert_tokens, const at::Tensor& cos, const at::Tensor& sin,
+    const std::optional<at::Tensor>& expert_tokens, const std::optional<at::Tensor>& expert_reads, const at::Tensor& cos,
+    const at::Tensor& sin,
     at::Tensor& k_caches, at::Tensor& v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
     at::IntArrayRef latent_dims, double latent_eps, c10::string_view scoring, int64_t top_k, bool renormalize,
@@ -362,7 +367,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       const at::TensorList gate_up = experts.slice(next_expert, num_experts);
       const at::TensorList down = experts.slice(next_expert + num_experts, num_experts);
       next_expert += 2 * num_experts;
-      hidden = sparse_mlp(step, layer, normed, gate_up, down, routing, expert_tokens, real);
+      hidden = sparse_mlp(step, layer, normed, gate_up, down, routing, expert_tokens, expert_reads, real);
     } else {
       hidden = gated_mlp(step.ops, normed, layer[kGateUpProj], layer[kDownProj]);
     }
@@ -374,8 +379,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 
 TORCH_LIBRARY_FRAGMENT(graphrt, m) {
   m.def(
-      "decode_layers(Tensor hidden, Tensor?[] weights, Tensor[] experts, Tensor(c!)? expert_tokens, Tensor cos, "
-      "Tensor sin, Tensor(a!) k_caches, Tensor(b!) v_caches, Tensor slot_mapping, Tensor block_tables, "
+      "decode_layers(Tensor hidden, Tensor?[] weights, Tensor[] experts, Tensor(c!)? expert_tokens, "
+      "Tensor(d!)? expert_reads, Tensor cos, Tensor sin, Tensor(a!) k_caches, Tensor(b!) v_caches, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale, int[] latent_dims, float latent_eps, "
       "str scoring, int top_k, bool renormalize, int n_group, int topk_group, float routed_scaling_factor) "
       "-> (Tensor, Tensor)");

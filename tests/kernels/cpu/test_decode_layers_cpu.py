@@ -118,17 +118,20 @@ def test_one_call_computes_bitwise_what_the_python_loop_does(tiny_model_factory,
     if padding:
         meta.slot_mapping[-1] = 3  # in block 0, the scratch block
     logits, (k, v) = forward(llm, token_ids, meta, one_call=True, monkeypatch=monkeypatch)
-    expert_tokens = stage.seen_expert_tokens()
+    expert_tokens, expert_reads = stage.seen_expert_tokens(), stage.seen_expert_reads()
     expected_logits, (expected_k, expected_v) = forward(llm, token_ids, meta, one_call=False, monkeypatch=monkeypatch)
     assert torch.equal(logits, expected_logits)
     assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
     # The step wrote this step's K/V: the comparison above is not of two untouched caches.
     assert not torch.equal(k, llm.engine.pipeline.caches[0].k)
-    assert expert_tokens == stage.seen_expert_tokens()
+    assert expert_tokens == stage.seen_expert_tokens() and expert_reads == stage.seen_expert_reads()
     cfg = llm.engine.model_config
     if cfg.moe is not None:  # every real row of every sparse layer counted once per choice
         sparse = sum(layer.moe is not None for layer in stage.layers)
         assert sum(expert_tokens) == sparse * (rows - padding) * cfg.moe.num_experts_per_tok
+        # each layer's distinct experts, padding row's too: k at one row (a row's top-k are distinct)
+        assert cfg.moe.num_experts_per_tok * sparse <= expert_reads <= min(rows * cfg.moe.num_experts_per_tok, cfg.moe.num_experts) * sparse
+        assert rows > 1 or expert_reads == cfg.moe.num_experts_per_tok * sparse
 
 
 @pytest.mark.usefixtures("built_cpu_kernels")
@@ -171,7 +174,7 @@ def test_the_op_names_what_a_call_lacks(tiny_model_factory, monkeypatch):
 
     def call(weights, experts=(), latent_dims=(), scoring="softmax"):
         torch.ops.graphrt.decode_layers(
-            torch.randn(len(CONTEXTS), stage.cfg.hidden_size), weights, list(experts), None, stage.cos[meta.positions],
+            torch.randn(len(CONTEXTS), stage.cfg.hidden_size), weights, list(experts), None, None, stage.cos[meta.positions],
             stage.sin[meta.positions], cache.k, cache.v, meta.slot_mapping, meta.block_tables, meta.seq_lens,
             stage.cfg.num_heads, stage.cfg.num_kv_heads, stage.cfg.rms_norm_eps, layers[0].scale, list(latent_dims), 1e-6,
             scoring, 2, True, 1, 1, 1.0,
