@@ -23,9 +23,11 @@ from helpers import API_KEY, start_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-# A copy-heavy request, the kind prompt lookup is for: the answer repeats the code it was given.
+# A copy-heavy request, the kind prompt lookup is for: the answer repeats the code it was given. (Asked
+# to rename the function instead, the model rewrote most of it: 1 of 14 drafts kept, so whether any
+# was kept hung on where the adaptive pauses fell.)
 CODE = "def area(width, height):\n    result = width * height\n    return result\n"
-MESSAGE = f"Here is a Python function:\n\n{CODE}\nRename the function to rectangle_area and keep the rest as it is."
+MESSAGE = f"Here is a Python function:\n\n{CODE}\nRepeat it exactly."
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
