@@ -28,6 +28,9 @@ beside busy neighbours, one thread (no barriers at all) when they take a whole c
 covers graphrt's compiled kernels, torch's own ops and oneDNN (the packed matmuls); MKL (the dense
 `F.linear` path) keeps torch's thread count. Not covered: the stage processes of `--procs` (rank 0
 is), and several CPU stages in one process (each keeps torch's team, so libgomp throttles them).
+Splitting the cores between them did not pay on 2 cores (`LLM(pp=2)`, float32, 3 generates per
+start, two starts each way): at 16 rows 181-216 tok/s with whole teams, 180-211 with a core each,
+189-214 sized by how many stages had work (all inside the noise); at one row 34-41, 19-21 and 29-36.
 
 The host times the kernels at load (kernels/cpu/matmul_choice.py, kernels/cpu/kernel_choice.py) on
 the team a stage thread would size to beside what other processes did while the engine loaded
