@@ -31,7 +31,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(sorted(set(DTYPES)))}")
+        raise ValueError(f"dtype {name!r} is not supported; use auto (the default) or one of {', '.join(sorted(set(DTYPES)))}")
     return DTYPES[name]
 
 
@@ -161,6 +161,24 @@ class EngineConfig:
                 f"--devices {','.join(self.devices)} mixes CUDA and CPU devices; {processes} every rank takes part in one "
                 "process group (NCCL on GPUs, gloo on CPUs): name only GPUs or only CPUs"
             )
+
+    def check_devices_here(self) -> None:
+        """The devices this process's stages run on exist here: every stage's without stage
+        processes, stage 0's with them (the others belong to their workers, perhaps on another host)."""
+        devices = self.stage_devices() if not (self.procs or self.ep > 1) else self.stage_devices()[:1]
+        for device in map(torch.device, devices):
+            if device.type != "cuda":
+                continue
+            source = "--devices names" if self.devices is not None else "the stages were placed on"
+            if not torch.cuda.is_available():
+                why = "this torch is a CPU build" if torch.version.cuda is None else "CUDA sees no GPU here (driver, CUDA_VISIBLE_DEVICES)"
+                raise ValueError(f"{source} {device}, but {why}; run on the CPU by leaving out --devices, or give cpu")
+            count = torch.cuda.device_count()
+            if device.index is not None and device.index >= count:
+                raise ValueError(
+                    f"{source} {device}, but this machine shows {count} GPU{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1}); "
+                    "name one of those (CUDA_VISIBLE_DEVICES renumbers them)"
+                )
 
     def stage_devices(self) -> list[str]:
         """Each stage's device: under --ep its leader's (rank stage * ep), the rank that talks to

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -15,6 +16,12 @@ from graphrt.cli import main
 def test_missing_model_folder(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(model=tmp_path / "nope")
+
+
+def test_a_model_file_instead_of_its_folder_names_the_folder(tiny_model_factory):
+    folder = tiny_model_factory()
+    with pytest.raises(ModelLoadError, match=f"is a file; pass the Hugging Face style folder that holds it \\(--model {folder}\\)"):
+        LLM(model=folder / "config.json")
 
 
 def test_empty_model_folder(tmp_path):
@@ -125,7 +132,7 @@ def test_bad_engine_options(kwargs, message):
     [
         (["--model", "/nonexistent/model"], "model folder /nonexistent/model does not exist"),
         (["--pp", "9"], "--pp 9 is larger than the model's 4 layers"),
-        (["--dtype", "int8"], "dtype 'int8' is not supported"),
+        (["--dtype", "int8"], "dtype 'int8' is not supported; use auto (the default) or one of"),
         (["--devices", "cpu,cpu"], "--devices names 2 devices for 1 stages"),
     ],
 )
@@ -146,3 +153,47 @@ def test_a_sliding_window_caps_the_context(tiny_model_factory, tmp_path):
     assert llm.engine.max_model_len == 64
     with pytest.raises(RequestError, match="the prompt is 70 tokens but the context holds 64"):
         llm.generate([1] * 70)
+
+
+@pytest.mark.parametrize(
+    "cuda, gpus, config, message",
+    [
+        (None, 0, dict(devices=["cuda:0"]), "--devices names cuda:0, but this torch is a CPU build; run on the CPU"),
+        ("13.0", 0, dict(devices=["cuda:0"]), "--devices names cuda:0, but CUDA sees no GPU here"),
+        ("13.0", 2, dict(pp=2, devices=["cuda:0", "cuda:3"]), "--devices names cuda:3, but this machine shows 2 GPUs (cuda:0 to cuda:1)"),
+        ("13.0", 2, dict(pp=2, devices=["cuda:2", "cuda:0"], procs=True), "--devices names cuda:2, but this machine shows 2 GPUs"),
+        ("13.0", 2, dict(pp=2, devices=["cuda:1", "cuda:0"]), None),
+        # With stage processes only stage 0 is here: the others may be on another host's GPUs.
+        ("13.0", 2, dict(pp=2, devices=["cuda:1", "cuda:5"], procs=True), None),
+        (None, 0, dict(pp=2, devices=["cpu", "cpu"]), None),
+    ],
+)
+def test_devices_this_process_runs_on_must_exist_here(monkeypatch, cuda, gpus, config, message):
+    """Before any weight loads, and without a stack trace of torch's lazy CUDA set-up."""
+    import torch
+
+    from graphrt.config import EngineConfig
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    engine_config = EngineConfig(**config)
+    if message is None:
+        engine_config.check_devices_here()
+        return
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine_config.check_devices_here()
+
+
+def test_a_gpu_named_with_a_cpu_build_of_torch_is_one_line(tiny_model_factory):
+    if torch_version_cuda() is not None:
+        pytest.skip("this torch is a CUDA build")
+    result = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--model", str(tiny_model_factory()), "--devices", "cuda:0"])
+    assert result.exit_code == 1
+    assert result.output == "error: --devices names cuda:0, but this torch is a CPU build; run on the CPU by leaving out --devices, or give cpu\n"
+
+
+def torch_version_cuda() -> str | None:
+    import torch
+
+    return torch.version.cuda

@@ -76,8 +76,11 @@ class Engine:
         whose CPU counts as this one's while it loads (see LoadWatch), not as a busy neighbour's."""
         load_watch = LoadWatch(colleagues=load_colleagues)  # what other processes do while this loads: the kernels are timed for it
         self.model_dir = Path(model_dir)
+        if self.model_dir.is_file():
+            raise ModelLoadError(f"--model {self.model_dir} is a file; pass the Hugging Face style folder that holds it (--model {self.model_dir.parent})")
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model folder {self.model_dir} does not exist; pass --model DIR of a Hugging Face style model")
+        config.check_devices_here()
         self.config = config
         self.model_config = ModelConfig.from_dir(self.model_dir)
         loader = ThreadPoolExecutor(1, thread_name_prefix="graphrt-tokenizer")

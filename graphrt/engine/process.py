@@ -162,7 +162,7 @@ def engine_process_main() -> int:
         banner: list[str] = []
         engine = load_and_warm_up(llm_kwargs, banner.append, ", engine in its own process", load_colleagues=colleagues)
     except Exception as exc:  # noqa: BLE001 - the front prints it as the reason start-up failed
-        results.send(encoder.encode(Fatal(str(exc) if isinstance(exc, GraphrtError) else f"{type(exc).__name__}: {exc}")))
+        results.send(encoder.encode(Fatal(str(exc) if isinstance(exc, (GraphrtError, ValueError)) else f"{type(exc).__name__}: {exc}")))
         return 1
     facts = EngineFacts(
         str(engine.model_dir), engine.max_model_len, engine.allocator.capacity_tokens, banner,
