@@ -302,9 +302,12 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
               help="How tool calls are read from the model's output with tool_choice auto: hermes (<tool_call>{...}</tool_call>), "
                    "llama3_json (<|python_tag|>{...}; {...}) or mistral ([TOOL_CALLS][{...}]) [default: the one the chat template "
                    "writes, else hermes].")
+@click.option("--served-model-name", "served_model_names", multiple=True,
+              help="The name clients pass as model (repeat the flag for more; responses carry the first) [default: the model folder's name].")
 def serve(
     cache, max_num_seqs, max_model_len, prefill_chunk_size, host, port, api_key, api_key_file, max_body_bytes,
-    max_connections, timeout_header, timeout_body, timeout_keep_alive, no_engine_process, cpu_placement, tool_call_parser, **model_args,
+    max_connections, timeout_header, timeout_body, timeout_keep_alive, no_engine_process, cpu_placement, tool_call_parser,
+    served_model_names, **model_args,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM.
 
@@ -328,6 +331,7 @@ def serve(
         engine_process=not no_engine_process,
         cpu_placement=cpu_placement,
         tool_call_parser=tool_call_parser,
+        served_model_names=served_model_names,
     )
     run_server(options, echo=click.echo)
 

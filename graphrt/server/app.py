@@ -33,7 +33,8 @@ MAX_DRAIN_BYTES = 64 << 20  # past this, an oversized body is not read to its en
 
 @dataclass
 class ServerSettings:
-    model_id: str  # the name clients pass as `model`
+    model_id: str  # the name clients pass as `model`, and responses carry
+    other_model_ids: tuple[str, ...] = ()  # more names clients may pass (--served-model-name given several times)
     api_key: str | None = None  # None: no authentication
     max_body_bytes: int = 1 << 20
     tool_call_parser: str | None = None  # how tool calls are read from outputs (tool_parsers); None: as the chat template says
@@ -45,6 +46,10 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("the API key must not be empty; leave it unset to serve without one")
+
+    @property
+    def model_ids(self) -> tuple[str, ...]:
+        return (self.model_id, *self.other_model_ids)
 
 
 def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings) -> FastAPI:
@@ -88,8 +93,9 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
             raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != settings.model_id:
-            raise APIError(404, f"model {model!r} does not exist; this server serves {settings.model_id!r}", param="model", code="model_not_found")
+        if model is not None and model not in settings.model_ids:
+            served = ", ".join(map(repr, settings.model_ids))
+            raise APIError(404, f"model {model!r} does not exist; this server serves {served}", param="model", code="model_not_found")
 
     async def read_request(request: Request, model_cls: type[SamplingFields]) -> SamplingFields:
         check_api_key(request)
@@ -159,19 +165,19 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         check_api_key(request)
         raise APIError(404, f"response {response_id!r} was not stored: graphrt stores no responses; send the whole conversation in input")
 
-    def model_card() -> dict:
-        return {"id": settings.model_id, "object": "model", "created": created, "owned_by": "graphrt", "max_model_len": async_engine.max_model_len}
+    def model_card(model_id: str) -> dict:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "graphrt", "max_model_len": async_engine.max_model_len}
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
         check_api_key(request)
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(model_id) for model_id in settings.model_ids]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(request: Request, model_id: str) -> dict:
         check_api_key(request)
         check_model(model_id)
-        return model_card()
+        return model_card(model_id)
 
     @app.get("/health")
     async def health() -> Response:

@@ -45,10 +45,14 @@ class ServeOptions:
     engine_process: bool = True  # the engine in a process of its own (graphrt.engine.process)
     cpu_placement: str = "auto"  # auto, pin or float: where the front and the engine run (graphrt.kernels.cpu.placement)
     tool_call_parser: str | None = None  # hermes, llama3_json or mistral (graphrt.server.tool_parsers); None: from the chat template
+    served_model_names: tuple[str, ...] = ()  # what clients may pass as `model`, the first in responses; (): the folder's name
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
             check_api_key_value(self.api_key, "the API key")
+        for name in self.served_model_names:
+            if not name or name != name.strip():
+                raise ValueError(f"--served-model-name {name!r} is empty or starts or ends with whitespace; give the name clients send as model")
         if self.cpu_placement not in CPU_PLACEMENTS:
             raise ValueError(f"cpu_placement {self.cpu_placement!r} is not one of {', '.join(CPU_PLACEMENTS)}")
 
@@ -190,10 +194,16 @@ def stop_engine(server: GracefulServer) -> None:
     server.async_engine.close()
 
 
-def curl_example(url: str, model_id: str, with_key: bool) -> str:
+def curl_example(url: str, model_id: str, with_key: bool, has_tokenizer: bool = True) -> str:
+    """A first request to paste: a chat question, or for a model without a tokenizer (no chat
+    template, no text) a completion of token ids."""
     auth = ' -H "Authorization: Bearer $GRAPHRT_API_KEY"' if with_key else ""
-    body = f'{{"model": "{model_id}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
-    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+    if has_tokenizer:
+        route, ask = "chat/completions", '"messages": [{"role": "user", "content": "What is the capital of France?"}]'
+    else:
+        route, ask = "completions", '"prompt": [1, 2, 3, 4]'
+    body = f'{{"model": "{model_id}", {ask}, "max_tokens": 32, "temperature": 0}}'
+    return f"curl {url}/v1/{route} -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
 def start_engine(
@@ -229,15 +239,19 @@ def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
         if async_engine is None:
             return
         echo(f"[graphrt] {placement.describe()}")
-        model_id = (async_engine.model_dir if options.engine_process else async_engine.engine.model_dir).name
+        folder_name = (async_engine.model_dir if options.engine_process else async_engine.engine.model_dir).name
+        model_id, *other_model_ids = options.served_model_names or (folder_name,)
         settings = ServerSettings(
-            model_id=model_id, api_key=options.api_key, max_body_bytes=options.max_body_bytes, tool_call_parser=options.tool_call_parser,
+            model_id=model_id, other_model_ids=tuple(other_model_ids), api_key=options.api_key,
+            max_body_bytes=options.max_body_bytes, tool_call_parser=options.tool_call_parser,
         )
         url = address_of(sock)
 
         def banner() -> None:
+            if settings.other_model_ids:
+                echo(f"[graphrt] model names: {', '.join(settings.model_ids)} (responses carry {settings.model_id})")
             echo(f"[graphrt] serving {settings.model_id} on {url} (OpenAI API under /v1; /health, /metrics); Ctrl+C stops")
-            echo("try: " + curl_example(url, settings.model_id, options.api_key is not None))
+            echo("try: " + curl_example(url, settings.model_id, options.api_key is not None, async_engine.tokenizer is not None))
 
         server = make_server(async_engine, settings, options.limits, banner)
         try:

@@ -1,5 +1,6 @@
-"""`graphrt serve` as a user runs it: the start-up banner, GRAPHRT_API_KEY, and SIGTERM / SIGINT
-with streams in flight: each stream ends with an error event and [DONE], the process exits 0, promptly."""
+"""`graphrt serve` as a user runs it: the start-up banner, GRAPHRT_API_KEY, --served-model-name, and
+SIGTERM / SIGINT with streams in flight: each stream ends with an error event and [DONE], the process
+exits 0, promptly."""
 
 from __future__ import annotations
 
@@ -101,3 +102,36 @@ def test_signal_with_16_open_streams_ends_each_and_exits_0(sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_served_model_names_are_what_clients_pass_and_the_first_is_what_responses_carry():
+    """As vLLM's --served-model-name: clients that send the Hugging Face name get answers."""
+    names = ("HuggingFaceTB/SmolLM2-135M-Instruct", "smol")
+    proc, url, banner = start_server(extra_args=tuple(arg for name in names for arg in ("--served-model-name", name)))
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        assert f"[graphrt] model names: {', '.join(names)} (responses carry {names[0]})" in banner
+        assert any(line.startswith(f"[graphrt] serving {names[0]} on {url}") for line in banner)
+        listed = httpx.get(f"{url}/v1/models", headers=headers).json()["data"]
+        assert [card["id"] for card in listed] == list(names)
+        assert httpx.get(f"{url}/v1/models/{names[1]}", headers=headers).json()["id"] == names[1]
+        for name in names:
+            body = {"model": name, "prompt": "hi", "max_tokens": 2}
+            answer = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+            assert answer.status_code == 200 and answer.json()["model"] == names[0]
+        refused = httpx.post(f"{url}/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "hi"}, headers=headers, timeout=60)
+        assert refused.status_code == 404
+        assert refused.json()["error"]["message"] == f"model 'SmolLM2-135M-Instruct' does not exist; this server serves {names[0]!r}, {names[1]!r}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+
+def test_a_blank_served_model_name_is_refused_before_anything_starts():
+    from click.testing import CliRunner
+
+    from graphrt.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "--served-model-name", " smol"])
+    assert result.exit_code == 1
+    assert result.output == "error: --served-model-name ' smol' is empty or starts or ends with whitespace; give the name clients send as model\n"
