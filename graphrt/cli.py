@@ -126,7 +126,10 @@ def generate(prompt, prompts_file, chat, cache, max_tokens, temperature, top_p, 
         click.echo(outputs[0].text)
     else:
         for source, output in zip(prompts, outputs):
-            line = {"prompt": source, "text": output.text, "num_tokens": len(output.token_ids), "finish_reason": output.finish_reason}
+            line = {
+                "prompt": source, "text": output.text, "num_tokens": len(output.token_ids), "token_ids": output.token_ids,
+                "finish_reason": output.finish_reason,
+            }
             click.echo(json.dumps(line))
     engine, stats = llm.engine, llm.engine.stats
     num_tokens = sum(len(o.token_ids) for o in outputs)
@@ -151,7 +154,9 @@ def read_prompts(path: Path) -> list[str | list[int]]:
         if line.lstrip().startswith("{"):
             try:
                 value = json.loads(line)["prompt"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except json.JSONDecodeError as exc:
+                raise GraphrtError(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno}); a line starting with {{ must be a JSON object") from None
+            except (KeyError, TypeError):
                 raise GraphrtError(f"{path}:{number}: a JSON line needs a \"prompt\" field (text or token ids)") from None
             prompts.append(value)
         else:

@@ -9,7 +9,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from graphrt import cli
+from graphrt import LLM, SamplingParams, cli
 from graphrt.cli import main
 from graphrt.kernels import KERNEL_CHOICES
 
@@ -18,12 +18,24 @@ def test_prompts_file_plain_and_jsonl(tiny_model_factory, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": [5, 6, 7]}\n\n{"prompt": [9, 9]}\n')
     result = CliRunner().invoke(
-        main, ["generate", "--prompts-file", str(prompts), "--model", str(tiny_model_factory()), "--max-tokens", "5", "--pp", "2"]
+        main, ["generate", "--prompts-file", str(prompts), "--model", str(tiny_model_factory()), "--max-tokens", "5", "--pp", "2", "--dtype", "float32"]
     )
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
     assert [line["prompt"] for line in lines] == [[5, 6, 7], [9, 9]]
     assert all(line["num_tokens"] <= 5 for line in lines)
+    llm = LLM(model=tiny_model_factory(), pp=2, dtype="float32", load_tokenizer=False)  # no tokenizer: the ids are the answer
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    assert [line["token_ids"] for line in lines] == [out.token_ids for out in llm.generate([[5, 6, 7], [9, 9]], greedy)]
+
+
+def test_prompts_file_with_a_line_that_is_not_json(tiny_model_factory, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('hello\n{"prompt": [1,2,\n')
+    result = CliRunner().invoke(main, ["generate", "--prompts-file", str(prompts), "--model", str(tiny_model_factory())])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"error: {prompts}:2: not valid JSON (Expecting value at column ")
+    assert result.output.endswith("); a line starting with { must be a JSON object\n")
 
 
 def test_prompts_file_with_a_bad_line(tiny_model_factory, tmp_path):

@@ -54,6 +54,7 @@ class ChoiceUpdate:
     # engine thread); the first `num_tokens` logprobs are final. The prompt's come with the first token.
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    token_ids: list[int] | None = None  # the front's list of the choice's output ids, as logprobs: the first num_tokens are final
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,7 @@ def choice_update(choice: int, state: RequestState, now: float) -> ChoiceUpdate:
     text = state.text
     return ChoiceUpdate(
         choice, text.text, text.num_streamable, len(state.output_ids), state.finish_reason, now,
-        state.logprobs, state.prompt_logprobs,
+        state.logprobs, state.prompt_logprobs, state.output_ids,
     )
 
 

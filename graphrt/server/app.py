@@ -132,7 +132,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         prompts = parsed.prompts()
         # n choices per prompt, prompt by prompt; a seed gives choice j of every prompt seed + j
         job = GenerationJob(params=sampling_params(parsed) * len(prompts), prompts=prompts)
-        fmt = CompletionFormat(settings.model_id, parsed.num_logprobs, names, parsed.echo)
+        fmt = CompletionFormat(settings.model_id, parsed.num_logprobs, names, parsed.echo, bool(parsed.return_token_ids))
         return await generate(request, job, parsed, fmt)
 
     def chat_job(parsed: ChatCompletionRequest) -> tuple[GenerationJob, ChatFormat]:
@@ -141,7 +141,8 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         reads_markers = keep_markers and tool_use is not None and not tool_use.constrains_output  # "auto"
         params = sampling_params(parsed, keep_special_tokens=reads_markers)
         job = GenerationJob(params=params, messages=messages, tools=tool_use and tool_use.template_tools())
-        return job, ChatFormat(settings.model_id, parsed.num_logprobs, names, tool_use and tool_use.calling(tool_call_parser))
+        calling = tool_use and tool_use.calling(tool_call_parser)
+        return job, ChatFormat(settings.model_id, parsed.num_logprobs, names, calling, bool(parsed.return_token_ids))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

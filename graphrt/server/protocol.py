@@ -65,6 +65,7 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension (as in vLLM): generate exactly max_tokens tokens
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids beside the text (null: no)
     user: str | None = None  # accepted and ignored, as an end-user id for OpenAI's abuse monitoring
     # What is done to the logits (graphrt.sampling_params); null means the default, as SDKs send it.
     presence_penalty: float | None = None  # OpenAI's, in [-2, 2]

@@ -40,6 +40,9 @@ class ChoiceState:
     scored: list[Scored] = field(default_factory=list)  # logprobs received and not yet sent
     text_offset: int = 0  # where the next scored token's text begins in the choice's text
     _num_scored: int = 0  # output tokens whose logprobs are in `scored` or sent
+    _output_ids: list[int] = field(default_factory=list)  # the engine side's growing list: read its first num_tokens
+    _num_ids_sent: int = 0
+    prompt_ids_sent: bool = False  # completions' streams send the prompt's ids with a choice's first chunk
 
     def apply(self, update: ChoiceUpdate) -> None:
         self.text, self.num_tokens, self.finish_reason = update.text, update.num_tokens, update.finish_reason
@@ -49,10 +52,22 @@ class ChoiceState:
             if update.prompt_logprobs is not None and self.echo_ids is not None:
                 self.scored += zip(self.echo_ids, update.prompt_logprobs)
         self.last_at = update.at
+        if update.token_ids is not None:
+            self._output_ids = update.token_ids
         if update.logprobs is not None:
             fresh = update.logprobs[self._num_scored : update.num_tokens]
             self.scored += ((entry.token_id, entry) for entry in fresh)
             self._num_scored = update.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._output_ids[: self.num_tokens]
+
+    def take_token_ids(self) -> list[int]:
+        """The output ids a stream has not sent yet."""
+        taken = self._output_ids[self._num_ids_sent : self.num_tokens]
+        self._num_ids_sent = self.num_tokens
+        return taken
 
     def take_scored(self) -> list[Scored]:
         taken, self.scored = self.scored, []
@@ -106,11 +121,14 @@ class ResponseFormat:
     response_object = ""
     chunk_object = ""
 
-    def __init__(self, model_id: str, num_top: int | None = None, names: TokenNames | None = None):
+    def __init__(self, model_id: str, num_top: int | None = None, names: TokenNames | None = None, token_ids: bool = False):
+        """`token_ids`: vLLM's return_token_ids, the prompt's and each choice's token ids beside the text."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_id = model_id
         self.num_top, self.names = num_top, names
+        self.token_ids = token_ids
+        self.prompt_ids: list[list[int]] = []  # each choice's prompt, once admitted (with token_ids)
 
     @property
     def with_logprobs(self) -> bool:
@@ -132,6 +150,8 @@ class ResponseFormat:
 
     def start(self, job: GenerationJob, choices: list[ChoiceState]) -> None:
         """Once the job is admitted (its prompts are token ids by then)."""
+        if self.token_ids:
+            self.prompt_ids = [job.prompt_ids[job.prompt_index(index)] for index in range(len(choices))]
 
     def opening_choice(self, index: int) -> dict | None:
         return None
@@ -158,12 +178,15 @@ class CompletionFormat(ResponseFormat):
     id_prefix = "cmpl"
     response_object = chunk_object = "text_completion"
 
-    def __init__(self, model_id: str, num_top: int | None = None, names: TokenNames | None = None, echo: bool = False):
-        super().__init__(model_id, num_top, names)
+    def __init__(
+        self, model_id: str, num_top: int | None = None, names: TokenNames | None = None, echo: bool = False, token_ids: bool = False,
+    ):
+        super().__init__(model_id, num_top, names, token_ids)
         self.echo = echo
 
     def start(self, job: GenerationJob, choices: list[ChoiceState]) -> None:
         """Once admitted: with echo, each choice's text (and logprobs) begins with its prompt."""
+        super().start(job, choices)
         if not self.echo:
             return
         for index, choice in enumerate(choices):
@@ -178,10 +201,19 @@ class CompletionFormat(ResponseFormat):
 
     def final_choice(self, index: int, choice: ChoiceState) -> dict:
         text = choice.echo_text + choice.text
-        return {"index": index, "text": text, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+        body = {"index": index, "text": text, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+        if self.token_ids:
+            body.update(token_ids=choice.token_ids, prompt_token_ids=self.prompt_ids[index])
+        return body
 
     def delta_choice(self, index: int, choice: ChoiceState, text: str) -> dict:
-        return {"index": index, "text": text, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+        """With token_ids, each chunk's ids are the tokens since the last; the first also has the prompt's."""
+        body = {"index": index, "text": text, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+        if self.token_ids:
+            body["token_ids"] = choice.take_token_ids()
+            if not choice.prompt_ids_sent:
+                body["prompt_token_ids"], choice.prompt_ids_sent = self.prompt_ids[index], True
+        return body
 
     def logprobs_body(self, choice: ChoiceState, scored: list[Scored]) -> dict:
         """The legacy shape: parallel lists; each top_logprobs dict holds the token itself too."""
@@ -207,10 +239,27 @@ class ChatFormat(ResponseFormat):
     response_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, model_id: str, num_top: int | None = None, names: TokenNames | None = None, tool_calling: ToolCalling | None = None):
-        super().__init__(model_id, num_top, names)
+    def __init__(
+        self, model_id: str, num_top: int | None = None, names: TokenNames | None = None, tool_calling: ToolCalling | None = None,
+        token_ids: bool = False,
+    ):
+        super().__init__(model_id, num_top, names, token_ids)
         self.tool_calling = tool_calling
         self._streams: dict[int, ToolCallStream] = {}  # each streamed choice's tool calls
+        self._prompt_ids_sent = False
+
+    def response(self, prompt_tokens: int, choices: list[ChoiceState]) -> dict:
+        body = super().response(prompt_tokens, choices)
+        if self.token_ids:
+            body["prompt_token_ids"] = self.prompt_ids[0]  # one conversation, whatever n
+        return body
+
+    def chunk(self, choices: list[dict], include_usage: bool, usage_body: dict | None = None) -> dict:
+        """With token_ids, the first chunk carries the prompt's."""
+        body = super().chunk(choices, include_usage, usage_body)
+        if self.token_ids and not self._prompt_ids_sent:
+            body["prompt_token_ids"], self._prompt_ids_sent = self.prompt_ids[0], True
+        return body
 
     def opening_choice(self, index: int) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -223,7 +272,10 @@ class ChatFormat(ResponseFormat):
             if calls:
                 message["tool_calls"] = [call.body(new_call_id()) for call in calls]
                 finish_reason = self._finish_reason(finish_reason, made_calls=True)
-        return {"index": index, "message": message, "logprobs": self.logprobs(choice), "finish_reason": finish_reason}
+        body = {"index": index, "message": message, "logprobs": self.logprobs(choice), "finish_reason": finish_reason}
+        if self.token_ids:
+            body["token_ids"] = choice.token_ids
+        return body
 
     def _finish_reason(self, finish_reason: str | None, made_calls: bool) -> str | None:
         """As OpenAI says it: "tool_calls" where the model ended its output after calling, but "stop"
@@ -242,13 +294,18 @@ class ChatFormat(ResponseFormat):
         pieces = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
         if pieces:
             pieces[0]["logprobs"] = self.logprobs(choice)
+            if self.token_ids:
+                pieces[0]["token_ids"] = choice.take_token_ids()
             if choice.finished:
                 pieces[-1]["finish_reason"] = self._finish_reason(choice.finish_reason, stream.made_calls)
         return pieces
 
     def delta_choice(self, index: int, choice: ChoiceState, text: str) -> dict:
         delta = {"content": text} if text else {}
-        return {"index": index, "delta": delta, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+        body = {"index": index, "delta": delta, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+        if self.token_ids:
+            body["token_ids"] = choice.take_token_ids()
+        return body
 
     def logprobs_body(self, choice: ChoiceState, scored: list[Scored]) -> dict:
         """The chat shape: one object per token, with its UTF-8 bytes and a list of alternatives."""

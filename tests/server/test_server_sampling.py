@@ -1,5 +1,5 @@
 """Penalties, `logit_bias`, `min_p`, `min_tokens`, `stop_token_ids`, `bad_words`,
-`allowed_token_ids` and `skip_special_tokens` through `graphrt serve` with the real openai client, on completions and chat,
+`allowed_token_ids`, `skip_special_tokens` and `return_token_ids` through `graphrt serve` with the real openai client, on completions and chat,
 streamed and not: the tokens `LLM.generate` gives for the same parameters, the words banned, the
 tokens allowed; and exactly what `vllm bench serve --backend openai` sends, answered in full.
 
@@ -171,3 +171,53 @@ def test_skip_special_tokens_false_keeps_them_in_the_text_but_not_the_eos(client
         content = client.chat.completions.create(messages=QUESTION, **fields).choices[0].message.content
     assert text == content == kept.text
 
+
+
+def sse_events(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_return_token_ids_gives_the_prompt_and_output_ids_as_vllm_places_them(server, offline, n):
+    """Completions: on each choice; chat: the prompt's on the response (the first chunk), the
+    output's on each choice (each chunk's new ones). Streamed ids add up to the whole answer's."""
+    prompt = "The capital of France is"
+    prompt_ids = offline.generate(prompt, SamplingParams(max_tokens=1))[0].prompt_token_ids
+    seeded = dict(max_tokens=12, temperature=0.8, seed=7, n=n, return_token_ids=True)
+    expected = [offline.generate(prompt, SamplingParams(max_tokens=12, temperature=0.8, seed=7 + j))[0].token_ids for j in range(n)]
+    url = f"{server.url}/v1/completions"
+    whole = httpx.post(url, json={"prompt": prompt, **seeded}, timeout=60).json()
+    assert [choice["token_ids"] for choice in whole["choices"]] == expected
+    assert [choice["prompt_token_ids"] for choice in whole["choices"]] == [prompt_ids] * n
+    events = sse_events(url, {"prompt": prompt, **seeded, "stream": True})
+    streamed, prompts_sent = [[] for _ in range(n)], [[] for _ in range(n)]
+    for event in events:
+        for choice in event["choices"]:
+            streamed[choice["index"]] += choice["token_ids"]
+            if "prompt_token_ids" in choice:
+                prompts_sent[choice["index"]].append(choice["prompt_token_ids"])
+    assert streamed == expected and prompts_sent == [[prompt_ids]] * n
+
+    chat_prompt = offline.chat_prompt(QUESTION[0]["content"])
+    expected = [offline.generate(chat_prompt, SamplingParams(max_tokens=12, temperature=0.8, seed=7 + j))[0].token_ids for j in range(n)]
+    url = f"{server.url}/v1/chat/completions"
+    whole = httpx.post(url, json={"messages": QUESTION, **seeded}, timeout=60).json()
+    assert whole["prompt_token_ids"] == chat_prompt
+    assert [choice["token_ids"] for choice in whole["choices"]] == expected
+    events = sse_events(url, {"messages": QUESTION, **seeded, "stream": True})
+    assert events[0]["prompt_token_ids"] == chat_prompt and all("prompt_token_ids" not in event for event in events[1:])
+    streamed = [[] for _ in range(n)]
+    for event in events:
+        for choice in event["choices"]:
+            streamed[choice["index"]] += choice.get("token_ids", [])
+    assert streamed == expected
+
+
+def test_without_return_token_ids_no_ids_are_sent(server):
+    for route, ask in (("completions", {"prompt": "Hi"}), ("chat/completions", {"messages": QUESTION})):
+        for flag in ({}, {"return_token_ids": None}, {"return_token_ids": False}):
+            body = httpx.post(f"{server.url}/v1/{route}", json={**ask, "max_tokens": 3, **flag}, timeout=60).json()
+            assert "prompt_token_ids" not in body and all("token_ids" not in choice for choice in body["choices"])
