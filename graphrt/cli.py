@@ -48,7 +48,8 @@ def model_options(command):
     """Options shared by every command that builds an engine: the model, its stages, its graphs."""
     options = [
         click.option("--model", type=click.Path(path_type=Path), default=None, help="Hugging Face style model folder [default: SmolLM2-135M-Instruct]."),
-        click.option("--pp", type=click.IntRange(min=1), default=None, help="Pipeline stages [default: 1, or the graph cache's]."),
+        click.option("--pp", "-pp", "--pipeline-parallel-size", "pp", type=click.IntRange(min=1), default=None,
+                     help="Pipeline stages [default: 1, or the graph cache's]."),
         click.option("--devices", default=None, help="Comma-separated device per stage, e.g. cuda:0,cuda:1; under --ep one per rank, stage-major (--pp 2 --ep 2: cuda:0,cuda:1,cuda:2,cuda:3, stage 0 on the first two) [default: from the machine]."),
         click.option("--dtype", default=None, help="float32, bfloat16, float16 or float64 [default: bfloat16 on CPUs with AMX or AVX512-BF16, else float32; the model's dtype on CUDA]."),
         click.option("--kernels", type=click.Choice(KERNEL_CHOICES), default=None, help="Decode kernels [default: triton on CUDA, torch elsewhere]."),
@@ -309,15 +310,23 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
                    "writes, else hermes].")
 @click.option("--served-model-name", "served_model_names", multiple=True,
               help="The name clients pass as model (repeat the flag for more; responses carry the first) [default: the model folder's name].")
+@click.option("--enable-auto-tool-choice", is_flag=True, help="Accepted as in vLLM's command lines; tool_choice auto is always on here.")
+@click.argument("model_folder", required=False, type=click.Path(path_type=Path), metavar="[MODEL]")
 def serve(
     cache, max_num_seqs, max_model_len, prefill_chunk_size, host, port, api_key, api_key_file, max_body_bytes,
     max_connections, timeout_header, timeout_body, timeout_keep_alive, no_engine_process, cpu_placement, tool_call_parser,
-    served_model_names, **model_args,
+    served_model_names, enable_auto_tool_choice, model_folder, **model_args,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM.
+    MODEL (as in `vllm serve MODEL`) is the same as --model.
 
     Chat completions take tools (tool_choice auto, required or a named function) and, like
     completions, response_format and structured_outputs (a JSON schema, a regex, a choice, a grammar)."""
+    del enable_auto_tool_choice  # vLLM wants it for tool_choice auto, which graphrt always serves
+    if model_folder is not None:
+        if model_args["model"] is not None and model_args["model"] != model_folder:
+            raise click.UsageError(f"the model is named twice, {model_folder} and --model {model_args['model']}: give one")
+        model_args["model"] = model_folder
     from graphrt.server import ServeOptions
     from graphrt.server import serve as run_server
     from graphrt.server.connections import ConnectionLimits

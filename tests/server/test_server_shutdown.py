@@ -104,10 +104,12 @@ def test_signal_with_16_open_streams_ends_each_and_exits_0(sig):
             proc.wait()
 
 
-def test_served_model_names_are_what_clients_pass_and_the_first_is_what_responses_carry():
-    """As vLLM's --served-model-name: clients that send the Hugging Face name get answers."""
+def test_served_model_names_are_what_clients_pass_and_the_first_is_what_responses_carry(default_model):
+    """As vLLM's --served-model-name: clients that send the Hugging Face name get answers. The
+    command line is a vLLM user's too: the model as an argument, -pp, --enable-auto-tool-choice."""
     names = ("HuggingFaceTB/SmolLM2-135M-Instruct", "smol")
-    proc, url, banner = start_server(extra_args=tuple(arg for name in names for arg in ("--served-model-name", name)))
+    vllm_habits = ("-pp", "1", "--enable-auto-tool-choice", str(default_model))
+    proc, url, banner = start_server(extra_args=(*(arg for name in names for arg in ("--served-model-name", name)), *vllm_habits))
     headers = {"Authorization": f"Bearer {API_KEY}"}
     try:
         assert f"[graphrt] model names: {', '.join(names)} (responses carry {names[0]})" in banner
@@ -135,3 +137,5 @@ def test_a_blank_served_model_name_is_refused_before_anything_starts():
     result = CliRunner().invoke(main, ["serve", "--served-model-name", " smol"])
     assert result.exit_code == 1
     assert result.output == "error: --served-model-name ' smol' is empty or starts or ends with whitespace; give the name clients send as model\n"
+    result = CliRunner().invoke(main, ["serve", "--pipeline-parallel-size", "2", "--model", "a", "b"])
+    assert result.exit_code == 2 and "the model is named twice, b and --model a: give one" in result.output
