@@ -76,6 +76,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before it
     ignore_eos: bool = False
     # The text leaves out the tokenizer's special tokens, as vLLM's does by default; False keeps them
     # (a tool-call parser whose markers are special tokens reads them there: the server asks so). The
@@ -125,8 +126,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not isinstance(self.skip_special_tokens, bool):
-            raise ValueError(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS):

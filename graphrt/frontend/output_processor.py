@@ -125,8 +125,9 @@ class OutputProcessor:
         if len(state.output_ids) <= params.min_tokens:
             return False  # as vLLM: stop strings count once more than min_tokens tokens are out
         # Only a stop string that ends in the new text can be new; the one that starts first wins.
-        cuts = [cut for stop in text.stops if (cut := text.text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
-        if not cuts:
+        found = [(at, stop) for stop in text.stops if (at := text.text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
+        if not found:
             return False
-        text.text = text.text[: min(cuts)]
+        at, stop = min(found, key=lambda hit: hit[0])
+        text.text = text.text[: at + len(stop) if params.include_stop_str_in_output else at]
         return True

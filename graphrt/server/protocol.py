@@ -66,6 +66,7 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension (as in vLLM): generate exactly max_tokens tokens
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids beside the text (null: no)
+    include_stop_str_in_output: bool | None = None  # vLLM's: the text keeps the stop string that ended it (null: no)
     user: str | None = None  # accepted and ignored, as an end-user id for OpenAI's abuse monitoring
     # What is done to the logits (graphrt.sampling_params); null means the default, as SDKs send it.
     presence_penalty: float | None = None  # OpenAI's, in [-2, 2]
@@ -210,6 +211,7 @@ class SamplingFields(StrictModel):
                 top_p=1.0 if greedy else self.top_p,
                 seed=None if self.seed is None else self.seed + index,
                 stop=stop,
+                include_stop_str_in_output=bool(self.include_stop_str_in_output),
                 ignore_eos=self.ignore_eos,
                 logprobs=self.num_logprobs,
                 prompt_logprobs=self.num_prompt_logprobs,

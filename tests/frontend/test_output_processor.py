@@ -69,6 +69,16 @@ def test_a_stop_string_ends_the_request_here_and_says_so_rather_than_calling_the
     assert len(state.output_ids) == stopped_at[0] + 1
 
 
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string_that_starts_first(tokenizer):
+    """vLLM's include_stop_str_in_output: where "France" starts first, it stays, and "Paris" (which
+    would end the text later) does not."""
+    processor = OutputProcessor(tokenizer)
+    state = processor.add(7, SamplingParams(stop=["Paris", "France is"], include_stop_str_in_output=True))
+    steps = feed(processor, 7, tokenizer.encode("The capital of France is Paris. It is"))
+    assert sum(1 for _, stopped in steps if stopped) == 1
+    assert state.text.text == "The capital of France is" and state.text.num_streamable == len(state.text.text)
+
+
 def test_stop_strings_count_once_min_tokens_are_out_and_a_stop_tokens_text_is_left_out(tokenizer):
     """As vLLM: a stop string ends a request only past min_tokens tokens; a stop token (stop_token_ids)
     that ends it is one of its tokens but not of its text."""

@@ -1,5 +1,5 @@
 """Penalties, `logit_bias`, `min_p`, `min_tokens`, `stop_token_ids`, `bad_words`,
-`allowed_token_ids`, `skip_special_tokens` and `return_token_ids` through `graphrt serve` with the real openai client, on completions and chat,
+`allowed_token_ids`, `skip_special_tokens`, `include_stop_str_in_output` and `return_token_ids` through `graphrt serve` with the real openai client, on completions and chat,
 streamed and not: the tokens `LLM.generate` gives for the same parameters, the words banned, the
 tokens allowed; and exactly what `vllm bench serve --backend openai` sends, answered in full.
 
@@ -221,3 +221,18 @@ def test_without_return_token_ids_no_ids_are_sent(server):
         for flag in ({}, {"return_token_ids": None}, {"return_token_ids": False}):
             body = httpx.post(f"{server.url}/v1/{route}", json={**ask, "max_tokens": 3, **flag}, timeout=60).json()
             assert "prompt_token_ids" not in body and all("token_ids" not in choice for choice in body["choices"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_include_stop_str_in_output_keeps_the_stop_string(client, offline, stream):
+    full, _ = text_of(offline, "One", max_tokens=16, temperature=0, ignore_eos=True)
+    stop = full.split()[2]  # a word the model writes
+    before = full[: full.index(stop)]
+    for include, expected in ((False, before), (True, before + stop)):
+        kwargs = dict(model=MODEL, prompt="One", max_tokens=16, temperature=0, stop=[stop],
+                      extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
+        if stream:
+            text = "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **kwargs) if chunk.choices)
+        else:
+            text = client.completions.create(**kwargs).choices[0].text
+        assert text == expected
