@@ -17,6 +17,19 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
+# Older or other servers' names for what graphrt takes under another (vLLM's guided_* were
+# replaced by structured_outputs); a refusal of one says what to send instead.
+RENAMED = {
+    "guided_json": "structured_outputs: {\"json\": SCHEMA} or response_format json_schema",
+    "guided_regex": "structured_outputs: {\"regex\": PATTERN}",
+    "guided_choice": "structured_outputs: {\"choice\": [...]}",
+    "guided_grammar": "structured_outputs: {\"grammar\": EBNF}",
+    "guided_json_object": "response_format: {\"type\": \"json_object\"}",
+    "guided_decoding_backend": "nothing: graphrt's structured outputs always run on xgrammar",
+    "max_new_tokens": "max_tokens",
+    "stop_sequences": "stop",
+}
+
 # pydantic puts the union member it tried into the error location; those are not parameter names
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[\-]")
 
@@ -35,7 +48,8 @@ def validation_error(exc: ValidationError) -> APIError:
         elif not _TYPE_TAG.search(part):
             param += f".{part}" if param else part
     if error["type"] == "extra_forbidden":
-        return APIError(400, f"unrecognized request argument: {param}", param=param)
+        instead = f"; send {RENAMED[param]} instead" if param in RENAMED else ""
+        return APIError(400, f"unrecognized request argument: {param}{instead}", param=param)
     if error["type"] == "missing":
         return APIError(400, f"{param} is required", param=param)
     message = error["msg"].removeprefix("Value error, ")

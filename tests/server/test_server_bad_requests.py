@@ -112,6 +112,7 @@ BAD_REQUESTS = [
     ("structured-outputs-with-a-named-tool", "POST", CHAT, body(messages=USER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "f"}},
      structured_outputs={"choice": ["a"]}), 400, "structured_outputs"),
     ("unrecognized-argument", "POST", COMPLETIONS, body(prompt="hi", foo=1), 400, "foo"),
+    ("vllm-guided-json", "POST", CHAT, body(messages=USER, guided_json={"type": "object"}), 400, "guided_json"),
     ("oversized-body", "POST", COMPLETIONS, body(prompt="a" * (2 * MAX_BODY_BYTES)), 413, None),
     ("unknown-route", "POST", "/v1/embeddings", body(input="hi"), 404, None),
     ("wrong-method", "GET", COMPLETIONS, b"", 405, None),
@@ -161,6 +162,8 @@ def test_messages_say_what_to_do(http):
     assert "[-2, 2]" in penalty
     unknown = http.post(COMPLETIONS, json={"prompt": "hi", "model": "gpt-4"}).json()["error"]["message"]
     assert "'SmolLM2-135M-Instruct'" in unknown
+    guided = http.post(CHAT, json={"messages": USER, "guided_choice": ["a", "b"]}).json()["error"]["message"]
+    assert guided == 'unrecognized request argument: guided_choice; send structured_outputs: {"choice": [...]} instead'
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(http):
