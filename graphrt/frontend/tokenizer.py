@@ -40,6 +40,11 @@ class Tokenizer:
         """
         return -(-num_chars // self.max_chars_per_token)
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can spell (its base vocabulary and added tokens)."""
+        return len(self._tok)
+
     def encode(self, text: str) -> list[int]:
         return self._tok(text).input_ids
 

@@ -15,10 +15,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graphrt.frontend.async_engine import AsyncEngine, GenerationJob
+from graphrt.server import tokenize
 from graphrt.server.errors import APIError
 from graphrt.server.generation import Generation, GenerationStream
 from graphrt.server.metrics import ServerMetrics
-from graphrt.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse_request
+from graphrt.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, decode_body, parse_request
 from graphrt.server.responses import ChatFormat, CompletionFormat, ResponseFormat, TokenNames
 from graphrt.server.responses_api import parse_responses_request
 from graphrt.server.responses_output import ResponsesFormat, ResponsesGeneration
@@ -179,6 +180,24 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         check_api_key(request)
         check_model(model_id)
         return model_card(model_id)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict:
+        check_api_key(request)
+        parsed = tokenize.parse(decode_body(await read_body(request, settings.max_body_bytes)), tokenize.TokenizeRequest)
+        check_model(parsed.model)
+        return await tokenize.tokenize(async_engine.tokenizer, parsed, async_engine.max_model_len, settings.model_id)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict:
+        check_api_key(request)
+        parsed = tokenize.parse(decode_body(await read_body(request, settings.max_body_bytes)), tokenize.DetokenizeRequest)
+        check_model(parsed.model)
+        return await tokenize.detokenize(async_engine.tokenizer, parsed, settings.model_id)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return tokenize.version()
 
     @app.get("/health")
     async def health() -> Response:

@@ -202,3 +202,37 @@ def test_metrics(client, server):
     assert metric(after, "graphrt_kv_blocks_used") == 0 and metric(after, "graphrt_kv_blocks_free") > 0
     assert metric(after, "graphrt_requests_running") == metric(after, "graphrt_requests_waiting") == 0
     assert metric(after, "graphrt_eager_fallbacks_total") == 0
+
+
+def test_tokenize_counts_what_the_routes_feed_the_model_and_detokenize_spells_it_back(client, server, tokenizer):
+    """vLLM's /tokenize and /detokenize: a client counts a prompt's tokens before sending it."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    prompt = "The capital of France is"
+    counted = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": prompt}, headers=headers).json()
+    assert counted["tokens"] == tokenizer.encode(prompt) and counted["count"] == len(counted["tokens"])
+    assert counted["max_model_len"] == client.models.retrieve(MODEL).model_extra["max_model_len"]
+    assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage.prompt_tokens == counted["count"]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": QUESTION}, headers=headers).json()
+    assert chat["tokens"] == tokenizer.encode_chat(QUESTION)
+    assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1).usage.prompt_tokens == chat["count"]
+    spelled = httpx.post(f"{server.url}/detokenize", json={"tokens": counted["tokens"]}, headers=headers).json()
+    assert spelled == {"prompt": tokenizer.decode(counted["tokens"])} and prompt in spelled["prompt"]
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+@pytest.mark.parametrize(
+    "route, body, message",
+    [
+        ("/tokenize", {}, "give exactly one of prompt (text) and messages (a conversation)"),
+        ("/tokenize", {"prompt": "a", "messages": QUESTION}, "give exactly one of prompt"),
+        ("/tokenize", {"prompt": "a", "tools": []}, "tools go with messages"),
+        ("/tokenize", {"prompt": "a", "add_special_tokens": True}, "unrecognized request argument: add_special_tokens"),
+        ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model 'gpt-4' does not exist"),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens: -1 is outside the tokenizer's vocabulary [0, 49152)"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens: "),
+    ],
+)
+def test_tokenize_and_detokenize_refuse_what_they_cannot_answer(server, route, body, message):
+    answer = httpx.post(f"{server.url}{route}", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert answer.status_code in (400, 404) and message in answer.json()["error"]["message"], answer.text
+    assert httpx.post(f"{server.url}{route}", json=body).status_code == 401  # the key is asked for first

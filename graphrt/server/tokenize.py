@@ -1,0 +1,72 @@
+"""vLLM's /tokenize, /detokenize and /version: the token ids the completions and chat routes feed
+the model for a prompt or a conversation (to count them before sending), text back from ids."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pydantic import Field, ValidationError, model_validator
+
+from graphrt import __version__
+from graphrt.errors import GraphrtError
+from graphrt.server.errors import APIError
+from graphrt.server.protocol import ChatMessage, Tool
+from graphrt.server.validation import StrictModel, validation_error
+
+
+class TokenizeRequest(StrictModel):
+    """A prompt as completions tokenize it, or messages (and tools) as chat renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
+
+    @model_validator(mode="after")
+    def _one_of_prompt_and_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt (text) and messages (a conversation)")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go with messages: a plain prompt has no chat template to show them")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+async def tokenize(tokenizer, parsed: TokenizeRequest, max_model_len: int, model_id: str) -> dict:
+    """What vLLM answers: the ids, their count and the context length they must fit."""
+    if tokenizer is None:
+        raise APIError(400, f"{model_id} has no tokenizer: its prompts are token ids already")
+    try:
+        if parsed.messages is not None:
+            messages = [message.template_dict() for message in parsed.messages]
+            tools = [tool.model_dump(exclude_none=True) for tool in parsed.tools] if parsed.tools else None
+            ids = await asyncio.to_thread(tokenizer.encode_chat, messages, tools)
+        else:
+            ids = await asyncio.to_thread(tokenizer.encode, parsed.prompt)
+    except GraphrtError as exc:  # the chat template refused the conversation, or there is none
+        raise APIError(400, str(exc)) from None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
+
+
+async def detokenize(tokenizer, parsed: DetokenizeRequest, model_id: str) -> dict:
+    if tokenizer is None:
+        raise APIError(400, f"{model_id} has no tokenizer to spell token ids with")
+    outside = next((token for token in parsed.tokens if not 0 <= token < tokenizer.vocab_size), None)
+    if outside is not None:
+        raise APIError(400, f"tokens: {outside} is outside the tokenizer's vocabulary [0, {tokenizer.vocab_size})", param="tokens")
+    return {"prompt": await asyncio.to_thread(tokenizer.decode, parsed.tokens)}
+
+
+def parse(body: dict, model_cls: type[StrictModel]) -> StrictModel:
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def version() -> dict:
+    return {"version": __version__}
