@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from graphrt.frontend.async_engine import ChoiceUpdate, GenerationJob
 from graphrt.sampling_params import TokenLogprob
 from graphrt.server.tool_choice import ToolCalling
-from graphrt.server.tool_parsers import ToolCallStream, new_call_id, parse_tool_calls
+from graphrt.server.tool_parsers import ToolCallStream, begun_tool_calls, new_call_id, parse_tool_calls
 
 # A token and its logprob entry (None for a prompt's first token), as a choice reports them.
 Scored = tuple[int, TokenLogprob | None]
@@ -268,7 +268,13 @@ class ChatFormat(ResponseFormat):
         message = {"role": "assistant", "content": choice.text}
         finish_reason = choice.finish_reason
         if self.tool_calling is not None:
-            message["content"], calls = parse_tool_calls(self.tool_calling.reader, choice.text, self.tool_calling.max_calls)
+            reader, max_calls = self.tool_calling.reader, self.tool_calling.max_calls
+            message["content"], calls = parse_tool_calls(reader, choice.text, max_calls)
+            if not calls and self.tool_calling.constrained:
+                # Cut short by max_tokens: graphrt's grammar wrote it, so it is no answer to show as
+                # text; the calls begun go out as far as they got (vLLM sends a named call's so).
+                calls = begun_tool_calls(reader, choice.text, max_calls)
+                message["content"] = None if calls else ""
             if calls:
                 message["tool_calls"] = [call.body(new_call_id()) for call in calls]
                 finish_reason = self._finish_reason(finish_reason, made_calls=True)
@@ -287,7 +293,8 @@ class ChatFormat(ResponseFormat):
         its arguments in fragments go out in chunks of their own; text that may begin a call waits."""
         if self.tool_calling is None:
             return super().delta_choices(index, choice, text)
-        stream = self._streams.setdefault(index, ToolCallStream(self.tool_calling.reader, self.tool_calling.max_calls))
+        calling = self.tool_calling
+        stream = self._streams.setdefault(index, ToolCallStream(calling.reader, calling.max_calls, sends_content=not calling.constrained))
         deltas = stream.feed(choice.text[: choice.num_sent], choice.finished)
         if not deltas and (choice.finished or choice.scored):
             deltas = [{}]

@@ -72,6 +72,7 @@ class ToolCalling:
     reader: ToolCallReader
     max_calls: int | None  # 1 with parallel_tool_calls false
     named: bool  # a named tool_choice: the finish reason stays "stop", as OpenAI's does
+    constrained: bool = False  # "required" or named: a grammar writes the calls, so the output is never content
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,9 @@ class ToolUse:
         names = [tool.function.name for tool in self.tools]
         max_calls = None if self.parallel else 1
         if self.named is not None:
-            return ToolCalling(NamedReader(self.named), 1, named=True)
+            return ToolCalling(NamedReader(self.named), 1, named=True, constrained=True)
         if self.choice == "required":
-            return ToolCalling(RequiredReader(names), max_calls, named=False)
+            return ToolCalling(RequiredReader(names), max_calls, named=False, constrained=True)
         return ToolCalling(READERS[parser](names), max_calls, named=False)
 
     def _index(self, name: str) -> int:

@@ -153,6 +153,20 @@ def test_tool_choice_required_calls_tools_with_valid_arguments(client):
     assert streamed == {"content": "", "calls": calls, "finish_reason": "tool_calls"}
 
 
+@pytest.mark.parametrize("max_tokens", [2, 5, 9])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"])
+def test_calls_cut_short_by_max_tokens_are_calls_as_far_as_they_got_never_content(client, tool_choice, max_tokens):
+    """The grammar's own format is no answer to show: a whole response says what its stream said."""
+    out = chat(client, tools=TOOLS, tool_choice=tool_choice, max_tokens=max_tokens)
+    message, finish_reason = out.choices[0].message, out.choices[0].finish_reason
+    calls = [(call.function.name, call.function.arguments) for call in message.tool_calls or []]
+    assert finish_reason == "length" and message.content in ("", None)
+    if tool_choice != "required":  # a named call begins with the output
+        assert calls and calls[0][0] == "get_weather" and message.content is None
+    streamed = assembled(chat(client, stream=True, tools=TOOLS, tool_choice=tool_choice, max_tokens=max_tokens))
+    assert streamed == {"content": "", "calls": calls, "finish_reason": "length"}
+
+
 def test_without_parallel_tool_calls_required_makes_one_call(client):
     out = chat(client, messages=[{"role": "user", "content": "Weather in Paris, Rome and Oslo?"}], tools=TOOLS, tool_choice="required",
                parallel_tool_calls=False, max_tokens=64, temperature=1.0, seed=7, n=2)

@@ -22,12 +22,14 @@ A reader (readers) scans the whole text so far and says what it holds (`ToolCall
 before the first call and each call begun so far, each call's object read by call_text. Text only
 grows, and so does what a scan finds, so a stream sends what is new since the last scan
 (`ToolCallStream`, stream). A finished output is read as vLLM reads it (`parse_tool_calls`, parse):
-if any call is not complete JSON naming a given tool, the whole output is content. A stream cannot
+if any call is not complete JSON naming a given tool, the whole output is content, except where
+the server's own grammar wrote it ("required" or named, cut short by max_tokens): then the calls
+begun go out as far as they got (`begun_tool_calls`), as a stream of it sent them. A stream cannot
 take back what it sent: there a call counts once its name and the start of its arguments are read,
 and if the text breaks it after that, the rest of the output is that call's arguments.
 """
 
-from graphrt.server.tool_parsers.parse import ParsedToolCall, new_call_id, parse_tool_calls
+from graphrt.server.tool_parsers.parse import ParsedToolCall, begun_tool_calls, new_call_id, parse_tool_calls
 from graphrt.server.tool_parsers.readers import (
     READERS,
     TOOL_CALL_PARSERS,
@@ -55,6 +57,7 @@ __all__ = [
     "ToolCallReader",
     "ToolCallScan",
     "ToolCallStream",
+    "begun_tool_calls",
     "detect_tool_call_parser",
     "markers_are_special_tokens",
     "new_call_id",

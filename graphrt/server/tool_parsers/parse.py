@@ -39,3 +39,9 @@ def _is_json_object(text: str) -> bool:
         return isinstance(json.loads(text), dict)
     except (ValueError, RecursionError):
         return False
+
+
+def begun_tool_calls(reader: ToolCallReader, text: str, max_calls: int | None = None) -> list[ParsedToolCall]:
+    """The calls a grammar-constrained output (tool_choice "required" or named) had begun when it
+    was cut short (max_tokens), their arguments as far as they got: what a stream of it sent."""
+    return [ParsedToolCall(call.name, call.arguments_text) for call in reader.scan(text, final=True).calls[:max_calls]]

@@ -35,9 +35,12 @@ class ToolCallStream:
     on as JSON, a key comes again), the rest of the output goes out as that call's arguments, never
     as content, and the client's finish_reason is "tool_calls" all the same."""
 
-    def __init__(self, reader: ToolCallReader, max_calls: int | None = None):
+    def __init__(self, reader: ToolCallReader, max_calls: int | None = None, sends_content: bool = True):
+        """`sends_content` False: the server's grammar writes the output (tool_choice "required" or
+        named), so none of it is content, not even what max_tokens left short of a call."""
         self.reader = reader
         self.max_calls = max_calls
+        self.sends_content = sends_content
         self.num_content_sent = 0
         self.calls: list[SentCall] = []
         self.broken = False  # a call that went out was broken by the text after it
@@ -56,7 +59,7 @@ class ToolCallStream:
 
     def _new_deltas(self, scan: ToolCallScan) -> list[dict]:
         deltas: list[dict] = []
-        if len(scan.content) > self.num_content_sent:
+        if self.sends_content and len(scan.content) > self.num_content_sent:
             deltas.append({"content": scan.content[self.num_content_sent :]})
             self.num_content_sent = len(scan.content)
         for index, call in enumerate(scan.calls[: self.max_calls]):
