@@ -10,6 +10,7 @@ import torch
 from graphrt.engine.sequence import FinishReason
 from graphrt.engine.startup import build_engine
 from graphrt.errors import RequestError
+from graphrt.frontend.generation_config import sampling_defaults
 from graphrt.frontend.output_processor import OutputProcessor
 from graphrt.frontend.tokenizer import TokenizerLoading
 from graphrt.model.default_model import default_model_dir
@@ -71,6 +72,12 @@ class LLM:
             raise RequestError(f"{self.model_dir} has no tokenizer, so it has no chat template")
         return self.tokenizer.encode_chat([{"role": "user", "content": user_message}])
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams: the model folder's
+        generation_config.json defaults (temperature, top_p, top_k, min_p, repetition_penalty), as
+        vLLM's LLM does, else SamplingParams()'s."""
+        return SamplingParams(**sampling_defaults(self.model_dir))
+
     def generate(
         self, prompts: str | list[int] | list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:
@@ -85,7 +92,7 @@ class LLM:
             if len(params) != len(prompts):
                 raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
         else:
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params or self.default_sampling_params()] * len(prompts)
         engine = self.engine
         seqs = []
         try:

@@ -6,7 +6,7 @@ import asyncio
 import hmac
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -39,6 +39,7 @@ class ServerSettings:
     api_key: str | None = None  # None: no authentication
     max_body_bytes: int = 1 << 20
     tool_call_parser: str | None = None  # how tool calls are read from outputs (tool_parsers); None: as the chat template says
+    sampling_defaults: dict = field(default_factory=dict)  # the model's, for what a request leaves out (frontend.generation_config)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -132,7 +133,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         parsed = await read_request(request, CompletionRequest)
         prompts = parsed.prompts()
         # n choices per prompt, prompt by prompt; a seed gives choice j of every prompt seed + j
-        job = GenerationJob(params=sampling_params(parsed) * len(prompts), prompts=prompts)
+        job = GenerationJob(params=sampling_params(parsed, settings.sampling_defaults) * len(prompts), prompts=prompts)
         fmt = CompletionFormat(settings.model_id, parsed.num_logprobs, names, parsed.echo, bool(parsed.return_token_ids))
         return await generate(request, job, parsed, fmt)
 
@@ -140,7 +141,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         tool_use = parsed.tool_use()  # None: no tool may be called
         messages = [m.template_dict() for m in parsed.messages]
         reads_markers = keep_markers and tool_use is not None and not tool_use.constrains_output  # "auto"
-        params = sampling_params(parsed, keep_special_tokens=reads_markers)
+        params = sampling_params(parsed, settings.sampling_defaults, keep_special_tokens=reads_markers)
         job = GenerationJob(params=params, messages=messages, tools=tool_use and tool_use.template_tools())
         calling = tool_use and tool_use.calling(tool_call_parser)
         return job, ChatFormat(settings.model_id, parsed.num_logprobs, names, calling, bool(parsed.return_token_ids))
@@ -212,9 +213,9 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     return app
 
 
-def sampling_params(parsed: SamplingFields, keep_special_tokens: bool = False) -> list:
+def sampling_params(parsed: SamplingFields, defaults: dict, keep_special_tokens: bool = False) -> list:
     try:
-        return parsed.sampling_params(keep_special_tokens)
+        return parsed.sampling_params(keep_special_tokens, defaults)
     except ValueError as exc:  # SamplingParams' own checks
         raise APIError(400, str(exc)) from None
 

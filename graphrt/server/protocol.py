@@ -197,18 +197,28 @@ class SamplingFields(StrictModel):
         """As `num_logprobs`, for each prompt token after the first (completions with `echo`)."""
         return None
 
-    def sampling_params(self, keep_special_tokens: bool = False) -> list[SamplingParams]:
+    def sampling_params(self, keep_special_tokens: bool = False, defaults: dict | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i draws from seed + i.
-        `keep_special_tokens`: the server's, whatever the request says (a tool-call parser reads them)."""
+        `keep_special_tokens`: the server's, whatever the request says (a tool-call parser reads them).
+        `defaults`: the model's sampling defaults (graphrt.frontend.generation_config), for the keys
+        the request leaves out or sends as null."""
+        defaults = defaults or {}
+
+        def given_or_default(name: str):
+            value = getattr(self, name)
+            return defaults[name] if name in defaults and (name not in self.model_fields_set or value is None) else value
+
+        temperature, top_p, top_k = (given_or_default(name) for name in ("temperature", "top_p", "top_k"))
+        min_p, repetition_penalty = given_or_default("min_p"), given_or_default("repetition_penalty")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         structured_output = self.structured_output()  # one for every choice: the engine compiles it once
-        greedy = self.top_p == 0  # the sampler's greedy path; its top_p must be in (0, 1]
+        greedy = top_p == 0  # the sampler's greedy path; its top_p must be in (0, 1]
         return [
             SamplingParams(
                 max_tokens=self.resolved_max_tokens(),
-                temperature=0.0 if greedy else self.temperature,
-                top_k=max(self.top_k, 0),
-                top_p=1.0 if greedy else self.top_p,
+                temperature=0.0 if greedy else temperature,
+                top_k=max(top_k, 0),
+                top_p=1.0 if greedy else top_p,
                 seed=None if self.seed is None else self.seed + index,
                 stop=stop,
                 include_stop_str_in_output=bool(self.include_stop_str_in_output),
@@ -217,8 +227,8 @@ class SamplingFields(StrictModel):
                 prompt_logprobs=self.num_prompt_logprobs,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                min_p=self.min_p or 0.0,
+                repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+                min_p=min_p or 0.0,
                 min_tokens=self.min_tokens or 0,
                 logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None,
                 stop_token_ids=list(self.stop_token_ids or []),

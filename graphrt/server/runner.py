@@ -22,6 +22,7 @@ import uvicorn
 
 from graphrt.engine.startup import load_and_warm_up
 from graphrt.errors import GraphrtError
+from graphrt.frontend import generation_config
 from graphrt.frontend.async_engine import AsyncEngine
 from graphrt.frontend.engine_client import EngineClient
 from graphrt.frontend.tokenizer import TokenizerLoading
@@ -46,10 +47,13 @@ class ServeOptions:
     cpu_placement: str = "auto"  # auto, pin or float: where the front and the engine run (graphrt.kernels.cpu.placement)
     tool_call_parser: str | None = None  # hermes, llama3_json or mistral (graphrt.server.tool_parsers); None: from the chat template
     served_model_names: tuple[str, ...] = ()  # what clients may pass as `model`, the first in responses; (): the folder's name
+    generation_config: str = "auto"  # auto: the model's sampling defaults; vllm: the API's; or a folder (frontend.generation_config)
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
             check_api_key_value(self.api_key, "the API key")
+        if self.generation_config not in generation_config.GENERATION_CONFIG_CHOICES:
+            generation_config.resolve(self.generation_config, Path())  # a folder: refused now if it holds none
         for name in self.served_model_names:
             if not name or name != name.strip():
                 raise ValueError(f"--served-model-name {name!r} is empty or starts or ends with whitespace; give the name clients send as model")
@@ -239,11 +243,14 @@ def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
         if async_engine is None:
             return
         echo(f"[graphrt] {placement.describe()}")
-        folder_name = (async_engine.model_dir if options.engine_process else async_engine.engine.model_dir).name
-        model_id, *other_model_ids = options.served_model_names or (folder_name,)
+        model_dir = async_engine.model_dir if options.engine_process else async_engine.engine.model_dir
+        model_id, *other_model_ids = options.served_model_names or (model_dir.name,)
+        defaults = generation_config.resolve(options.generation_config, model_dir)
+        if defaults:
+            echo(f"[graphrt] {generation_config.describe(defaults)}")
         settings = ServerSettings(
             model_id=model_id, other_model_ids=tuple(other_model_ids), api_key=options.api_key,
-            max_body_bytes=options.max_body_bytes, tool_call_parser=options.tool_call_parser,
+            max_body_bytes=options.max_body_bytes, tool_call_parser=options.tool_call_parser, sampling_defaults=defaults,
         )
         url = address_of(sock)
 

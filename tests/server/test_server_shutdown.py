@@ -139,3 +139,34 @@ def test_a_blank_served_model_name_is_refused_before_anything_starts():
     assert result.output == "error: --served-model-name ' smol' is empty or starts or ends with whitespace; give the name clients send as model\n"
     result = CliRunner().invoke(main, ["serve", "--pipeline-parallel-size", "2", "--model", "a", "b"])
     assert result.exit_code == 2 and "the model is named twice, b and --model a: give one" in result.output
+
+
+def test_the_models_generation_config_sets_what_a_request_leaves_out(tiny_model_factory, tmp_path):
+    """As vLLM's --generation-config auto: a folder whose generation_config.json says temperature 0
+    answers a request without a temperature greedily; one that gives a temperature samples."""
+    import json
+    import shutil
+
+    from graphrt import LLM, SamplingParams
+
+    folder = tmp_path / "greedy-model"
+    shutil.copytree(tiny_model_factory(), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_k": 5}))
+    llm = LLM(model=folder, dtype="float32", load_tokenizer=False)
+    greedy = llm.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids
+    sampled = llm.generate([5, 6, 7], SamplingParams(temperature=1.0, top_k=5, seed=3, max_tokens=8))[0].token_ids
+    assert sampled != greedy  # else the test could not tell the two apart
+    proc, url, banner = start_server(extra_args=("--dtype", "float32", str(folder)))
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        assert any("sampling defaults from the model's generation_config.json: temperature=0.0, top_k=5" in line for line in banner)
+
+        def tokens(**fields) -> list[int]:
+            body = {"prompt": [5, 6, 7], "max_tokens": 8, "return_token_ids": True, **fields}
+            return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60).json()["choices"][0]["token_ids"]
+
+        assert tokens() == tokens(seed=3) == greedy
+        assert tokens(temperature=1.0, seed=3) == sampled
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
