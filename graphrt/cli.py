@@ -327,6 +327,11 @@ def serve(
     completions, response_format and structured_outputs (a JSON schema, a regex, a choice, a grammar)."""
     del enable_auto_tool_choice  # vLLM wants it for tool_choice auto, which graphrt always serves
     if model_folder is not None:
+        if served_model_names and not model_folder.is_dir():  # vLLM's `--served-model-name a b`
+            raise click.UsageError(
+                f"{model_folder} is no model folder; for several served model names repeat the flag: "
+                f"--served-model-name {served_model_names[-1]} --served-model-name {model_folder}"
+            )
         if model_args["model"] is not None and model_args["model"] != model_folder:
             raise click.UsageError(f"the model is named twice, {model_folder} and --model {model_args['model']}: give one")
         model_args["model"] = model_folder

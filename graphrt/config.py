@@ -171,7 +171,8 @@ class EngineConfig:
                 continue
             source = "--devices names" if self.devices is not None else "the stages were placed on"
             if not torch.cuda.is_available():
-                why = "this torch is a CPU build" if torch.version.cuda is None else "CUDA sees no GPU here (driver, CUDA_VISIBLE_DEVICES)"
+                cpu_build = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+                why = "this torch is a CPU build" if cpu_build else "CUDA sees no GPU here (driver, CUDA_VISIBLE_DEVICES)"
                 raise ValueError(f"{source} {device}, but {why}; run on the CPU by leaving out --devices, or give cpu")
             count = torch.cuda.device_count()
             if device.index is not None and device.index >= count:

@@ -61,6 +61,7 @@ class LLM:
         )
         self.tokenizer = loading.result()  # loaded by now: the engine waited for its EOS id
         self.tokenizer_skipped = loading.skipped
+        self._default_sampling: dict | None = None  # the model's generation_config.json sampling keys, read once
 
     @property
     def model_dir(self) -> Path:
@@ -72,11 +73,13 @@ class LLM:
             raise RequestError(f"{self.model_dir} has no tokenizer, so it has no chat template")
         return self.tokenizer.encode_chat([{"role": "user", "content": user_message}])
 
-    def default_sampling_params(self) -> SamplingParams:
-        """What `generate` samples with when given no SamplingParams: the model folder's
-        generation_config.json defaults (temperature, top_p, top_k, min_p, repetition_penalty), as
-        vLLM's LLM does, else SamplingParams()'s."""
-        return SamplingParams(**sampling_defaults(self.model_dir))
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams (vLLM's name): the model
+        folder's generation_config.json defaults (temperature, top_p, top_k, min_p,
+        repetition_penalty), else SamplingParams()'s."""
+        if self._default_sampling is None:
+            self._default_sampling = sampling_defaults(self.model_dir)
+        return SamplingParams(**self._default_sampling)
 
     def generate(
         self, prompts: str | list[int] | list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -92,7 +95,7 @@ class LLM:
             if len(params) != len(prompts):
                 raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
         else:
-            params = [params or self.default_sampling_params()] * len(prompts)
+            params = [params or self.get_default_sampling_params()] * len(prompts)
         engine = self.engine
         seqs = []
         try:

@@ -45,8 +45,12 @@ class Tokenizer:
         """Ids the tokenizer can spell (its base vocabulary and added tokens)."""
         return len(self._tok)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok(text).input_ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok(text, add_special_tokens=add_special_tokens).input_ids
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each id as the tokenizer's own piece (`Ġcapital`), not decoded text."""
+        return self._tok.convert_ids_to_tokens(token_ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -83,10 +87,10 @@ class Tokenizer:
         template = self._tok.chat_template
         return "\n".join(template.values()) if isinstance(template, dict) else template
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The prompt text for a conversation, ending where the assistant's reply begins. `tools`:
-        the functions the model may call, as JSON schemas; a template that has no place for them
-        leaves them out.
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation, ending where the assistant's reply begins (without
+        `add_generation_prompt`, with the last message). `tools`: the functions the model may call,
+        as JSON schemas; a template that has no place for them leaves them out.
 
         Raises RequestError naming the message the template cannot render (a role it does not
         know, tool calls it has no place for, roles out of the order it demands).
@@ -94,7 +98,7 @@ class Tokenizer:
         if not self._tok.chat_template:
             raise ModelLoadError("this model has no chat template; send a plain prompt instead")
         try:
-            return self._render(messages, tools, add_generation_prompt=True)
+            return self._render(messages, tools, add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # a Jinja template raises whatever its code runs into
             error = self._error_without_tools(messages) if tools else exc
             if error is None:  # the whole conversation renders without the tools: they are what fails

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -133,7 +134,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         parsed = await read_request(request, CompletionRequest)
         prompts = parsed.prompts()
         # n choices per prompt, prompt by prompt; a seed gives choice j of every prompt seed + j
-        job = GenerationJob(params=sampling_params(parsed, settings.sampling_defaults) * len(prompts), prompts=prompts)
+        job = GenerationJob(params=sampling_params(parsed, defaults=settings.sampling_defaults) * len(prompts), prompts=prompts)
         fmt = CompletionFormat(settings.model_id, parsed.num_logprobs, names, parsed.echo, bool(parsed.return_token_ids))
         return await generate(request, job, parsed, fmt)
 
@@ -141,7 +142,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         tool_use = parsed.tool_use()  # None: no tool may be called
         messages = [m.template_dict() for m in parsed.messages]
         reads_markers = keep_markers and tool_use is not None and not tool_use.constrains_output  # "auto"
-        params = sampling_params(parsed, settings.sampling_defaults, keep_special_tokens=reads_markers)
+        params = sampling_params(parsed, keep_special_tokens=reads_markers, defaults=settings.sampling_defaults)
         job = GenerationJob(params=params, messages=messages, tools=tool_use and tool_use.template_tools())
         calling = tool_use and tool_use.calling(tool_call_parser)
         return job, ChatFormat(settings.model_id, parsed.num_logprobs, names, calling, bool(parsed.return_token_ids))
@@ -198,7 +199,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
 
     @app.get("/version")
     async def version() -> dict:
-        return tokenize.version()
+        return {"version": importlib.metadata.version("graphrt")}
 
     @app.get("/health")
     async def health() -> Response:
@@ -213,7 +214,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     return app
 
 
-def sampling_params(parsed: SamplingFields, defaults: dict, keep_special_tokens: bool = False) -> list:
+def sampling_params(parsed: SamplingFields, keep_special_tokens: bool = False, defaults: dict | None = None) -> list:
     try:
         return parsed.sampling_params(keep_special_tokens, defaults)
     except ValueError as exc:  # SamplingParams' own checks

@@ -29,7 +29,7 @@ from graphrt.sampling_params import (
 from graphrt.server.errors import APIError
 from graphrt.server.structured_outputs import ResponseFormatParam, StructuredOutputsParam
 from graphrt.server.tool_choice import Tool, ToolChoice, ToolUse
-from graphrt.server.validation import StrictModel, validation_error
+from graphrt.server.validation import RENAMED, StrictModel, validation_error
 
 MAX_CHOICES = 128  # sequences per request (prompts x n): each is a sequence of its own in the engine
 MAX_STOP_STRINGS = 16
@@ -466,7 +466,7 @@ def parse_request(body: bytes, model_cls: type[SamplingFields]) -> SamplingField
     try:
         request = model_cls.model_validate(raw)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise validation_error(exc, RENAMED) from None
     request.check()
     return request
 

@@ -42,7 +42,6 @@ class ChoiceState:
     _num_scored: int = 0  # output tokens whose logprobs are in `scored` or sent
     _output_ids: list[int] = field(default_factory=list)  # the engine side's growing list: read its first num_tokens
     _num_ids_sent: int = 0
-    prompt_ids_sent: bool = False  # completions' streams send the prompt's ids with a choice's first chunk
 
     def apply(self, update: ChoiceUpdate) -> None:
         self.text, self.num_tokens, self.finish_reason = update.text, update.num_tokens, update.finish_reason
@@ -183,6 +182,7 @@ class CompletionFormat(ResponseFormat):
     ):
         super().__init__(model_id, num_top, names, token_ids)
         self.echo = echo
+        self._prompt_ids_sent: set[int] = set()  # choices whose stream sent their prompt's ids (with its first chunk)
 
     def start(self, job: GenerationJob, choices: list[ChoiceState]) -> None:
         """Once admitted: with echo, each choice's text (and logprobs) begins with its prompt."""
@@ -211,8 +211,9 @@ class CompletionFormat(ResponseFormat):
         body = {"index": index, "text": text, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
         if self.token_ids:
             body["token_ids"] = choice.take_token_ids()
-            if not choice.prompt_ids_sent:
-                body["prompt_token_ids"], choice.prompt_ids_sent = self.prompt_ids[index], True
+            if index not in self._prompt_ids_sent:
+                body["prompt_token_ids"] = self.prompt_ids[index]
+                self._prompt_ids_sent.add(index)
         return body
 
     def logprobs_body(self, choice: ChoiceState, scored: list[Scored]) -> dict:
@@ -271,8 +272,9 @@ class ChatFormat(ResponseFormat):
             reader, max_calls = self.tool_calling.reader, self.tool_calling.max_calls
             message["content"], calls = parse_tool_calls(reader, choice.text, max_calls)
             if not calls and self.tool_calling.constrained:
-                # Cut short by max_tokens: graphrt's grammar wrote it, so it is no answer to show as
-                # text; the calls begun go out as far as they got (vLLM sends a named call's so).
+                # Cut short (max_tokens, a stop string): graphrt's grammar wrote it, so it is no answer
+                # to show as text; the calls begun go out as far as they got, as a stream sent them
+                # (vLLM sends a named call's arguments so).
                 calls = begun_tool_calls(reader, choice.text, max_calls)
                 message["content"] = None if calls else ""
             if calls:
@@ -302,6 +304,8 @@ class ChatFormat(ResponseFormat):
         if pieces:
             pieces[0]["logprobs"] = self.logprobs(choice)
             if self.token_ids:
+                for piece in pieces:
+                    piece["token_ids"] = []
                 pieces[0]["token_ids"] = choice.take_token_ids()
             if choice.finished:
                 pieces[-1]["finish_reason"] = self._finish_reason(choice.finish_reason, stream.made_calls)

@@ -20,6 +20,7 @@ import uuid
 from typing import AsyncIterator
 
 from graphrt.frontend.async_engine import Disconnected, Failed, GenerationJob
+from graphrt.sampling_params import SamplingParams
 from graphrt.server.generation import Generation
 from graphrt.server.responses import ChatFormat, ChoiceState, ResponseFormat
 from graphrt.server.responses_api import NamedFunction, ResponsesRequest
@@ -87,9 +88,11 @@ class ResponsesFormat(ResponseFormat):
         self.id = new_id("resp")
         self.request = request
         self.chat = chat
+        self.sampled_with: SamplingParams | None = None  # once admitted: what the request samples with
 
     def start(self, job: GenerationJob, choices: list[ChoiceState]) -> None:
         self.chat.start(job, choices)
+        self.sampled_with = job.params[0]
 
     def response(self, prompt_tokens: int, choices: list[ChoiceState]) -> dict:
         [choice] = choices
@@ -118,13 +121,22 @@ class ResponsesFormat(ResponseFormat):
             "parallel_tool_calls": True if request.parallel_tool_calls is None else request.parallel_tool_calls,
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
             "service_tier": "default", "store": False,  # nothing is kept: the id cannot be retrieved or continued from
-            "temperature": 1.0 if request.temperature is None else request.temperature,
+            "temperature": self._sampling("temperature"),
             "text": {"format": text_format.body() if text_format is not None else {"type": "text"}},
             "tool_choice": {"type": "function", "name": tool_choice.name} if isinstance(tool_choice, NamedFunction) else tool_choice,
             "tools": [tool.body() for tool in request.tools or []],
-            "top_logprobs": request.top_logprobs or 0, "top_p": 1.0 if request.top_p is None else request.top_p,
+            "top_logprobs": request.top_logprobs or 0, "top_p": self._sampling("top_p"),
             "truncation": "disabled", "usage": usage, "user": request.user,
         }
+
+
+    def _sampling(self, name: str) -> float:
+        """The request's value, or what it sampled with where it gave none (the API's default or
+        the model's generation_config.json); the API's default before it was admitted."""
+        given = getattr(self.request, name)
+        if given is not None:
+            return given
+        return getattr(self.sampled_with, name) if self.sampled_with is not None else 1.0
 
 
 class ResponsesEvents:

@@ -52,8 +52,7 @@ class ServeOptions:
     def __post_init__(self) -> None:
         if self.api_key is not None:
             check_api_key_value(self.api_key, "the API key")
-        if self.generation_config not in generation_config.GENERATION_CONFIG_CHOICES:
-            generation_config.resolve(self.generation_config, Path())  # a folder: refused now if it holds none
+        generation_config.check_choice(self.generation_config)
         for name in self.served_model_names:
             if not name or name != name.strip():
                 raise ValueError(f"--served-model-name {name!r} is empty or starts or ends with whitespace; give the name clients send as model")
@@ -247,7 +246,7 @@ def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
         model_id, *other_model_ids = options.served_model_names or (model_dir.name,)
         defaults = generation_config.resolve(options.generation_config, model_dir)
         if defaults:
-            echo(f"[graphrt] {generation_config.describe(defaults)}")
+            echo(f"[graphrt] {generation_config.describe(defaults, options.generation_config)}")
         settings = ServerSettings(
             model_id=model_id, other_model_ids=tuple(other_model_ids), api_key=options.api_key,
             max_body_bytes=options.max_body_bytes, tool_call_parser=options.tool_call_parser, sampling_defaults=defaults,

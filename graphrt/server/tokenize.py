@@ -1,4 +1,4 @@
-"""vLLM's /tokenize, /detokenize and /version: the token ids the completions and chat routes feed
+"""vLLM's /tokenize and /detokenize: the token ids the completions and chat routes feed
 the model for a prompt or a conversation (to count them before sending), text back from ids."""
 
 from __future__ import annotations
@@ -7,20 +7,24 @@ import asyncio
 
 from pydantic import Field, ValidationError, model_validator
 
-from graphrt import __version__
 from graphrt.errors import GraphrtError
 from graphrt.server.errors import APIError
 from graphrt.server.protocol import ChatMessage, Tool
+from graphrt.server.tool_choice import ToolUse
 from graphrt.server.validation import StrictModel, validation_error
 
 
 class TokenizeRequest(StrictModel):
-    """A prompt as completions tokenize it, or messages (and tools) as chat renders them."""
+    """A prompt as completions tokenize it, or messages (and tools) as chat renders them; vLLM's
+    fields, but continue_final_message and chat_template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[Tool] | None = None
+    add_special_tokens: bool | None = None  # None: yes for a prompt (its BOS), no for messages (the template writes them)
+    add_generation_prompt: bool = True  # messages: end where the assistant's reply begins, as the chat route does
+    return_token_strs: bool = False  # also each id as the tokenizer's piece
 
     @model_validator(mode="after")
     def _one_of_prompt_and_messages(self) -> TokenizeRequest:
@@ -40,25 +44,30 @@ async def tokenize(tokenizer, parsed: TokenizeRequest, max_model_len: int, model
     """What vLLM answers: the ids, their count and the context length they must fit."""
     if tokenizer is None:
         raise APIError(400, f"{model_id} has no tokenizer: its prompts are token ids already")
+    special = parsed.add_special_tokens if parsed.add_special_tokens is not None else parsed.messages is None
     try:
         if parsed.messages is not None:
             messages = [message.template_dict() for message in parsed.messages]
-            tools = [tool.model_dump(exclude_none=True) for tool in parsed.tools] if parsed.tools else None
-            ids = await asyncio.to_thread(tokenizer.encode_chat, messages, tools)
+            tools = ToolUse.of(parsed.tools, None, None).template_tools() if parsed.tools else None
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tools, parsed.add_generation_prompt)
         else:
-            ids = await asyncio.to_thread(tokenizer.encode, parsed.prompt)
+            text = parsed.prompt
+        ids = await asyncio.to_thread(tokenizer.encode, text, special)
     except GraphrtError as exc:  # the chat template refused the conversation, or there is none
         raise APIError(400, str(exc)) from None
-    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
+    token_strs = tokenizer.token_strs(ids) if parsed.return_token_strs else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}
 
 
 async def detokenize(tokenizer, parsed: DetokenizeRequest, model_id: str) -> dict:
     if tokenizer is None:
         raise APIError(400, f"{model_id} has no tokenizer to spell token ids with")
-    outside = next((token for token in parsed.tokens if not 0 <= token < tokenizer.vocab_size), None)
+    vocab_size = tokenizer.vocab_size
+    outside = next((token for token in parsed.tokens if not 0 <= token < vocab_size), None)
     if outside is not None:
-        raise APIError(400, f"tokens: {outside} is outside the tokenizer's vocabulary [0, {tokenizer.vocab_size})", param="tokens")
-    return {"prompt": await asyncio.to_thread(tokenizer.decode, parsed.tokens)}
+        raise APIError(400, f"tokens: {outside} is outside the tokenizer's vocabulary [0, {vocab_size})", param="tokens")
+    # As vLLM's: the text of every id, special tokens too.
+    return {"prompt": await asyncio.to_thread(tokenizer.decode, parsed.tokens, False)}
 
 
 def parse(body: dict, model_cls: type[StrictModel]) -> StrictModel:
@@ -67,6 +76,3 @@ def parse(body: dict, model_cls: type[StrictModel]) -> StrictModel:
     except ValidationError as exc:
         raise validation_error(exc) from None
 
-
-def version() -> dict:
-    return {"version": __version__}

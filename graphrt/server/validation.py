@@ -17,25 +17,26 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
-# Older or other servers' names for what graphrt takes under another (vLLM's guided_* were
-# replaced by structured_outputs); a refusal of one says what to send instead.
+# Other servers' names for what completions and chat take under another (vLLM replaced its
+# guided_* with structured_outputs), and what to say to a request that sends one.
 RENAMED = {
-    "guided_json": "structured_outputs: {\"json\": SCHEMA} or response_format json_schema",
-    "guided_regex": "structured_outputs: {\"regex\": PATTERN}",
-    "guided_choice": "structured_outputs: {\"choice\": [...]}",
-    "guided_grammar": "structured_outputs: {\"grammar\": EBNF}",
-    "guided_json_object": "response_format: {\"type\": \"json_object\"}",
-    "guided_decoding_backend": "nothing: graphrt's structured outputs always run on xgrammar",
-    "max_new_tokens": "max_tokens",
-    "stop_sequences": "stop",
+    "guided_json": 'send structured_outputs: {"json": SCHEMA} (or response_format json_schema) instead',
+    "guided_regex": 'send structured_outputs: {"regex": PATTERN} instead',
+    "guided_choice": 'send structured_outputs: {"choice": [...]} instead',
+    "guided_grammar": 'send structured_outputs: {"grammar": EBNF} instead',
+    "guided_json_object": 'send response_format: {"type": "json_object"} instead',
+    "guided_decoding_backend": "remove it: graphrt's structured outputs always run on xgrammar",
+    "max_new_tokens": "send max_tokens instead",  # transformers' and TGI's name
+    "stop_sequences": "send stop instead",
 }
 
 # pydantic puts the union member it tried into the error location; those are not parameter names
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[\-]")
 
 
-def validation_error(exc: ValidationError) -> APIError:
+def validation_error(exc: ValidationError, renamed: dict[str, str] | None = None) -> APIError:
     """The first validation problem as a 400 that names the parameter, e.g. `messages[0].role`.
+    `renamed`: advice for unknown parameters the route knows under another name (RENAMED).
 
     Of a union's errors, the deepest says most (an image part: its `type`, not "not a string").
     """
@@ -48,8 +49,8 @@ def validation_error(exc: ValidationError) -> APIError:
         elif not _TYPE_TAG.search(part):
             param += f".{part}" if param else part
     if error["type"] == "extra_forbidden":
-        instead = f"; send {RENAMED[param]} instead" if param in RENAMED else ""
-        return APIError(400, f"unrecognized request argument: {param}{instead}", param=param)
+        advice = f"; {renamed[param]}" if renamed and param in renamed else ""
+        return APIError(400, f"unrecognized request argument: {param}{advice}", param=param)
     if error["type"] == "missing":
         return APIError(400, f"{param} is required", param=param)
     message = error["msg"].removeprefix("Value error, ")

@@ -23,7 +23,15 @@ def test_the_sampling_keys_are_read_and_the_rest_ignored(tmp_path):
     write(tmp_path, QWEN3)
     assert sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert describe(sampling_defaults(tmp_path)).startswith("sampling defaults from the model's generation_config.json: temperature=0.6, top_p=0.95, top_k=20")
+    assert describe({"top_k": 5}, str(tmp_path)).startswith(f"sampling defaults from {tmp_path / 'generation_config.json'}: top_k=5")
     assert sampling_defaults(tmp_path / "nowhere") == {}
+
+
+def test_transformers_own_defaults_count_as_unset_as_vllm_reads_them(tmp_path):
+    write(tmp_path, {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0, "min_p": 0.1})
+    assert sampling_defaults(tmp_path) == {"min_p": 0.1}
+    write(tmp_path, {"top_k": 20.0, "temperature": True})
+    assert sampling_defaults(tmp_path) == {"top_k": 20}
 
 
 def test_a_value_no_request_could_give_is_left_out_saying_so(tmp_path, caplog):
@@ -70,8 +78,10 @@ def test_llm_generate_without_params_samples_with_the_models_defaults(tiny_model
     shutil.copytree(tiny_model_factory(), folder)
     write(folder, {"temperature": 0.0})  # greedy: what generate gives without params must be the greedy tokens
     llm = LLM(model=folder, dtype="float32", load_tokenizer=False)
-    assert llm.default_sampling_params() == SamplingParams(temperature=0.0)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0)
     greedy = llm.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=16))[0].token_ids
+    sampled = llm.generate([1, 2, 3], SamplingParams(temperature=1.0, seed=1, max_tokens=16))[0].token_ids
+    assert sampled != greedy  # else the test could not tell the two apart
     assert llm.generate([1, 2, 3])[0].token_ids == greedy[: SamplingParams().max_tokens]
 
 

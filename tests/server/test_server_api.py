@@ -215,8 +215,12 @@ def test_tokenize_counts_what_the_routes_feed_the_model_and_detokenize_spells_it
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": QUESTION}, headers=headers).json()
     assert chat["tokens"] == tokenizer.encode_chat(QUESTION)
     assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1).usage.prompt_tokens == chat["count"]
-    spelled = httpx.post(f"{server.url}/detokenize", json={"tokens": counted["tokens"]}, headers=headers).json()
-    assert spelled == {"prompt": tokenizer.decode(counted["tokens"])} and prompt in spelled["prompt"]
+    spelled = httpx.post(f"{server.url}/detokenize", json={"tokens": chat["tokens"]}, headers=headers).json()["prompt"]
+    assert spelled.startswith("<|im_start|>system") and QUESTION[0]["content"] in spelled  # special tokens spelled, as vLLM's
+    pieces = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt, "return_token_strs": True}, headers=headers).json()
+    assert pieces["token_strs"] == ["The", "Ġcapital", "Ġof", "ĠFrance", "Ġis"] and pieces["tokens"] == counted["tokens"]
+    transcript = httpx.post(f"{server.url}/tokenize", json={"messages": QUESTION, "add_generation_prompt": False}, headers=headers).json()
+    assert chat["tokens"][: transcript["count"]] == transcript["tokens"] and transcript["count"] < chat["count"]
     assert httpx.get(f"{server.url}/version").json()["version"]
 
 
@@ -226,10 +230,10 @@ def test_tokenize_counts_what_the_routes_feed_the_model_and_detokenize_spells_it
         ("/tokenize", {}, "give exactly one of prompt (text) and messages (a conversation)"),
         ("/tokenize", {"prompt": "a", "messages": QUESTION}, "give exactly one of prompt"),
         ("/tokenize", {"prompt": "a", "tools": []}, "tools go with messages"),
-        ("/tokenize", {"prompt": "a", "add_special_tokens": True}, "unrecognized request argument: add_special_tokens"),
+        ("/tokenize", {"prompt": "a", "continue_final_message": True}, "unrecognized request argument: continue_final_message"),
         ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model 'gpt-4' does not exist"),
         ("/detokenize", {"tokens": [1, -1]}, "tokens: -1 is outside the tokenizer's vocabulary [0, 49152)"),
-        ("/detokenize", {"tokens": "1 2"}, "tokens: "),
+        ("/detokenize", {"tokens": "1 2"}, "tokens: Input should be a valid list"),
     ],
 )
 def test_tokenize_and_detokenize_refuse_what_they_cannot_answer(server, route, body, message):

@@ -139,6 +139,9 @@ def test_a_blank_served_model_name_is_refused_before_anything_starts():
     assert result.output == "error: --served-model-name ' smol' is empty or starts or ends with whitespace; give the name clients send as model\n"
     result = CliRunner().invoke(main, ["serve", "--pipeline-parallel-size", "2", "--model", "a", "b"])
     assert result.exit_code == 2 and "the model is named twice, b and --model a: give one" in result.output
+    result = CliRunner().invoke(main, ["serve", "--served-model-name", "a", "b"])  # vLLM takes both names so
+    assert result.exit_code == 2
+    assert "b is no model folder; for several served model names repeat the flag: --served-model-name a --served-model-name b" in result.output
 
 
 def test_the_models_generation_config_sets_what_a_request_leaves_out(tiny_model_factory, tmp_path):
