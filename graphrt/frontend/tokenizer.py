@@ -87,6 +87,10 @@ class Tokenizer:
         template = self._tok.chat_template
         return "\n".join(template.values()) if isinstance(template, dict) else template
 
+    def use_chat_template(self, template: str) -> None:
+        """Render conversations with `template` (Jinja) instead of the model's own (`--chat-template`)."""
+        self._tok.chat_template = template
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation, ending where the assistant's reply begins (without
         `add_generation_prompt`, with the last message). `tools`: the functions the model may call,

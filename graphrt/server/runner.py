@@ -48,16 +48,32 @@ class ServeOptions:
     tool_call_parser: str | None = None  # hermes, llama3_json or mistral (graphrt.server.tool_parsers); None: from the chat template
     served_model_names: tuple[str, ...] = ()  # what clients may pass as `model`, the first in responses; (): the folder's name
     generation_config: str = "auto"  # auto: the model's sampling defaults; vllm: the API's; or a folder (frontend.generation_config)
+    chat_template: str | None = None  # a Jinja file, or the template itself, for the model's own (vLLM's --chat-template)
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
             check_api_key_value(self.api_key, "the API key")
         generation_config.check_choice(self.generation_config)
+        if self.chat_template is not None:
+            self.chat_template = read_chat_template(self.chat_template)
         for name in self.served_model_names:
             if not name or name != name.strip():
                 raise ValueError(f"--served-model-name {name!r} is empty or starts or ends with whitespace; give the name clients send as model")
         if self.cpu_placement not in CPU_PLACEMENTS:
             raise ValueError(f"cpu_placement {self.cpu_placement!r} is not one of {', '.join(CPU_PLACEMENTS)}")
+
+
+def read_chat_template(given: str) -> str:
+    """--chat-template: a file's text, or, where no file has that name, the template itself, as
+    vLLM reads it; either must look like Jinja."""
+    path = Path(given)
+    try:
+        template = path.read_text() if path.is_file() else given
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {given}: cannot read it ({exc}); give a readable Jinja file or the template itself") from None
+    if "{{" not in template and "{%" not in template:
+        raise ValueError(f"--chat-template {given!r} is neither a file nor a Jinja template (no {{{{ or {{%); give one of those")
+    return template
 
 
 def check_api_key_value(key: str, source: str) -> None:
@@ -242,6 +258,11 @@ def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
         if async_engine is None:
             return
         echo(f"[graphrt] {placement.describe()}")
+        if options.chat_template is not None and async_engine.tokenizer is None:
+            echo("[graphrt] --chat-template is not used: the model has no tokenizer, so chat is refused and prompts are token ids")
+        elif options.chat_template is not None:
+            async_engine.tokenizer.use_chat_template(options.chat_template)
+            echo("[graphrt] chat template: the one --chat-template gave, not the model's")
         model_dir = async_engine.model_dir if options.engine_process else async_engine.engine.model_dir
         model_id, *other_model_ids = options.served_model_names or (model_dir.name,)
         defaults = generation_config.resolve(options.generation_config, model_dir)

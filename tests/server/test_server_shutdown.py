@@ -108,10 +108,16 @@ def test_served_model_names_are_what_clients_pass_and_the_first_is_what_response
     """As vLLM's --served-model-name: clients that send the Hugging Face name get answers. The
     command line is a vLLM user's too: the model as an argument, -pp, --enable-auto-tool-choice."""
     names = ("HuggingFaceTB/SmolLM2-135M-Instruct", "smol")
-    vllm_habits = ("-pp", "1", "--enable-auto-tool-choice", str(default_model))
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    vllm_habits = ("-pp", "1", "--enable-auto-tool-choice", "--chat-template", template, str(default_model))
     proc, url, banner = start_server(extra_args=(*(arg for name in names for arg in ("--served-model-name", name)), *vllm_habits))
     headers = {"Authorization": f"Bearer {API_KEY}"}
     try:
+        assert "[graphrt] chat template: the one --chat-template gave, not the model's" in banner
+        question = [{"role": "user", "content": "Hi there"}]
+        rendered = httpx.post(f"{url}/tokenize", json={"messages": question}, headers=headers).json()["tokens"]
+        spelled = httpx.post(f"{url}/detokenize", json={"tokens": rendered}, headers=headers).json()["prompt"]
+        assert spelled == "<user>Hi there\n<assistant>"
         assert f"[graphrt] model names: {', '.join(names)} (responses carry {names[0]})" in banner
         assert any(line.startswith(f"[graphrt] serving {names[0]} on {url}") for line in banner)
         listed = httpx.get(f"{url}/v1/models", headers=headers).json()["data"]
@@ -139,6 +145,9 @@ def test_a_blank_served_model_name_is_refused_before_anything_starts():
     assert result.output == "error: --served-model-name ' smol' is empty or starts or ends with whitespace; give the name clients send as model\n"
     result = CliRunner().invoke(main, ["serve", "--pipeline-parallel-size", "2", "--model", "a", "b"])
     assert result.exit_code == 2 and "the model is named twice, b and --model a: give one" in result.output
+    result = CliRunner().invoke(main, ["serve", "--chat-template", "no-such-file.jinja"])
+    assert result.exit_code == 1
+    assert result.output == "error: --chat-template 'no-such-file.jinja' is neither a file nor a Jinja template (no {{ or {%); give one of those\n"
     result = CliRunner().invoke(main, ["serve", "--served-model-name", "a", "b"])  # vLLM takes both names so
     assert result.exit_code == 2
     assert "b is no model folder; for several served model names repeat the flag: --served-model-name a --served-model-name b" in result.output
@@ -173,3 +182,14 @@ def test_the_models_generation_config_sets_what_a_request_leaves_out(tiny_model_
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+def test_a_chat_template_is_read_from_its_file_or_taken_as_given(tmp_path):
+    from graphrt.server.runner import read_chat_template
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    assert read_chat_template(str(path)) == read_chat_template(template) == template
+    with pytest.raises(ValueError, match="is neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
