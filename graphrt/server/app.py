@@ -58,7 +58,7 @@ class ServerSettings:
 def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings) -> FastAPI:
     """An app serving an engine on a thread of this process (AsyncEngine) or in a process of its
     own (EngineClient); its lifespan starts and stops it."""
-    metrics = ServerMetrics(lambda: async_engine.snapshot)
+    metrics = ServerMetrics(lambda: async_engine.snapshot, settings.model_id)
     created = int(time.time())
     names = TokenNames(async_engine.tokenizer)  # the event loop's: logprobs responses spell tokens with it
     template = async_engine.tokenizer.chat_template if async_engine.tokenizer is not None else None

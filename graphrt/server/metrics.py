@@ -11,7 +11,7 @@ import itertools
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from graphrt.engine.core import EngineSnapshot
@@ -141,8 +141,59 @@ def expert_ranks(ranks: tuple[tuple[int, int, float, float, int], ...]):
     yield from families
 
 
+# graphrt's families under the names vLLM's dashboards read (its V1 engine's), each with vLLM's
+# model_name label; counters keep their _total. graphrt's own names stay beside them.
+VLLM_NAMES = {
+    "graphrt_requests_running": "vllm:num_requests_running",
+    "graphrt_requests_waiting": "vllm:num_requests_waiting",
+    "graphrt_prompt_tokens": "vllm:prompt_tokens",
+    "graphrt_generation_tokens": "vllm:generation_tokens",
+    "graphrt_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "graphrt_time_per_output_token_seconds": "vllm:time_per_output_token_seconds",
+    "graphrt_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "graphrt_prefix_cache_hits": "vllm:prefix_cache_hits",
+    "graphrt_preemptions": "vllm:num_preemptions",
+    "graphrt_spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    "graphrt_spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "graphrt_spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "graphrt_spec_decode_num_accepted_tokens_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
+}
+FINISHED_REASONS = ("stop", "length", "abort")  # the outcomes vLLM's vllm:request_success counts, by finished_reason
+
+
+class VllmNames(Collector):
+    """At scrape time, the `sources`' families named in VLLM_NAMES again under vLLM's names, and
+    vllm:kv_cache_usage_perc and vllm:request_success from graphrt's block gauges and outcomes."""
+
+    def __init__(self, sources: list[Collector], model_name: str):
+        self.sources, self.model_name = sources, model_name
+
+    def collect(self):
+        families = {family.name: family for source in self.sources for family in source.collect()}
+        label = {"model_name": self.model_name}
+        for name, vllm_name in VLLM_NAMES.items():
+            family = families.get(name)
+            if family is None:
+                continue
+            renamed = Metric(vllm_name, family.documentation, family.type)
+            for sample in family.samples:
+                if not sample.name.endswith("_created"):
+                    renamed.add_sample(vllm_name + sample.name.removeprefix(name), {**sample.labels, **label}, sample.value)
+            yield renamed
+        used, free = (families[name].samples[0].value for name in ("graphrt_kv_blocks_used", "graphrt_kv_blocks_free"))
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage, 1 is full", labels=list(label))
+        usage.add_metric([self.model_name], used / (used + free) if used + free else 0.0)
+        yield usage
+        success = CounterMetricFamily("vllm:request_success", "Finished requests, by finished_reason", labels=["model_name", "finished_reason"])
+        by_outcome = {sample.labels["outcome"]: sample.value for sample in families["graphrt_requests"].samples if sample.name.endswith("_total")}
+        for reason in FINISHED_REASONS:
+            success.add_metric([self.model_name, reason], by_outcome[reason])
+        yield success
+
+
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str = "graphrt"):
+        """`model_name`: the served model's name, the label vLLM's names carry."""
         self.registry = CollectorRegistry()
         self.requests = Counter("graphrt_requests", "Requests by outcome: " + ", ".join(OUTCOMES), ["outcome"], registry=self.registry)
         for outcome in OUTCOMES:
@@ -157,7 +208,10 @@ class ServerMetrics:
             "graphrt_time_per_output_token_seconds", "Mean time between a choice's tokens after its first",
             buckets=TPOT_BUCKETS, registry=self.registry,
         )
-        self.registry.register(EngineCollector(snapshot))
+        engine = EngineCollector(snapshot)
+        self.registry.register(engine)
+        own = [self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, engine]
+        self.registry.register(VllmNames(own, model_name))
 
     def count(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()

@@ -202,6 +202,18 @@ def test_metrics(client, server):
     assert metric(after, "graphrt_kv_blocks_used") == 0 and metric(after, "graphrt_kv_blocks_free") > 0
     assert metric(after, "graphrt_requests_running") == metric(after, "graphrt_requests_waiting") == 0
     assert metric(after, "graphrt_eager_fallbacks_total") == 0
+    # The same figures under vLLM's names, for its dashboards.
+    label = f'model_name="{MODEL}"'
+    for graphrt_name, vllm_name in (
+        ("graphrt_requests_running", "vllm:num_requests_running"), ("graphrt_requests_waiting", "vllm:num_requests_waiting"),
+        ("graphrt_generation_tokens_total", "vllm:generation_tokens_total"), ("graphrt_prompt_tokens_total", "vllm:prompt_tokens_total"),
+        ("graphrt_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+        ("graphrt_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+    ):
+        assert metric(after, f"{vllm_name}{{{label}}}") == metric(after, graphrt_name), vllm_name
+    assert metric(after, f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",{label}}}') == metric(after, "graphrt_time_to_first_token_seconds_count")
+    assert metric(after, f'vllm:request_success_total{{finished_reason="length",{label}}}') == metric(after, 'graphrt_requests_total{outcome="length"}')
+    assert metric(after, f"vllm:kv_cache_usage_perc{{{label}}}") == 0.0
 
 
 def test_tokenize_counts_what_the_routes_feed_the_model_and_detokenize_spells_it_back(client, server, tokenizer):
