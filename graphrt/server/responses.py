@@ -303,10 +303,9 @@ class ChatFormat(ResponseFormat):
         pieces = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
         if pieces:
             pieces[0]["logprobs"] = self.logprobs(choice)
-            if self.token_ids:
-                for piece in pieces:
-                    piece["token_ids"] = []
-                pieces[0]["token_ids"] = choice.take_token_ids()
+            if self.token_ids:  # the new ids on the first piece, none on the rest
+                for position, piece in enumerate(pieces):
+                    piece["token_ids"] = choice.take_token_ids() if position == 0 else []
             if choice.finished:
                 pieces[-1]["finish_reason"] = self._finish_reason(choice.finish_reason, stream.made_calls)
         return pieces

@@ -23,7 +23,7 @@ before the first call and each call begun so far, each call's object read by cal
 grows, and so does what a scan finds, so a stream sends what is new since the last scan
 (`ToolCallStream`, stream). A finished output is read as vLLM reads it (`parse_tool_calls`, parse):
 if any call is not complete JSON naming a given tool, the whole output is content, except where
-the server's own grammar wrote it ("required" or named, cut short by max_tokens): then the calls
+the server's own grammar wrote it ("required" or named, cut short by max_tokens or a stop string): then the calls
 begun go out as far as they got (`begun_tool_calls`), as a stream of it sent them. A stream cannot
 take back what it sent: there a call counts once its name and the start of its arguments are read,
 and if the text breaks it after that, the rest of the output is that call's arguments.

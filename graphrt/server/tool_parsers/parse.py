@@ -43,5 +43,6 @@ def _is_json_object(text: str) -> bool:
 
 def begun_tool_calls(reader: ToolCallReader, text: str, max_calls: int | None = None) -> list[ParsedToolCall]:
     """The calls a grammar-constrained output (tool_choice "required" or named) had begun when it
-    was cut short (max_tokens), their arguments as far as they got: what a stream of it sent."""
+    was cut short (max_tokens, a stop string), their arguments as far as they got: what a stream of
+    it sent."""
     return [ParsedToolCall(call.name, call.arguments_text) for call in reader.scan(text, final=True).calls[:max_calls]]
