@@ -112,10 +112,10 @@ class OutputProcessor:
         """Append the new tokens' text (decoding a few tokens, not the whole output: this runs for
         every token); True where a stop string ended it, the text cut where the stop string starts."""
         text, token_ids, params = state.text, state.output_ids, state.params
-        if state.finish_reason == FinishReason.STOP.value and token_ids:
+        if state.finish_reason == FinishReason.STOP.value and token_ids and not params.include_stop_str_in_output:
             # The engine ends a request "stop" only on a stop token (EOS or one of stop_token_ids; a
             # stop string is found here, after this): as vLLM, that token is not part of the text,
-            # even where special tokens are kept.
+            # even where special tokens are kept, unless the stop is asked for in the text.
             token_ids = token_ids[:-1]
         old_len = len(text.text)
         delta, text.prefix_offset, text.read_offset = self.tokenizer.decode_next(

@@ -95,6 +95,11 @@ def test_stop_strings_count_once_min_tokens_are_out_and_a_stop_tokens_text_is_le
     processor.process([SequenceOutput(2, token_ids[: upto - 1], None)])
     processor.process([SequenceOutput(2, token_ids[upto - 1 : upto], FinishReason.STOP)])
     assert stopped.output_ids == token_ids[:upto] and stopped.text.text == "The capital of France is Paris"
+    # With include_stop_str_in_output (vLLM's reading: the stop token is the stop), its text stays.
+    kept = processor.add(3, SamplingParams(stop_token_ids=[period], include_stop_str_in_output=True))
+    processor.process([SequenceOutput(3, token_ids[: upto - 1], None)])
+    processor.process([SequenceOutput(3, token_ids[upto - 1 : upto], FinishReason.STOP)])
+    assert kept.text.text == "The capital of France is Paris."
 
 
 def test_special_tokens_are_text_only_when_asked_and_the_eos_that_ends_a_request_never_is(tokenizer):
