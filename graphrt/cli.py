@@ -13,6 +13,7 @@ import click
 
 from graphrt.errors import GraphrtError
 from graphrt.kernels.cpu.placement import CPU_PLACEMENTS, MIN_CORES_TO_PIN
+from graphrt.logs import configure_logging
 
 # A server's prefill chunks are half an offline run's (EngineConfig.prefill_chunk_size, 512, which
 # the help below names without importing torch): a burst of new requests then gets its first
@@ -28,6 +29,7 @@ class Group(click.Group):
 
     def invoke(self, ctx):
         try:
+            configure_logging()
             return super().invoke(ctx)
         except (GraphrtError, ValueError) as exc:
             click.echo(f"error: {exc}", err=True)

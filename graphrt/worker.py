@@ -15,6 +15,7 @@ import threading
 
 from graphrt.distributed.transport import stage_name
 from graphrt.distributed.worker import parse_options, run_worker
+from graphrt.logs import configure_logging
 
 
 def main(args: list[str] | None = None) -> None:
@@ -36,6 +37,7 @@ def main(args: list[str] | None = None) -> None:
         sys.stderr.flush()
         os._exit(code)
     options = parse_options(args)
+    configure_logging(f"graphrt {stage_name(int(os.environ['RANK']), options.ep)}")
     outcome: list[int] = []
     # The loop runs on a thread, so this one stays free to handle SIGTERM/SIGINT at once.
     thread = threading.Thread(target=lambda: outcome.append(run_worker(options)), name="graphrt-worker", daemon=True)

@@ -45,6 +45,7 @@ from graphrt.engine.messages import (
 from graphrt.engine.sequence import FinishReason
 from graphrt.errors import GraphrtError
 from graphrt.kernels.cpu.placement import pin_process
+from graphrt.logs import configure_logging
 
 logger = logging.getLogger("graphrt.server")
 
@@ -134,6 +135,7 @@ def engine_process_main() -> int:
     """The engine process: `python -c ENGINE_PROCESS_MAIN COMMANDS RESULTS`, with the LLM options and
     the cores to pin itself to (null: stay where it was started) as JSON on stdin."""
     logging.basicConfig(level=logging.WARNING, format="[graphrt engine] %(message)s")
+    configure_logging("graphrt engine")
     commands_address, results_address = sys.argv[1:3]
     launch = json.loads(sys.stdin.read())
     llm_kwargs, engine_cores = launch["llm_kwargs"], launch["engine_cores"]

@@ -1,0 +1,41 @@
+"""graphrt's log records as a program prints them: one line each on stderr, tagged with the process,
+at the level GRAPHRT_LOGGING_LEVEL names; a level that is not one says which are."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+LOG_TWO = """
+import logging
+from graphrt.logs import configure_logging
+configure_logging("graphrt engine")
+configure_logging("graphrt engine")  # a second call adds no second handler
+logging.basicConfig(format="root: %(message)s")  # an application's root handler prints nothing twice
+logging.getLogger("graphrt.engine.engine").warning("a warning")
+logging.getLogger("graphrt.kernels.cpu.openmp").info("a measurement")
+"""
+
+
+@pytest.mark.parametrize("level, lines", [
+    (None, ["[graphrt engine] a warning"]),
+    ("info", ["[graphrt engine] a warning", "[graphrt engine] a measurement"]),
+    ("ERROR", []),
+])
+def test_records_go_to_stderr_tagged_at_the_level_asked(level, lines):
+    env = {k: v for k, v in os.environ.items() if k != "GRAPHRT_LOGGING_LEVEL"}
+    if level is not None:
+        env["GRAPHRT_LOGGING_LEVEL"] = level
+    result = subprocess.run([sys.executable, "-c", LOG_TWO], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == lines
+
+
+def test_the_cli_names_a_level_that_is_not_one():
+    env = {**os.environ, "GRAPHRT_LOGGING_LEVEL": "loud"}
+    result = subprocess.run([sys.executable, "-m", "graphrt", "capture", "--inspect", "/nonexistent"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip() == "error: GRAPHRT_LOGGING_LEVEL='loud' is not a logging level; use one of DEBUG, INFO, WARNING, ERROR"
