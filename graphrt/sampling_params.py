@@ -227,3 +227,4 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the most likely tokens and their logprobs, most likely first
+    rank: int | None = None  # vLLM's: 1 + how many tokens are more likely than this one

@@ -16,7 +16,7 @@ A micro-batch travels from rank k to rank k+1 as
   hidden    (tokens, hidden_size) in the stage dtype, into the receiver's per-slot buffer (k > 0)
 and the last rank answers rank 0 with a reply header (REPLY_SIZE,) followed by the token ids, the
 stage counters, from which rank 0 reports every stage's busy time and expert load, and any logprobs (float32
-values, int64 alternatives' ids).
+values: each row's logprob, its rank, its alternatives'; int64 alternatives' ids).
 Nothing is pickled, so every rank reads the same bytes the same way, and gloo (CPU) and NCCL (GPU,
 device tensors) carry it alike. Every wait is bounded by the watchdog, so a dead or silent peer
 becomes an error naming its stage instead of a hang.
@@ -421,7 +421,7 @@ def recv_reply(link: Link, src: int) -> Reply:
         reply.counters = link.recv(torch.empty(num_busy, dtype=torch.int64), src, reply=True).tolist()
     if lp_rows * lp_width:
         values = link.recv(torch.empty(lp_rows, lp_width, dtype=torch.float32), src, reply=True)
-        top_ids = torch.empty(lp_rows, lp_width - 1, dtype=torch.int64)
+        top_ids = torch.empty(lp_rows, lp_width - 2, dtype=torch.int64)  # after each row's logprob and rank
         if top_ids.numel():
             link.recv(top_ids, src, reply=True)
         reply.logprobs = values, top_ids

@@ -36,7 +36,7 @@ class LogprobPlan:
     num_top: int  # alternatives computed per row: the most any of them asks for
     sampled_top: list[int]  # alternatives each scored sampled token reports
     prompt_top: list[int]  # and each scored prompt token
-    values: torch.Tensor | None = field(default=None, repr=False)  # (rows, 1 + num_top) float32, on the host
+    values: torch.Tensor | None = field(default=None, repr=False)  # (rows, 2 + num_top) float32, on the host
     top_ids: torch.Tensor | None = field(default=None, repr=False)  # (rows, num_top) int64, on the host
 
     @property
@@ -45,7 +45,7 @@ class LogprobPlan:
 
     def allocate(self, pin: bool) -> None:
         """The host buffers the last stage writes into (page-locked when it is a GPU)."""
-        self.values = torch.empty(self.num_rows, 1 + self.num_top, dtype=torch.float32, pin_memory=pin)
+        self.values = torch.empty(self.num_rows, 2 + self.num_top, dtype=torch.float32, pin_memory=pin)
         self.top_ids = torch.empty(self.num_rows, self.num_top, dtype=torch.int64, pin_memory=pin)
 
     def read_back(self, token_ids: list[int] | None) -> StepLogprobs:
@@ -75,7 +75,7 @@ class StepLogprobs:
 
 
 def _entry(token_id: int, values: list[float], top_ids: list[int], num_top: int) -> TokenLogprob:
-    return TokenLogprob(token_id, values[0], tuple(zip(top_ids[:num_top], values[1 : 1 + num_top])))
+    return TokenLogprob(token_id, values[0], tuple(zip(top_ids[:num_top], values[2 : 2 + num_top])), rank=int(values[1]))
 
 
 def plan_logprobs(step: ScheduledStep) -> LogprobPlan | None:
@@ -111,13 +111,15 @@ def plan_logprobs(step: ScheduledStep) -> LogprobPlan | None:
 
 
 def compute_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (rows, vocab), targets (rows,) int64, on one device -> the targets' logprobs and the
-    `num_top` most likely tokens' as values (rows, 1 + num_top) float32 and ids (rows, num_top)."""
+    """logits (rows, vocab), targets (rows,) int64, on one device -> values (rows, 2 + num_top)
+    float32: each target's logprob, its rank (1 + the tokens more likely than it, as vLLM counts),
+    then the `num_top` most likely tokens' logprobs; and their ids (rows, num_top)."""
     # In float32 at least (float64 models in float64); reported in float32, as vLLM does.
     logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     chosen = logprobs.gather(-1, targets[:, None])
+    rank = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # exact in float32 for any vocabulary below 2^24
     top_values, top_ids = logprobs.topk(num_top, dim=-1)
-    return torch.cat([chosen, top_values], dim=-1).float(), top_ids
+    return torch.cat([chosen, rank.to(chosen.dtype), top_values], dim=-1).float(), top_ids
 
 
 def score_rows(

@@ -135,7 +135,9 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         prompts = parsed.prompts()
         # n choices per prompt, prompt by prompt; a seed gives choice j of every prompt seed + j
         job = GenerationJob(params=sampling_params(parsed, defaults=settings.sampling_defaults) * len(prompts), prompts=prompts)
-        fmt = CompletionFormat(settings.model_id, parsed.num_logprobs, names, parsed.echo, bool(parsed.return_token_ids))
+        fmt = CompletionFormat(
+            settings.model_id, parsed.num_logprobs, names, parsed.echo, bool(parsed.return_token_ids), parsed.prompt_logprobs,
+        )
         return await generate(request, job, parsed, fmt)
 
     def chat_job(parsed: ChatCompletionRequest) -> tuple[GenerationJob, ChatFormat]:
@@ -145,7 +147,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         params = sampling_params(parsed, keep_special_tokens=reads_markers, defaults=settings.sampling_defaults)
         job = GenerationJob(params=params, messages=messages, tools=tool_use and tool_use.template_tools())
         calling = tool_use and tool_use.calling(tool_call_parser)
-        return job, ChatFormat(settings.model_id, parsed.num_logprobs, names, calling, bool(parsed.return_token_ids))
+        return job, ChatFormat(settings.model_id, parsed.num_logprobs, names, calling, bool(parsed.return_token_ids), parsed.prompt_logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -76,6 +76,7 @@ class SamplingFields(StrictModel):
     repetition_penalty: float | None = None  # > 0; 1 is off
     min_p: float | None = None  # in [0, 1]
     min_tokens: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many alternatives, unstreamed
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
@@ -115,6 +116,15 @@ class SamplingFields(StrictModel):
             raise ValueError(f"must be in [0, 1] (0 is off), got {value}")
         return value
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _check_prompt_logprobs(cls, value):
+        if value == -1:
+            raise ValueError(f"-1 (every token of the vocabulary) is not served; ask for at most {MAX_LOGPROBS} alternatives")
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_LOGPROBS}] (alternatives per prompt token), got {value}")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, bias):
@@ -151,6 +161,11 @@ class SamplingFields(StrictModel):
         """Checks across fields, after each field is valid on its own."""
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if self.prompt_logprobs and self.stream:  # as vLLM: 0 asks for no alternatives, and streams
+            raise APIError(
+                400, "prompt_logprobs are not available with stream: true (as in vLLM); ask without streaming, or "
+                "for a completion send echo: true with logprobs", param="prompt_logprobs",
+            )
         max_tokens = self.resolved_max_tokens()
         if self.min_tokens and max_tokens is not None and self.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
@@ -194,8 +209,8 @@ class SamplingFields(StrictModel):
 
     @property
     def num_prompt_logprobs(self) -> int | None:
-        """As `num_logprobs`, for each prompt token after the first (completions with `echo`)."""
-        return None
+        """As `num_logprobs`, for each prompt token after the first (vLLM's prompt_logprobs)."""
+        return self.prompt_logprobs
 
     def sampling_params(self, keep_special_tokens: bool = False, defaults: dict | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i draws from seed + i.
@@ -298,7 +313,9 @@ class CompletionRequest(SamplingFields):
 
     @property
     def num_prompt_logprobs(self) -> int | None:
-        return self.logprobs if self.echo else None
+        """The most either asks for: echo with logprobs, or prompt_logprobs (each response lists its own)."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asked, default=None)
 
 
 def _is_token_id(value: Any) -> bool:

@@ -38,6 +38,7 @@ class ChoiceState:
     echo_text: str = ""
     echo_ids: list[int] | None = None
     scored: list[Scored] = field(default_factory=list)  # logprobs received and not yet sent
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's, with the first token (vLLM's prompt_logprobs)
     text_offset: int = 0  # where the next scored token's text begins in the choice's text
     _num_scored: int = 0  # output tokens whose logprobs are in `scored` or sent
     _output_ids: list[int] = field(default_factory=list)  # the engine side's growing list: read its first num_tokens
@@ -48,6 +49,7 @@ class ChoiceState:
         self.num_streamable = update.num_streamable
         if self.first_at is None:
             self.first_at = update.at
+            self.prompt_logprobs = update.prompt_logprobs
             if update.prompt_logprobs is not None and self.echo_ids is not None:
                 self.scored += zip(self.echo_ids, update.prompt_logprobs)
         self.last_at = update.at
@@ -120,13 +122,18 @@ class ResponseFormat:
     response_object = ""
     chunk_object = ""
 
-    def __init__(self, model_id: str, num_top: int | None = None, names: TokenNames | None = None, token_ids: bool = False):
-        """`token_ids`: vLLM's return_token_ids, the prompt's and each choice's token ids beside the text."""
+    def __init__(
+        self, model_id: str, num_top: int | None = None, names: TokenNames | None = None, token_ids: bool = False,
+        num_prompt_top: int | None = None,
+    ):
+        """`token_ids`: vLLM's return_token_ids, the prompt's and each choice's token ids beside the text.
+        `num_prompt_top`: vLLM's prompt_logprobs, the alternatives each prompt token lists (None: no prompt logprobs)."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model_id = model_id
         self.num_top, self.names = num_top, names
         self.token_ids = token_ids
+        self.num_prompt_top = num_prompt_top
         self.prompt_ids: list[list[int]] = []  # each choice's prompt, once admitted (with token_ids)
 
     @property
@@ -172,6 +179,21 @@ class ResponseFormat:
     def logprobs_body(self, choice: ChoiceState, scored: list[Scored]) -> dict:
         raise NotImplementedError
 
+    def prompt_logprobs_body(self, choice: ChoiceState) -> list[dict | None]:
+        """vLLM's prompt_logprobs: null for the first prompt token (nothing precedes it), then per
+        token an object keyed by token id (as a string): the token itself first, with its logprob,
+        rank and text, then its `num_prompt_top` most likely alternatives, ranked 1, 2, ..."""
+        def entry(token_id: int, logprob: float, rank: int | None) -> tuple[str, dict]:
+            return str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": self.names(token_id)}
+
+        body: list[dict | None] = [None]
+        for scored in (choice.prompt_logprobs or [None])[1:]:
+            token = dict([entry(scored.token_id, scored.logprob, scored.rank)])
+            for rank, (alt, logprob) in enumerate(scored.top[: self.num_prompt_top], start=1):
+                token.setdefault(*entry(alt, logprob, rank))
+            body.append(token)
+        return body
+
 
 class CompletionFormat(ResponseFormat):
     id_prefix = "cmpl"
@@ -179,8 +201,9 @@ class CompletionFormat(ResponseFormat):
 
     def __init__(
         self, model_id: str, num_top: int | None = None, names: TokenNames | None = None, echo: bool = False, token_ids: bool = False,
+        num_prompt_top: int | None = None,
     ):
-        super().__init__(model_id, num_top, names, token_ids)
+        super().__init__(model_id, num_top, names, token_ids, num_prompt_top)
         self.echo = echo
         self._prompt_ids_sent: set[int] = set()  # choices whose stream sent their prompt's ids (with its first chunk)
 
@@ -204,6 +227,8 @@ class CompletionFormat(ResponseFormat):
         body = {"index": index, "text": text, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
         if self.token_ids:
             body.update(token_ids=choice.token_ids, prompt_token_ids=self.prompt_ids[index])
+        if self.num_prompt_top is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs_body(choice)
         return body
 
     def delta_choice(self, index: int, choice: ChoiceState, text: str) -> dict:
@@ -229,7 +254,7 @@ class CompletionFormat(ResponseFormat):
                 top_logprobs.append(None)
                 continue
             token_logprobs.append(entry.logprob)
-            top = {self.names(alt): logprob for alt, logprob in entry.top}
+            top = {self.names(alt): logprob for alt, logprob in entry.top[: self.num_top]}  # prompt_logprobs may ask more
             top.setdefault(name, entry.logprob)
             top_logprobs.append(top)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
@@ -242,9 +267,9 @@ class ChatFormat(ResponseFormat):
 
     def __init__(
         self, model_id: str, num_top: int | None = None, names: TokenNames | None = None, tool_calling: ToolCalling | None = None,
-        token_ids: bool = False,
+        token_ids: bool = False, num_prompt_top: int | None = None,
     ):
-        super().__init__(model_id, num_top, names, token_ids)
+        super().__init__(model_id, num_top, names, token_ids, num_prompt_top)
         self.tool_calling = tool_calling
         self._streams: dict[int, ToolCallStream] = {}  # each streamed choice's tool calls
         self._prompt_ids_sent = False
@@ -253,6 +278,8 @@ class ChatFormat(ResponseFormat):
         body = super().response(prompt_tokens, choices)
         if self.token_ids:
             body["prompt_token_ids"] = self.prompt_ids[0]  # one conversation, whatever n
+        if self.num_prompt_top is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs_body(choices[0])  # the same for every choice
         return body
 
     def chunk(self, choices: list[dict], include_usage: bool, usage_body: dict | None = None) -> dict:

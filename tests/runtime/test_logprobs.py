@@ -1,6 +1,7 @@
 """Logprobs equal transformers' log_softmax for the same tokens: generated ones and prompt ones,
 on the default model in float32 and on tiny models in float64, across stages (threads and
-processes), prefill chunking, async scheduling and preemption; the alternatives are the true top k."""
+processes), prefill chunking, async scheduling and preemption; the alternatives are the true top k,
+and each token's rank its place among all."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def check_against(reference: torch.Tensor, output, num_top: int, num_prompt_top:
         row = reference[position - 1]
         assert entry.token_id == ids[position]
         assert abs(entry.logprob - row[entry.token_id].item()) <= atol, position
+        # vLLM's rank: 1 + the tokens more likely; where the reference has others within atol, any count between
+        more_likely, near = (row > row[entry.token_id] + atol).sum().item(), (row > row[entry.token_id] - atol).sum().item()
+        assert 1 + more_likely <= entry.rank <= near, position
         top_values, top_ids = row.topk(k)
         assert [t for t, _ in entry.top] == top_ids.tolist(), position
         assert max((abs(v - r) for (_, v), r in zip(entry.top, top_values.tolist())), default=0.0) <= atol

@@ -4,6 +4,8 @@ are numbered prompt by prompt."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 for package in ("fastapi", "uvicorn", "openai", "httpx"):  # the server stack: not on every GPU image
@@ -142,3 +144,50 @@ def test_echo_without_logprobs_prefixes_the_prompt(client):
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0).choices[0]
     echoed = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0, echo=True).choices[0]
     assert echoed.text == PROMPTS[1] + plain.text and echoed.logprobs is None
+
+
+def check_prompt_logprobs(entries: list, prompt_ids: list[int], reference, tokenizer, num_top: int) -> None:
+    """vLLM's shape: null first, then per prompt token {id: {logprob, rank, decoded_token}}, the token
+    itself first, then its num_top most likely alternatives ranked 1, 2, ..."""
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    rows = reference(prompt_ids)
+    for position in range(1, len(prompt_ids)):
+        row, token = rows[position - 1], prompt_ids[position]
+        entry = entries[position]
+        first_key, first = next(iter(entry.items()))
+        assert first_key == str(token) and first["decoded_token"] == tokenizer.decode_token(token)
+        assert abs(first["logprob"] - row[token].item()) <= ATOL
+        assert (row > row[token] + ATOL).sum().item() + 1 <= first["rank"] <= (row > row[token] - ATOL).sum().item()
+        best = row.topk(num_top)
+        assert set(entry) == {str(t) for t in best.indices.tolist()} | {str(token)}
+        for rank, (alt, value) in enumerate(zip(best.indices.tolist(), best.values.tolist()), start=1):
+            if alt != token:
+                assert entry[str(alt)]["rank"] == rank and abs(entry[str(alt)]["logprob"] - value) <= ATOL
+
+
+def test_prompt_logprobs_as_vllm_reports_them(client, tokenizer, reference):
+    """vLLM's prompt_logprobs: on each completion choice, beside echo's own logprobs (which list only
+    as many alternatives as logprobs asks); on a chat response once, for its templated prompt."""
+    prompt_ids = tokenizer.encode(PROMPTS[1])
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=2, temperature=0, echo=True, logprobs=1, extra_body={"prompt_logprobs": 3},
+    )
+    choice = completion.choices[0]
+    check_prompt_logprobs(choice.model_extra["prompt_logprobs"], prompt_ids, reference, tokenizer, 3)
+    assert all(top is None or len(top) <= 2 for top in choice.logprobs.top_logprobs)  # echo's: the token and 1 alternative
+    messages = [{"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    check_prompt_logprobs(chat.model_extra["prompt_logprobs"], tokenizer.encode_chat(messages), reference, tokenizer, 0)
+    assert chat.choices[0].logprobs is None  # nothing asked of the output
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2)
+    assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs are not available with stream: true"),
+    ({"prompt_logprobs": -1}, "-1 (every token of the vocabulary) is not served"),
+    ({"prompt_logprobs": 21}, "must be in [0, 20]"),
+])
+def test_prompt_logprobs_that_cannot_be_served_say_why(client, body, message):
+    with pytest.raises(openai.BadRequestError, match=re.escape(message)):
+        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, extra_body=body)
