@@ -18,6 +18,8 @@ from graphrt.speculative import SpeculativeConfig
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
+    "float": torch.float32,  # vLLM's names: float and half
+    "half": torch.float16,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
     "float16": torch.float16,
@@ -103,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be at least 1, got {self.prefill_chunk_size}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or isinstance(self.max_model_len, bool) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive number of tokens (or None: the model's), got {self.max_model_len!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:

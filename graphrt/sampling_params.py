@@ -18,6 +18,7 @@ MAX_LOGPROBS = 20  # most alternatives a request may ask for per token, as OpenA
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY], as OpenAI allows
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI allows
 MAX_BAD_WORDS = 128  # bad words per request, tokenized (each word counts once per way it tokenizes)
+MAX_CHOICES = 128  # outputs per prompt (n), as the server allows
 
 
 @dataclass
@@ -68,8 +69,11 @@ class StructuredOutput:
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token, and when to stop. temperature 0 is greedy."""
+    """How to pick each next token, and when to stop. temperature 0 is greedy. As in vLLM, `n`
+    outputs per prompt (`LLM.generate`; output i samples with `seed + i`), `top_k` -1 means no
+    limit, and None for a list means an empty one."""
 
+    n: int = 1  # outputs per prompt
     max_tokens: int | None = 16  # None: up to the model's context length
     temperature: float = 1.0
     top_k: int = 0  # 0: no limit
@@ -110,23 +114,31 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if isinstance(self.bad_words, str):
-            self.bad_words = [self.bad_words]
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+        for name in ("stop", "bad_words", "stop_token_ids"):  # as vLLM: one string, a tuple or None are fine
+            value = getattr(self, name)
+            if value is None:
+                setattr(self, name, [])
+            elif isinstance(value, str) and name != "stop_token_ids":
+                setattr(self, name, [value])
+            elif isinstance(value, tuple):
+                setattr(self, name, list(value))
+        if self.top_k == -1:
+            self.top_k = 0  # vLLM's "no limit"
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer (or None: up to the context), got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT64_MAX:
-            raise ValueError(f"top_k must be an integer in [0, {INT64_MAX}] (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX):
-            raise ValueError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be an integer in [0, {INT64_MAX}] (0 or -1 disables it), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1)):
+            raise ValueError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX - (self.n - 1)}], got {self.seed!r}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -79,7 +79,11 @@ class Engine:
         if self.model_dir.is_file():
             raise ModelLoadError(f"--model {self.model_dir} is a file; pass the Hugging Face style folder that holds it (--model {self.model_dir.parent})")
         if not self.model_dir.is_dir():
-            raise ModelLoadError(f"model folder {self.model_dir} does not exist; pass --model DIR of a Hugging Face style model")
+            hub_id = not self.model_dir.is_absolute() and len(self.model_dir.parts) == 2  # as "HuggingFaceTB/SmolLM2-135M"
+            hint = f" (graphrt reads local folders, not hub ids: `hf download {self.model_dir} --local-dir DIR` first)" if hub_id else ""
+            raise ModelLoadError(
+                f"model folder {self.model_dir} does not exist{hint}; pass a Hugging Face style model folder (--model DIR, LLM(model=DIR))"
+            )
         config.check_devices_here()
         self.config = config
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -89,7 +93,13 @@ class Engine:
         files = WeightFiles(self.model_dir)
         self.devices = [torch.device(d) for d in config.stage_devices()]  # one per stage: under --ep, each leader's
         self.dtype = config.resolve_dtype(self.model_config, self.devices[0])
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
+        if config.max_model_len is not None and config.max_model_len > self.model_config.max_position:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} is longer than {self.model_dir.name} can attend to "
+                f"({self.model_config.max_position} positions: its max_position_embeddings, or a sliding window below it); "
+                "pass at most that, or leave it out"
+            )
+        self.max_model_len = config.max_model_len or self.model_config.max_position
         check_expert_parallel(self.model_config, config.ep)
         # With procs, stages 1..pp-1 (and with --ep every stage's other expert ranks) live in worker
         # processes (started now, so they boot meanwhile).

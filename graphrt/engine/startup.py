@@ -4,6 +4,8 @@ the engine process all start an engine here."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 import time
 from pathlib import Path
@@ -31,6 +33,7 @@ def build_engine(
     """An engine for `model` (None: the default model), its options `EngineConfig` fields (None
     means the default), those `cache` (a `graphrt capture` folder) records taken from it;
     `eos_token_id` and `load_colleagues` as Engine takes them."""
+    check_option_names(engine_options)
     options = {k: v for k, v in engine_options.items() if v is not None}
     if cache is not None:
         cache = Path(cache)
@@ -44,6 +47,17 @@ def build_engine(
         model_dir, EngineConfig(**options), cache_dir=cache, show_progress=show_progress, eos_token_id=eos_token_id,
         load_colleagues=load_colleagues,
     )
+
+
+def check_option_names(engine_options: dict) -> None:
+    """A name that is no EngineConfig field (a typo, or a vLLM option graphrt lacks) raises a
+    TypeError naming it, and the field it was likely meant to be."""
+    fields = {field.name for field in dataclasses.fields(EngineConfig)}
+    for name in engine_options:
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = f"; did you mean {close[0]}?" if close else "; the options are EngineConfig's fields (docs/usage.md, Python API)"
+            raise TypeError(f"graphrt has no engine option {name!r}{hint}")
 
 
 def warm_up(engine: Engine) -> None:

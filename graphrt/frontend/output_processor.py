@@ -54,6 +54,7 @@ class RequestState:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None  # a FinishReason's value
+    stop_reason: str | None = None  # the stop string that ended it, if one did
     text: RequestText = field(init=False)
 
     def __post_init__(self) -> None:
@@ -95,8 +96,8 @@ class OutputProcessor:
                 state.prompt_logprobs = output.prompt_logprobs
             if output.finish_reason is not None:
                 state.finish_reason = output.finish_reason.value
-            if self.tokenizer is not None and self._extend(state):
-                state.finish_reason = FinishReason.STOP.value
+            if self.tokenizer is not None and (stop := self._extend(state)) is not None:
+                state.finish_reason, state.stop_reason = FinishReason.STOP.value, stop
                 stopped.append(state.request_id)
             state.text.finished = state.finished
             if state.finished:
@@ -108,9 +109,9 @@ class OutputProcessor:
         """Drop the state of a request nobody waits for any more (aborted)."""
         self._requests.pop(request_id, None)
 
-    def _extend(self, state: RequestState) -> bool:
+    def _extend(self, state: RequestState) -> str | None:
         """Append the new tokens' text (decoding a few tokens, not the whole output: this runs for
-        every token); True where a stop string ended it, the text cut where the stop string starts."""
+        every token); the stop string that ended it, if one did, the text cut where it starts."""
         text, token_ids, params = state.text, state.output_ids, state.params
         if state.finish_reason == FinishReason.STOP.value and token_ids and not params.include_stop_str_in_output:
             # The engine ends a request "stop" only on a stop token (EOS or one of stop_token_ids; a
@@ -123,11 +124,11 @@ class OutputProcessor:
         )
         text.text += delta
         if len(state.output_ids) <= params.min_tokens:
-            return False  # as vLLM: stop strings count once more than min_tokens tokens are out
+            return None  # as vLLM: stop strings count once more than min_tokens tokens are out
         # Only a stop string that ends in the new text can be new; the one that starts first wins.
         found = [(at, stop) for stop in text.stops if (at := text.text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
         if not found:
-            return False
+            return None
         at, stop = min(found, key=lambda hit: hit[0])
         text.text = text.text[: at + len(stop) if params.include_stop_str_in_output else at]
-        return True
+        return stop

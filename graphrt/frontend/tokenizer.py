@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from graphrt.errors import ModelLoadError, RequestError
@@ -39,6 +39,11 @@ class Tokenizer:
         The bound never exceeds the true count, so no prompt that fits is refused by it.
         """
         return -(-num_chars // self.max_chars_per_token)
+
+    @property
+    def hf(self):
+        """The Hugging Face tokenizer underneath (what vLLM's LLM.get_tokenizer returns)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:
@@ -199,6 +204,12 @@ class TokenizerLoading:
             loader = ThreadPoolExecutor(1, thread_name_prefix="graphrt-tokenizer")
             self._future = loader.submit(Tokenizer.from_dir, model_dir)
             loader.shutdown(wait=False)
+
+    def settle(self) -> None:
+        """Wait for the loading thread whatever it gives (the engine failed to start): a
+        transformers import cut off mid-way would break the next one, in the caller's next try."""
+        if self._future is not None:
+            wait([self._future])
 
     def result(self) -> Tokenizer | None:
         """The tokenizer (waiting for it); None where skipped or the folder has none."""

@@ -168,7 +168,7 @@ def test_the_models_generation_config_sets_what_a_request_leaves_out(tiny_model_
     greedy = llm.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids
     sampled = llm.generate([5, 6, 7], SamplingParams(temperature=1.0, top_k=5, seed=3, max_tokens=8))[0].token_ids
     assert sampled != greedy  # else the test could not tell the two apart
-    proc, url, banner = start_server(extra_args=("--dtype", "float32", str(folder)))
+    proc, url, banner = start_server(extra_args=("--dtype", "float32", "--max-model-len", "256", str(folder)))  # the tiny model's
     headers = {"Authorization": f"Bearer {API_KEY}"}
     try:
         assert any("sampling defaults from the model's generation_config.json: temperature=0.0, top_k=5" in line for line in banner)
