@@ -1,9 +1,9 @@
-"""Where graphrt's log records go when it runs as a program (the CLI, the engine process, a stage
+"""Where log records go when graphrt runs as a program (the CLI, the engine process, a stage
 process): stderr, one line each, tagged with the process that wrote it. As a library (`LLM`) it
 adds no handler; the application's logging configuration decides.
 
-`GRAPHRT_LOGGING_LEVEL` (as vLLM's `VLLM_LOGGING_LEVEL`) sets the level: WARNING by default, INFO
-adds what start-up measured (kernel choices, step costs, thread teams).
+`GRAPHRT_LOGGING_LEVEL` (as vLLM's `VLLM_LOGGING_LEVEL`) sets graphrt's level: WARNING by default,
+INFO adds what start-up measured (step costs, thread teams, the KV cache on GPUs).
 """
 
 from __future__ import annotations
@@ -16,17 +16,32 @@ LEVEL_VARIABLE = "GRAPHRT_LOGGING_LEVEL"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (as logging's last resort does), so a
+    caller that swaps it (a test's capture) never leaves the handler writing to a closed stream."""
+
+    def __init__(self, tag: str):
+        super().__init__()
+        self.tag = tag
+        self.setFormatter(logging.Formatter(f"[{tag}] %(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass  # always sys.stderr
+
+
 def configure_logging(tag: str = "graphrt") -> None:
-    """Send the `graphrt` loggers' records to stderr as `[tag] message`, once per process."""
-    logger = logging.getLogger("graphrt")
-    if any(getattr(handler, "graphrt_tag", None) for handler in logger.handlers):
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"[{tag}] %(message)s"))
-    handler.graphrt_tag = tag
-    logger.addHandler(handler)
-    logger.setLevel(logging_level(os.environ.get(LEVEL_VARIABLE)))
-    logger.propagate = False  # a root handler set by a library would print each record twice
+    """Records to stderr as `[tag] message` where nothing else configured logging in this process
+    (a root handler of its own, once), and the `graphrt` loggers at GRAPHRT_LOGGING_LEVEL."""
+    level = logging_level(os.environ.get(LEVEL_VARIABLE))
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(StderrHandler(tag))
+    logging.getLogger("graphrt").setLevel(level)
 
 
 def logging_level(value: str | None) -> int:

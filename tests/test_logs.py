@@ -14,9 +14,17 @@ import logging
 from graphrt.logs import configure_logging
 configure_logging("graphrt engine")
 configure_logging("graphrt engine")  # a second call adds no second handler
-logging.basicConfig(format="root: %(message)s")  # an application's root handler prints nothing twice
+logging.basicConfig(format="root: %(message)s")  # nor does a later basicConfig
 logging.getLogger("graphrt.engine.engine").warning("a warning")
 logging.getLogger("graphrt.kernels.cpu.openmp").info("a measurement")
+"""
+# An application that configured logging first keeps its format: graphrt adds no handler.
+CONFIGURED_FIRST = """
+import logging
+from graphrt.logs import configure_logging
+logging.basicConfig(format="app: %(message)s")
+configure_logging()
+logging.getLogger("graphrt.engine.engine").warning("a warning")
 """
 
 
@@ -39,3 +47,9 @@ def test_the_cli_names_a_level_that_is_not_one():
     result = subprocess.run([sys.executable, "-m", "graphrt", "capture", "--inspect", "/nonexistent"], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 1
     assert result.stderr.strip() == "error: GRAPHRT_LOGGING_LEVEL='loud' is not a logging level; use one of DEBUG, INFO, WARNING, ERROR"
+
+
+def test_an_application_that_configured_logging_first_keeps_its_format():
+    result = subprocess.run([sys.executable, "-c", CONFIGURED_FIRST], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == ["app: a warning"]

@@ -134,7 +134,6 @@ ENGINE_PROCESS_MAIN = "import sys; from graphrt.engine.process import engine_pro
 def engine_process_main() -> int:
     """The engine process: `python -c ENGINE_PROCESS_MAIN COMMANDS RESULTS`, with the LLM options and
     the cores to pin itself to (null: stay where it was started) as JSON on stdin."""
-    logging.basicConfig(level=logging.WARNING, format="[graphrt engine] %(message)s")
     configure_logging("graphrt engine")
     commands_address, results_address = sys.argv[1:3]
     launch = json.loads(sys.stdin.read())
