@@ -97,11 +97,11 @@ def test_text_prompt_without_tokenizer(tiny_model_factory):
     "kwargs, message",
     [
         (dict(temperature=-1.0), r"temperature must be a finite number >= 0 \(0 is greedy\), got -1.0"),
-        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-        (dict(top_k=-2), r"top_k must be an integer in \[0, 9223372036854775807\] \(0 disables it\), got -2"),
+        (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+        (dict(top_k=-2), r"top_k must be an integer in \[0, 9223372036854775807\] \(0 or -1 disables it\), got -2"),
         (dict(max_tokens=0), "max_tokens must be a positive integer"),
-        (dict(stop=[""]), "stop must be a list of non-empty strings"),
+        (dict(stop=[""]), "stop must be a string or a list of non-empty strings"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):

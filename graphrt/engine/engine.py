@@ -93,13 +93,14 @@ class Engine:
         files = WeightFiles(self.model_dir)
         self.devices = [torch.device(d) for d in config.stage_devices()]  # one per stage: under --ep, each leader's
         self.dtype = config.resolve_dtype(self.model_config, self.devices[0])
-        if config.max_model_len is not None and config.max_model_len > self.model_config.max_position:
+        too_long = config.max_model_len is not None and config.max_model_len > self.model_config.max_position
+        if too_long and cache_dir is None:  # a cache's own is checked with the rest of it (_check_graph_cache)
             raise ValueError(
                 f"max_model_len {config.max_model_len} is longer than {self.model_dir.name} can attend to "
                 f"({self.model_config.max_position} positions: its max_position_embeddings, or a sliding window below it); "
                 "pass at most that, or leave it out"
             )
-        self.max_model_len = config.max_model_len or self.model_config.max_position
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position)
         check_expert_parallel(self.model_config, config.ep)
         # With procs, stages 1..pp-1 (and with --ep every stage's other expert ranks) live in worker
         # processes (started now, so they boot meanwhile).
