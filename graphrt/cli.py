@@ -24,8 +24,44 @@ KERNEL_CHOICES = ("auto", "torch", "triton")  # graphrt.kernels.KERNEL_CHOICES, 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # graphrt.server.tool_parsers.TOOL_CALL_PARSERS, whose package loads the server
 
 
+# vLLM's flags that graphrt has no equivalent of, with what to do instead: refused with that, not
+# with click's nearest spelling (which sent --enforce-eager to --allow-eager, -tp to -t).
+VLLM_FLAGS = {
+    "--tensor-parallel-size": "graphrt has no tensor parallelism; split the model over GPUs with --pp N (and a mixture of experts' experts with --ep N)",
+    "-tp": "graphrt has no tensor parallelism; split the model over GPUs with --pp N (and a mixture of experts' experts with --ep N)",
+    "--gpu-memory-utilization": "graphrt sizes the KV cache itself: 85% of the GPU memory left free once graphs and activations are measured",
+    "--kv-cache-dtype": "the KV cache is kept in the model's --dtype",
+    "--block-size": "KV blocks are 16 tokens here (the Python API's block_size sets it)",
+    "--max-num-batched-tokens": "a step's prompt tokens are set with --prefill-chunk-size",
+    "--quantization": "graphrt serves unquantized weights (graphrt import-gguf de-quantizes a GGUF file)",
+    "--tokenizer": "the tokenizer is read from the model folder",
+    "--revision": "graphrt reads local folders: download that revision first and pass its folder",
+    "--swap-space": "a preempted request is recomputed, not swapped",
+}
+# vLLM's flags for what graphrt always does: accepted, and they change nothing.
+VLLM_NO_OPS = {
+    "--trust-remote-code": "graphrt runs no code from the model folder",
+    "--disable-log-requests": "graphrt does not log requests",
+    "--enable-prefix-caching": "prefix caching is on unless --no-prefix-caching",
+    "--enable-chunked-prefill": "prompts are always prefilled in chunks of --prefill-chunk-size",
+}
+
+
+class Command(click.Command):
+    """Names what to do instead of a vLLM flag graphrt lacks (VLLM_FLAGS)."""
+
+    def parse_args(self, ctx, args):
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in VLLM_FLAGS:
+                raise click.UsageError(f"{flag} is vLLM's: {VLLM_FLAGS[flag]}", ctx)
+        return super().parse_args(ctx, args)
+
+
 class Group(click.Group):
     """Prints graphrt's own errors as one line (what happened, what to do) and exits 1."""
+
+    command_class = Command
 
     def invoke(self, ctx):
         try:
@@ -46,6 +82,13 @@ def parse_devices(value: str | None) -> list[str] | None:
     return [d.strip() for d in value.split(",")] if value else None
 
 
+def vllm_no_ops(command):
+    """VLLM_NO_OPS as hidden flags, gathered in one argument the command ignores."""
+    for flag, why in VLLM_NO_OPS.items():
+        command = click.option(flag, "vllm_no_ops", flag_value=flag, multiple=True, hidden=True, help=f"Accepted as in vLLM: {why}.")(command)
+    return command
+
+
 def model_options(command):
     """Options shared by every command that builds an engine: the model, its stages, its graphs."""
     options = [
@@ -60,7 +103,8 @@ def model_options(command):
         click.option("--depth", type=click.IntRange(min=0), default=None, help="Micro-batches in flight beyond one per stage: the ring has pp + depth slots [default: 1 with CUDA stages on several GPUs, else 0]."),
         click.option("--async-scheduling/--no-async-scheduling", default=True, help="Launch a slot's next decode step before its tokens are read back, so the host's turnaround overlaps the stages' work [default: on]."),
         click.option("--no-prefix-caching", is_flag=True, help="Prefill every prompt whole instead of reusing the KV blocks of prefixes computed before."),
-        click.option("--no-graphs", is_flag=True, help="Replay decode eagerly over the same static buffers instead of CUDA graphs."),
+        click.option("--no-graphs", "--enforce-eager", "no_graphs", is_flag=True,
+                     help="Replay decode eagerly over the same static buffers instead of CUDA graphs (--enforce-eager: vLLM's name)."),
         click.option("--allow-eager", is_flag=True, help="Run a (stage, bucket) whose capture fails eagerly instead of stopping."),
         click.option("--procs", is_flag=True, help="Run stages 1..pp-1 in worker processes over torch.distributed (see docs/distributed.md)."),
         click.option("--ep", type=click.IntRange(min=1), default=None, help="Expert parallelism: ranks per stage, each holding 1/N of every sparse layer's routed experts; implies --procs (see docs/distributed.md) [default: 1]."),
@@ -171,7 +215,8 @@ def read_prompts(path: Path) -> list[str | list[int]]:
 
 @main.command()
 @model_options
-@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--requests", "--num-prompts", "num_requests", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests submitted at once (--num-prompts: vLLM's bench name).")
 @click.option("--input-len", default="16,256", show_default=True, help="Prompt length, N or MIN,MAX (uniform).")
 @click.option("--output-len", default="16,128", show_default=True, help="Output length, N or MIN,MAX (uniform).")
 @click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True, help="Tokens every prompt starts with (a shared system prompt), before its own --input-len tokens.")
@@ -317,11 +362,12 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
                    "(temperature, top_p, top_k, min_p, repetition_penalty), as vLLM; vllm, the API's; or a folder holding one.")
 @click.option("--chat-template", default=None, help="A Jinja file, or the template itself, to render chat conversations with instead of the model's own.")
 @click.option("--enable-auto-tool-choice", is_flag=True, help="Accepted as in vLLM's command lines; tool_choice auto is always on here.")
+@vllm_no_ops
 @click.argument("model_folder", required=False, type=click.Path(path_type=Path), metavar="[MODEL]")
 def serve(
     cache, max_num_seqs, max_model_len, prefill_chunk_size, host, port, api_key, api_key_file, max_body_bytes,
     max_connections, timeout_header, timeout_body, timeout_keep_alive, no_engine_process, cpu_placement, tool_call_parser,
-    served_model_names, generation_config, chat_template, enable_auto_tool_choice, model_folder, **model_args,
+    served_model_names, generation_config, chat_template, enable_auto_tool_choice, vllm_no_ops, model_folder, **model_args,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM.
     MODEL (as in `vllm serve MODEL`) is the same as --model.

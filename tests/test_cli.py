@@ -84,3 +84,27 @@ def test_serve_offers_the_tool_call_parsers_there_are():
     assert cli.TOOL_CALL_PARSERS == TOOL_CALL_PARSERS
     result = CliRunner().invoke(main, ["serve", "--tool-call-parser", "pythonic"])
     assert result.exit_code == 2 and "'pythonic' is not one of 'hermes', 'llama3_json', 'mistral'" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "-tp", "2"], "-tp is vLLM's: graphrt has no tensor parallelism; split the model over GPUs with --pp N"),
+    (["serve", "--tensor-parallel-size=2"], "--tensor-parallel-size is vLLM's: graphrt has no tensor parallelism"),
+    (["generate", "--prompt", "x", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype is vLLM's: the KV cache is kept in the model's --dtype"),
+    (["bench", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization is vLLM's: graphrt sizes the KV cache itself"),
+])
+def test_a_vllm_flag_graphrt_lacks_says_what_to_do_instead(args, message):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_vllm_flags_for_what_graphrt_does_anyway_are_accepted_and_its_names_are_aliases(tiny_model_factory):
+    """--trust-remote-code and company change nothing (serve parses them, then refuses the bad port
+    after them); --enforce-eager is --no-graphs and bench's --num-prompts is --requests."""
+    result = CliRunner().invoke(main, ["serve", "--trust-remote-code", "--disable-log-requests", "--enable-prefix-caching",
+                                       "--enable-chunked-prefill", "--port", "99999"])
+    assert result.exit_code == 2 and "Invalid value for '--port'" in result.output, result.output
+    model = str(tiny_model_factory())
+    eager = CliRunner().invoke(main, ["generate", "--prompts-file", "/dev/null", "--model", model, "--enforce-eager"])
+    assert "no such option" not in eager.output.lower() and "holds no prompts" in eager.output
+    bench = CliRunner().invoke(main, ["bench", "--model", model, "--num-prompts", "3", "--input-len", "4", "--output-len", "2"])
+    assert bench.exit_code == 0 and "6 output tokens from 3 requests" in bench.output, bench.output
