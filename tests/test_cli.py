@@ -108,3 +108,25 @@ def test_vllm_flags_for_what_graphrt_does_anyway_are_accepted_and_its_names_are_
     assert "no such option" not in eager.output.lower() and "holds no prompts" in eager.output
     bench = CliRunner().invoke(main, ["bench", "--model", model, "--num-prompts", "3", "--input-len", "4", "--output-len", "2"])
     assert bench.exit_code == 0 and "6 output tokens from 3 requests" in bench.output, bench.output
+
+
+def test_import_gguf_names_what_is_wrong_with_its_arguments(tmp_path):
+    """One line each, no traceback, and nothing left in the output's folder."""
+    from graphrt.model.default_model import default_gguf_path
+
+    stub = tmp_path / "stub.gguf"
+    stub.write_bytes(b"GGUF")  # the magic and nothing after it
+    cut = tmp_path / "cut.gguf"
+    with open(default_gguf_path(), "rb") as whole:
+        cut.write_bytes(whole.read(2 << 20))  # the real model, cut short
+    (tmp_path / "a-file").write_text("")
+    cases = [
+        ([str(tmp_path), str(tmp_path / "out")], f"error: {tmp_path} is a folder; give the path of the .gguf file in it"),
+        ([str(stub), str(tmp_path / "a-file")], f"error: {tmp_path / 'a-file'} is a file; give a folder to write the model into"),
+        ([str(stub), str(tmp_path / "out")], "the file may be cut short or corrupt (download it again)"),
+        ([str(cut), str(tmp_path / "out")], "the file may be cut short or corrupt (download it again)"),
+    ]
+    for args, message in cases:
+        result = CliRunner().invoke(main, ["import-gguf", *args])
+        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "cut.gguf", "stub.gguf"]

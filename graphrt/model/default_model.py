@@ -11,6 +11,7 @@ import fcntl
 import importlib.util
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -47,9 +48,13 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
     leaves a folder that looks complete.
     """
     gguf_path = Path(gguf_path)
+    if gguf_path.is_dir():
+        raise ModelLoadError(f"{gguf_path} is a folder; give the path of the .gguf file in it")
     if not gguf_path.is_file():
         raise ModelLoadError(f"{gguf_path} does not exist; give the path of a .gguf file")
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ModelLoadError(f"{out_dir} is a file; give a folder to write the model into (a new one, or an empty one)")
     if (out_dir / COMPLETE_MARKER).is_file():
         return out_dir
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -70,8 +75,11 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
-        except (ValueError, KeyError, OSError) as exc:
-            raise ModelLoadError(f"transformers cannot read {gguf_path} as a Llama-family GGUF model ({exc})") from None
+        except (ValueError, KeyError, IndexError, EOFError, OSError, struct.error) as exc:
+            raise ModelLoadError(
+                f"transformers cannot read {gguf_path} as a Llama-family GGUF model ({type(exc).__name__}: {exc}); "
+                "the file may be cut short or corrupt (download it again), or of another architecture"
+            ) from None
         config = model.config
         # The weights are dequantized now; a leftover GGUF quantization entry would mislead readers.
         if hasattr(config, "quantization_config"):
