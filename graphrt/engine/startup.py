@@ -40,6 +40,12 @@ def build_engine(
         # Compiled Triton kernels live in the cache too; triton reads this when it first compiles.
         os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
         manifest = read_manifest(cache)
+        max_batch = options.get("max_batch")
+        if max_batch is not None and "buckets" not in options and max_batch != max(manifest["buckets"]):
+            raise ValueError(
+                f"max_batch {max_batch} differs from the graph cache {cache}, whose largest bucket is {max(manifest['buckets'])}; "
+                f"leave it out, or refresh the cache with `graphrt capture --out {cache} --max-batch {max_batch}`"
+            )
         for field in CACHE_DEFAULTS:
             options.setdefault(field, manifest[field])
     model_dir = Path(model) if model is not None else default_model_dir()

@@ -103,6 +103,14 @@ def test_stale_cache_names_the_field(default_cache, tmp_path, edit, extra_args, 
     assert result.output.count("\n") == 1 and "Traceback" not in result.output
 
 
+def test_a_max_batch_the_cache_does_not_have_is_refused(default_cache):
+    """The cache's buckets decide the graphs: a --max-batch beside them would be dropped unseen."""
+    result = run_cli("generate", "--prompt", "hi", "--cache", default_cache, "--max-batch", "16")
+    assert result.exit_code == 1 and "max_batch 16 differs from the graph cache" in result.output
+    assert "whose largest bucket is 8" in result.output and f"graphrt capture --out {default_cache} --max-batch 16" in result.output
+    assert run_cli("generate", "--prompt", "hi", "--max-tokens", "2", "--cache", default_cache, "--max-batch", "8").exit_code == 0
+
+
 def test_cache_from_another_model_is_refused(default_cache, tiny_model_factory):
     result = run_cli("generate", "--prompt", "hi", "--cache", default_cache, "--model", tiny_model_factory())
     assert result.exit_code == 1 and "model_fingerprint: cache has" in result.output
