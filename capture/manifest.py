@@ -137,7 +137,13 @@ def write_manifest(out_dir: Path, manifest: dict) -> Path:
 
 
 def read_manifest(cache_dir: Path) -> dict:
-    path = Path(cache_dir) / MANIFEST_NAME
+    cache_dir = Path(cache_dir)
+    if cache_dir.is_file():
+        why = f"is the cache's {MANIFEST_NAME}" if cache_dir.name == MANIFEST_NAME else "is a file"
+        raise StaleCacheError(f"{cache_dir} {why}; pass the graph cache's folder ({cache_dir.parent})")
+    if not cache_dir.exists():
+        raise StaleCacheError(f"the graph cache {cache_dir} does not exist; make it with `graphrt capture --out {cache_dir}`")
+    path = cache_dir / MANIFEST_NAME
     refresh = f"run `graphrt capture --out {cache_dir}` to rebuild it"
     if not path.is_file():
         raise StaleCacheError(f"{cache_dir} holds no {MANIFEST_NAME}; {refresh}")

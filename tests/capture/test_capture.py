@@ -131,6 +131,17 @@ def test_damaged_manifest(default_cache, tmp_path, damage, message):
     assert result.exit_code == 1 and message in result.output and result.output.count("\n") == 1
 
 
+def test_a_cache_path_that_is_no_cache_folder_says_what_it_is(default_cache, tmp_path):
+    manifest = default_cache / MANIFEST_NAME
+    for args, message in [
+        (("capture", "--inspect", manifest), f"{manifest} is the cache's manifest.json; pass the graph cache's folder ({default_cache})"),
+        (("capture", "--inspect", tmp_path / "nope"), f"the graph cache {tmp_path / 'nope'} does not exist; make it with `graphrt capture --out"),
+        (("generate", "--prompt", "hi", "--cache", tmp_path / "nope"), "does not exist"),
+    ]:
+        result = run_cli(*args)
+        assert result.exit_code == 1 and message in result.output and result.output.count("\n") == 1, result.output
+
+
 def test_unwritable_output_folder(tmp_path, tiny_model_factory):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
