@@ -14,6 +14,7 @@ import click
 from graphrt.errors import GraphrtError
 from graphrt.kernels.cpu.placement import CPU_PLACEMENTS, MIN_CORES_TO_PIN
 from graphrt.logs import configure_logging
+from graphrt.model.default_model import DEFAULT_MODEL_HUB_ID
 
 # A server's prefill chunks are half an offline run's (EngineConfig.prefill_chunk_size, 512, which
 # the help below names without importing torch): a burst of new requests then gets its first
@@ -376,7 +377,7 @@ def serve(
     completions, response_format and structured_outputs (a JSON schema, a regex, a choice, a grammar)."""
     del enable_auto_tool_choice  # vLLM wants it for tool_choice auto, which graphrt always serves
     if model_folder is not None:
-        if served_model_names and not model_folder.is_dir():  # vLLM's `--served-model-name a b`
+        if served_model_names and not model_folder.is_dir() and str(model_folder) != DEFAULT_MODEL_HUB_ID:  # vLLM's `--served-model-name a b`
             raise click.UsageError(
                 f"{model_folder} is no model folder; for several served model names repeat the flag: "
                 f"--served-model-name {served_model_names[-1]} --served-model-name {model_folder}"
@@ -384,6 +385,8 @@ def serve(
         if model_args["model"] is not None and model_args["model"] != model_folder:
             raise click.UsageError(f"the model is named twice, {model_folder} and --model {model_args['model']}: give one")
         model_args["model"] = model_folder
+    if str(model_args["model"]) == DEFAULT_MODEL_HUB_ID and not served_model_names:
+        served_model_names = (DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_HUB_ID.split("/")[-1])  # clients pass what vLLM serves it as
     from graphrt.server import ServeOptions
     from graphrt.server import serve as run_server
     from graphrt.server.connections import ConnectionLimits

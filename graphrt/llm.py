@@ -16,7 +16,7 @@ from graphrt.errors import RequestError
 from graphrt.frontend.generation_config import sampling_defaults
 from graphrt.frontend.output_processor import OutputProcessor, RequestState
 from graphrt.frontend.tokenizer import TokenizerLoading
-from graphrt.model.default_model import default_model_dir
+from graphrt.model.default_model import model_dir_for
 from graphrt.sampling_params import SamplingParams, TokenLogprob
 
 
@@ -93,7 +93,7 @@ class LLM:
         load_tokenizer: bool = True,
         **engine_options,
     ):
-        model_dir = Path(model) if model is not None else default_model_dir()
+        model_dir = model_dir_for(model)
         loading = TokenizerLoading(model_dir, load_tokenizer)
         try:
             self.engine = build_engine(

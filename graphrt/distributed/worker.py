@@ -91,10 +91,9 @@ def parse_options(args: list[str]) -> WorkerOptions:
     world_size = int(os.environ["WORLD_SIZE"])
     if known.ep < 1 or world_size % known.ep:
         raise SystemExit(f"error: --ep {known.ep} must be a positive divisor of WORLD_SIZE ({world_size}): pp * ep ranks")
-    if known.model is None:
-        from graphrt.model.default_model import default_model_dir
+    from graphrt.model.default_model import model_dir_for
 
-        known.model = default_model_dir()
+    known.model = model_dir_for(known.model)
     rank = int(os.environ["RANK"])
     devices = [d.strip() for d in known.devices.split(",")] if known.devices else None
     return WorkerOptions(

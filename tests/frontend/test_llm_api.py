@@ -167,3 +167,15 @@ def test_sampling_params_take_vllms_spellings():
 def test_sampling_params_name_a_value_of_the_wrong_type(field, value):
     with pytest.raises(ValueError, match=f"^{field} must be"):
         SamplingParams(**{field: value})
+
+
+def test_the_default_models_hub_id_names_it_and_another_hub_id_says_to_download(default_model, tmp_path, monkeypatch):
+    from graphrt.errors import ModelLoadError
+    from graphrt.model.default_model import DEFAULT_MODEL_HUB_ID, model_dir_for
+
+    assert model_dir_for(DEFAULT_MODEL_HUB_ID) == model_dir_for(None) == default_model
+    monkeypatch.chdir(tmp_path)  # a folder of that name here is the user's own, and wins
+    (tmp_path / DEFAULT_MODEL_HUB_ID).mkdir(parents=True)
+    assert model_dir_for(DEFAULT_MODEL_HUB_ID) == tmp_path.joinpath(DEFAULT_MODEL_HUB_ID).relative_to(tmp_path)
+    with pytest.raises(ModelLoadError, match="graphrt reads local folders, not hub ids: `hf download Qwen/Qwen3-0.6B --local-dir DIR` first"):
+        LLM(model="Qwen/Qwen3-0.6B")
