@@ -68,6 +68,12 @@ def test_bench_reports_throughput_and_latency(tiny_model_factory):
 def test_bench_rejects_a_bad_range(tiny_model_factory):
     result = CliRunner().invoke(main, ["bench", "--model", str(tiny_model_factory()), "--output-len", "9,3"])
     assert result.exit_code == 2 and "expected N or MIN,MAX" in result.output
+    # The tiny model's context is 256 tokens: the flags that overflow it are named.
+    result = CliRunner().invoke(main, ["bench", "--model", str(tiny_model_factory()), "--input-len", "100,200", "--shared-prefix", "40", "--output-len", "20"])
+    assert result.exit_code == 1 and result.output == (
+        "error: the longest request, --shared-prefix 40 + --input-len 200 + --output-len 20 = 260 tokens, "
+        "does not fit the context of 256; shorten them\n"
+    )
 
 
 def test_the_cli_loads_without_torch_and_offers_the_kernels_there_are():
