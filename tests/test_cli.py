@@ -136,3 +136,11 @@ def test_import_gguf_names_what_is_wrong_with_its_arguments(tmp_path):
         result = CliRunner().invoke(main, ["import-gguf", *args])
         assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "cut.gguf", "stub.gguf"]
+
+
+def test_serve_on_an_address_that_is_none_says_so_and_nothing_else():
+    """The open-access warning waits for the address to be bound: here it never is."""
+    pytest.importorskip("fastapi")
+    result = CliRunner().invoke(main, ["serve", "--host", "no.such.host.invalid", "--port", "0"])
+    assert result.exit_code == 1
+    assert result.output.startswith("error: cannot listen on no.such.host.invalid:0 (") and result.output.count("\n") == 1, result.output

@@ -248,11 +248,11 @@ def start_engine(
 
 def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
     """Serve until SIGINT or SIGTERM; then stop admitting, cancel what is in flight and return."""
-    warning = exposure_warning(options.host, options.api_key)
-    if warning is not None:
-        echo(warning)
     placement = plan_cpu_placement(options.cpu_placement, usable_cores(), options.engine_process)
     sock = bind_socket(options.host, options.port)
+    warning = exposure_warning(options.host, options.api_key)  # once the address is known to be one
+    if warning is not None:
+        echo(warning)
     try:
         async_engine = start_engine(options, placement, echo)
         if async_engine is None:
