@@ -21,7 +21,7 @@ from typing import Callable
 import uvicorn
 
 from graphrt.engine.startup import load_and_warm_up
-from graphrt.errors import GraphrtError
+from graphrt.errors import GraphrtError, StartUpStopped, stop_start_up_on_signals
 from graphrt.frontend import generation_config
 from graphrt.frontend.async_engine import AsyncEngine
 from graphrt.frontend.engine_client import EngineClient
@@ -230,20 +230,18 @@ def start_engine(
 ) -> AsyncEngine | EngineClient | None:
     """Load and warm up the engine, printing each phase; None if SIGINT or SIGTERM came first."""
     # Until uvicorn takes the signals over, SIGTERM stops the start-up the way Ctrl+C does.
-    previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        if options.engine_process:
-            return EngineClient(options.llm_kwargs, echo, placement)
-        model = options.llm_kwargs.get("model")
-        model_dir = model_dir_for(model)
-        tokenizer = TokenizerLoading(model_dir)
-        engine = load_and_warm_up({**options.llm_kwargs, "model": model_dir}, echo, eos_token_id=tokenizer.eos_token_id)
-        return AsyncEngine(engine, tokenizer.result())
-    except KeyboardInterrupt:
+        with stop_start_up_on_signals():
+            if options.engine_process:
+                return EngineClient(options.llm_kwargs, echo, placement)
+            model = options.llm_kwargs.get("model")
+            model_dir = model_dir_for(model)
+            tokenizer = TokenizerLoading(model_dir)
+            engine = load_and_warm_up({**options.llm_kwargs, "model": model_dir}, echo, eos_token_id=tokenizer.eos_token_id)
+            return AsyncEngine(engine, tokenizer.result())
+    except (StartUpStopped, KeyboardInterrupt):
         echo("[graphrt] stopped during start-up")
         return None
-    finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
 
 
 def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:

@@ -193,3 +193,19 @@ def test_a_chat_template_is_read_from_its_file_or_taken_as_given(tmp_path):
     assert read_chat_template(str(path)) == read_chat_template(template) == template
     with pytest.raises(ValueError, match="is neither a file nor a Jinja template"):
         read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.parametrize("delay_s", [0.5, 2.0])
+def test_sigterm_during_start_up_stops_it_in_one_line_with_exit_0(delay_s):
+    """While the server stack imports (0.5 s) or the engine loads (2 s): before this, SIGTERM killed
+    the process outright, or click said "Aborted!" with exit 1."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "graphrt", "serve", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert out.strip().splitlines()[-1] == "[graphrt] stopped during start-up" and "Traceback" not in out and "Aborted" not in out
