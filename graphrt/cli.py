@@ -7,15 +7,15 @@ import os
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
-from graphrt.errors import GraphrtError, StartUpStopped, stop_start_up_on_signals
+from graphrt.errors import GraphrtError
 from graphrt.kernels.cpu.placement import CPU_PLACEMENTS, MIN_CORES_TO_PIN
 from graphrt.logs import configure_logging
 from graphrt.model.default_model import DEFAULT_MODEL_HUB_ID
+from graphrt.signals import StartUpStopped, stop_requests_noted
 
 # A server's prefill chunks are half an offline run's (EngineConfig.prefill_chunk_size, 512, which
 # the help below names without importing torch): a burst of new requests then gets its first
@@ -381,54 +381,46 @@ def serve(
     Chat completions take tools (tool_choice auto, required or a named function) and, like
     completions, response_format and structured_outputs (a JSON schema, a regex, a choice, a grammar)."""
     del enable_auto_tool_choice  # vLLM wants it for tool_choice auto, which graphrt always serves
-    # Ctrl+C or SIGTERM before the server takes the signals over (while the server stack imports,
-    # before the engine loads) stops it as cleanly as later: one line, exit 0.
-    with stops_cleanly_during_start_up():
-        if model_folder is not None:
-            if served_model_names and not model_folder.is_dir() and str(model_folder) != DEFAULT_MODEL_HUB_ID:  # vLLM's `--served-model-name a b`
-                raise click.UsageError(
-                    f"{model_folder} is no model folder; for several served model names repeat the flag: "
-                    f"--served-model-name {served_model_names[-1]} --served-model-name {model_folder}"
-                )
-            if model_args["model"] is not None and model_args["model"] != model_folder:
-                raise click.UsageError(f"the model is named twice, {model_folder} and --model {model_args['model']}: give one")
-            model_args["model"] = model_folder
-        if str(model_args["model"]) == DEFAULT_MODEL_HUB_ID and not served_model_names:
-            served_model_names = (DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_HUB_ID.split("/")[-1])  # clients pass what vLLM serves it as
-        from graphrt.server import ServeOptions
-        from graphrt.server import serve as run_server
-        from graphrt.server.connections import ConnectionLimits
-        from graphrt.server.runner import api_key_from
-
-        limits = dict(max_connections=max_connections, header_timeout_s=timeout_header, body_timeout_s=timeout_body, keep_alive_s=timeout_keep_alive)
-        llm_kwargs = dict(engine_kwargs(**model_args), cache=cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                          prefill_chunk_size=prefill_chunk_size)
-        options = ServeOptions(
-            host=host,
-            port=port,
-            api_key=api_key_from(api_key, api_key_file, os.environ.get("GRAPHRT_API_KEY")),
-            max_body_bytes=max_body_bytes,
-            limits=ConnectionLimits(**{name: value for name, value in limits.items() if value is not None}),
-            llm_kwargs=llm_kwargs,
-            engine_process=not no_engine_process,
-            cpu_placement=cpu_placement,
-            tool_call_parser=tool_call_parser,
-            served_model_names=served_model_names,
-            generation_config=generation_config,
-            chat_template=chat_template,
-        )
-        run_server(options, echo=click.echo)
-
-
-@contextmanager
-def stops_cleanly_during_start_up():
-    """SIGINT or SIGTERM before the server installs its own handlers ends the command with a line
-    saying so and exit 0, not click's "Aborted!" (exit 1) or death by SIGTERM."""
+    # Ctrl+C or SIGTERM while the server stack imports stops it as cleanly as later: one line, exit 0.
     try:
-        with stop_start_up_on_signals():
-            yield
-    except (StartUpStopped, KeyboardInterrupt):
+        with stop_requests_noted():  # acted on once the server stack has imported whole
+            if model_folder is not None:
+                if served_model_names and not model_folder.is_dir() and str(model_folder) != DEFAULT_MODEL_HUB_ID:  # vLLM's `--served-model-name a b`
+                    raise click.UsageError(
+                        f"{model_folder} is no model folder; for several served model names repeat the flag: "
+                        f"--served-model-name {served_model_names[-1]} --served-model-name {model_folder}"
+                    )
+                if model_args["model"] is not None and model_args["model"] != model_folder:
+                    raise click.UsageError(f"the model is named twice, {model_folder} and --model {model_args['model']}: give one")
+                model_args["model"] = model_folder
+            if str(model_args["model"]) == DEFAULT_MODEL_HUB_ID and not served_model_names:
+                served_model_names = (DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_HUB_ID.split("/")[-1])  # clients pass what vLLM serves it as
+            from graphrt.server import ServeOptions
+            from graphrt.server import serve as run_server
+            from graphrt.server.connections import ConnectionLimits
+            from graphrt.server.runner import api_key_from
+
+            limits = dict(max_connections=max_connections, header_timeout_s=timeout_header, body_timeout_s=timeout_body, keep_alive_s=timeout_keep_alive)
+            llm_kwargs = dict(engine_kwargs(**model_args), cache=cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                              prefill_chunk_size=prefill_chunk_size)
+            options = ServeOptions(
+                host=host,
+                port=port,
+                api_key=api_key_from(api_key, api_key_file, os.environ.get("GRAPHRT_API_KEY")),
+                max_body_bytes=max_body_bytes,
+                limits=ConnectionLimits(**{name: value for name, value in limits.items() if value is not None}),
+                llm_kwargs=llm_kwargs,
+                engine_process=not no_engine_process,
+                cpu_placement=cpu_placement,
+                tool_call_parser=tool_call_parser,
+                served_model_names=served_model_names,
+                generation_config=generation_config,
+                chat_template=chat_template,
+            )
+    except StartUpStopped:
         click.echo("[graphrt] stopped during start-up")
+        return
+    run_server(options, echo=click.echo)  # it takes the signals over for the engine's start-up and the serving
 
 
 @main.command()

@@ -4,8 +4,6 @@ The CLI prints a `GraphrtError` as one line without a traceback; the server (lat
 `RequestError` into a 4xx. Anything else escaping is a bug in graphrt.
 """
 
-import signal
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -36,23 +34,3 @@ class RequestFailure:
     message: str
     request_fault: bool  # what the request asked cannot be done (its grammar does not compile), not the server failing
 
-
-class StartUpStopped(BaseException):
-    """SIGINT or SIGTERM while `graphrt serve` starts (`stop_start_up_on_signals`). Not a
-    KeyboardInterrupt: one that passed through an extension's import would make Python end the
-    process by SIGINT even after it was handled (exit -2 instead of 0)."""
-
-
-@contextmanager
-def stop_start_up_on_signals():
-    """While in this block, SIGINT and SIGTERM raise StartUpStopped; the handlers before it come back after."""
-
-    def stop(signum, frame):
-        raise StartUpStopped(signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

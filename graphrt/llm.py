@@ -135,7 +135,8 @@ class LLM:
         prompt, or a list of one per prompt (as vLLM's); each prompt gets its `n` outputs, output i
         sampling with `seed + i`. `use_tqdm` shows a progress bar over the outputs.
 
-        Every prompt is validated before any runs: a bad one raises RequestError naming it. If the
+        A prompt of none of those forms raises TypeError; every prompt is validated before any runs,
+        and one the engine cannot take raises RequestError naming it. If the
         call is interrupted (Ctrl+C), its unfinished requests are aborted, not left to run.
         """
         prompts = prompt_list(prompts)
@@ -277,7 +278,8 @@ def _one_prompt(index: int, prompt) -> Prompt:
         return prompt
     if isinstance(prompt, (list, tuple)) and all(_is_token(token) for token in prompt):
         return [operator.index(token) for token in prompt]
-    raise TypeError(f"prompt {index} must be {PROMPT_FORMS}; got {type(prompt).__name__}")
+    hint = " (token ids of one prompt go in a list)" if _is_token(prompt) else ""
+    raise TypeError(f"prompt {index} must be {PROMPT_FORMS}; got {type(prompt).__name__}{hint}")
 
 
 def _is_token(value) -> bool:

@@ -18,7 +18,7 @@ MAX_LOGPROBS = 20  # most alternatives a request may ask for per token, as OpenA
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY], as OpenAI allows
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI allows
 MAX_BAD_WORDS = 128  # bad words per request, tokenized (each word counts once per way it tokenizes)
-MAX_CHOICES = 128  # outputs per prompt (n), as the server allows
+MAX_N = 128  # outputs per prompt (n); the server allows as many sequences per request in all
 
 
 @dataclass
@@ -124,8 +124,8 @@ class SamplingParams:
                 setattr(self, name, list(value))
         if self.top_k == -1:
             self.top_k = 0  # vLLM's "no limit"
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
-            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive integer (or None: up to the context), got {self.max_tokens!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
@@ -239,4 +239,4 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # the most likely tokens and their logprobs, most likely first
-    rank: int | None = None  # vLLM's: 1 + how many tokens are more likely than this one
+    rank: int | None = None  # vLLM's: how many tokens are at least as likely as this one, itself included

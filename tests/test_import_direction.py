@@ -109,7 +109,7 @@ def test_one_place_frees_kv_blocks_and_one_place_grows_an_output():
 # Each layer, lowest first: a module imports its own layer and those below. The package
 # `graphrt` itself (its __init__) and the CLI sit on top.
 LAYERS = [
-    ("graphrt.errors", "graphrt.logs"),
+    ("graphrt.errors", "graphrt.logs", "graphrt.signals"),
     ("graphrt.kernels", "graphrt.profiling", "graphrt.sampling_params", "graphrt.speculative"),
     ("graphrt.model",),
     ("graphrt.config",),

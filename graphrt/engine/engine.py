@@ -79,7 +79,8 @@ class Engine:
         if self.model_dir.is_file():
             raise ModelLoadError(f"--model {self.model_dir} is a file; pass the Hugging Face style folder that holds it (--model {self.model_dir.parent})")
         if not self.model_dir.is_dir():
-            hub_id = not self.model_dir.is_absolute() and len(self.model_dir.parts) == 2  # as "HuggingFaceTB/SmolLM2-135M"
+            parts = self.model_dir.parts  # a hub id reads as "HuggingFaceTB/SmolLM2-135M": no such first folder either
+            hub_id = not self.model_dir.is_absolute() and len(parts) == 2 and not Path(parts[0]).exists()
             hint = f" (graphrt reads local folders, not hub ids: `hf download {self.model_dir} --local-dir DIR` first)" if hub_id else ""
             raise ModelLoadError(
                 f"model folder {self.model_dir} does not exist{hint}; pass a Hugging Face style model folder (--model DIR, LLM(model=DIR))"

@@ -55,11 +55,27 @@ def build_engine(
     )
 
 
+# vLLM's LLM arguments that are no EngineConfig field, with what to pass instead.
+VLLM_OPTIONS = {
+    "enforce_eager": "pass use_graphs=False",
+    "tensor_parallel_size": "graphrt has no tensor parallelism; split the model with pp=N (and a mixture of experts' experts with ep=N)",
+    "gpu_memory_utilization": "graphrt sizes the KV cache from the memory left free; cap it with kv_cache_tokens=N",
+    "max_num_batched_tokens": "a step's prompt tokens are prefill_chunk_size",
+    "trust_remote_code": "leave it out: graphrt runs no code from the model folder",
+    "enable_prefix_caching": "leave it out: prefix caching is on unless prefix_caching=False",
+    "tokenizer": "leave it out: the tokenizer is read from the model folder",
+    "quantization": "graphrt serves unquantized weights (graphrt import-gguf de-quantizes a GGUF file)",
+}
+
+
 def check_option_names(engine_options: dict) -> None:
     """A name that is no EngineConfig field (a typo, or a vLLM option graphrt lacks) raises a
-    TypeError naming it, and the field it was likely meant to be."""
+    TypeError naming it, and what to pass instead: vLLM's equivalent, or the field it was likely
+    meant to be."""
     fields = {field.name for field in dataclasses.fields(EngineConfig)}
     for name in engine_options:
+        if name in VLLM_OPTIONS:
+            raise TypeError(f"{name} is vLLM's: {VLLM_OPTIONS[name]}")
         if name not in fields:
             close = difflib.get_close_matches(name, fields, n=1)
             hint = f"; did you mean {close[0]}?" if close else "; the options are EngineConfig's fields (docs/usage.md, Python API)"

@@ -112,12 +112,12 @@ def plan_logprobs(step: ScheduledStep) -> LogprobPlan | None:
 
 def compute_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (rows, vocab), targets (rows,) int64, on one device -> values (rows, 2 + num_top)
-    float32: each target's logprob, its rank (1 + the tokens more likely than it, as vLLM counts),
+    float32: each target's logprob, its rank (the tokens at least as likely, itself included, as vLLM counts),
     then the `num_top` most likely tokens' logprobs; and their ids (rows, num_top)."""
     # In float32 at least (float64 models in float64); reported in float32, as vLLM does.
     logprobs = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     chosen = logprobs.gather(-1, targets[:, None])
-    rank = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # exact in float32 for any vocabulary below 2^24
+    rank = (logprobs >= chosen).sum(dim=-1, keepdim=True)  # tied tokens count as more likely; exact in float32 below 2^24
     top_values, top_ids = logprobs.topk(num_top, dim=-1)
     return torch.cat([chosen, rank.to(chosen.dtype), top_values], dim=-1).float(), top_ids
 

@@ -21,7 +21,7 @@ from typing import Callable
 import uvicorn
 
 from graphrt.engine.startup import load_and_warm_up
-from graphrt.errors import GraphrtError, StartUpStopped, stop_start_up_on_signals
+from graphrt.errors import GraphrtError
 from graphrt.frontend import generation_config
 from graphrt.frontend.async_engine import AsyncEngine
 from graphrt.frontend.engine_client import EngineClient
@@ -30,6 +30,7 @@ from graphrt.kernels.cpu.placement import CPU_PLACEMENTS, CpuPlacement, plan_cpu
 from graphrt.model.default_model import model_dir_for
 from graphrt.server.app import ServerSettings, build_app
 from graphrt.server.connections import BoundedH11Protocol, ConnectionLimits, RequestFraming
+from graphrt.signals import StartUpStopped, stop_start_up_on_signals
 
 GRACEFUL_SHUTDOWN_S = 5  # after cancelling in-flight requests, how long connections get to close
 ENGINE_STOP_S = 60  # how long the engine thread gets to finish its step and stop
@@ -229,7 +230,7 @@ def start_engine(
     options: ServeOptions, placement: CpuPlacement, echo: Callable[[str], None],
 ) -> AsyncEngine | EngineClient | None:
     """Load and warm up the engine, printing each phase; None if SIGINT or SIGTERM came first."""
-    # Until uvicorn takes the signals over, SIGTERM stops the start-up the way Ctrl+C does.
+    # Until uvicorn takes the signals over, SIGINT and SIGTERM stop the start-up (graphrt.signals).
     try:
         with stop_start_up_on_signals():
             if options.engine_process:

@@ -82,9 +82,10 @@ def test_engine_process_dying_mid_stream_is_a_503_and_a_prompt_nonzero_exit():
 
 def test_every_message_crosses_the_wire_as_itself():
     encoder = msgspec.msgpack.Encoder()
-    entry = TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.5)))
+    entry = TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.5)), rank=3)
     to_engine = [
         AddJob(3, [[1, 2, 3], [4]], [SamplingParams(max_tokens=4, temperature=0.5, top_k=7, seed=11, stop=["x"], logprobs=2)]),
+        AddJob(5, [[2]], [SamplingParams(n=2, top_k=-1, stop=None)]),
         AddJob(4, [[7]], [SamplingParams(
             presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2, min_p=0.1, min_tokens=2,
             logit_bias={3: -100.0, 9: 2.5}, stop_token_ids=[4], bad_words=["no"], bad_words_token_ids=[[8], [5, 6]],

@@ -49,6 +49,7 @@ def test_every_prompt_form_vllm_takes_gives_the_same_tokens(tiny):
     (5, "prompts must be a text, a list of token ids, or a dict"),
     ([1.5, 2.0], "prompt 0 must be a text, a list of token ids"),
     ([[1, 2], [True, 3]], "prompt 1 must be"),
+    (range(3), "prompt 0 must be .* got int \\(token ids of one prompt go in a list\\)"),
     ({"prompt_token_ids": [1], "multi_modal_data": {}}, "'multi_modal_data', which graphrt does not take"),
     ({}, "needs exactly one of them"),
 ])
@@ -101,6 +102,7 @@ def test_chat_renders_conversations_with_text_parts_as_chat_prompt_does(default_
 
 def test_an_interrupted_generate_aborts_its_requests(tiny):
     engine, step = tiny.engine, tiny.engine.step
+    want = tiny.generate(PROMPT, GREEDY)[0].token_ids
     calls = []
 
     def interrupted():
@@ -116,12 +118,14 @@ def test_an_interrupted_generate_aborts_its_requests(tiny):
     finally:
         del engine.step
     assert not engine.scheduler.has_work()  # nothing left to schedule: the next call runs only its own
-    assert tiny.generate(PROMPT, GREEDY)[0].token_ids == tiny.generate(PROMPT, GREEDY)[0].token_ids
+    assert tiny.generate(PROMPT, GREEDY)[0].token_ids == want
 
 
 def test_a_typo_in_an_option_names_the_option_it_was_likely_meant_to_be(tiny_model_factory):
     with pytest.raises(TypeError, match="no engine option 'max_num_seq'; did you mean max_num_seqs"):
         LLM(model=tiny_model_factory(), max_num_seq=4)
+    with pytest.raises(TypeError, match="enforce_eager is vLLM's: pass use_graphs=False"):
+        LLM(model=tiny_model_factory(), enforce_eager=True)
 
 
 # A fresh interpreter: transformers not imported yet, as in a user's script or notebook.
