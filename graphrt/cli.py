@@ -380,7 +380,7 @@ def serve(
 
     Chat completions take tools (tool_choice auto, required or a named function) and, like
     completions, response_format and structured_outputs (a JSON schema, a regex, a choice, a grammar)."""
-    del enable_auto_tool_choice  # vLLM wants it for tool_choice auto, which graphrt always serves
+    del enable_auto_tool_choice, vllm_no_ops  # vLLM's flags for what graphrt always does (tool_choice auto included)
     # Ctrl+C or SIGTERM while the server stack imports stops it as cleanly as later: one line, exit 0.
     try:
         with stop_requests_noted():  # acted on once the server stack has imported whole

@@ -22,7 +22,6 @@ class StderrHandler(logging.StreamHandler):
 
     def __init__(self, tag: str):
         super().__init__()
-        self.tag = tag
         self.setFormatter(logging.Formatter(f"[{tag}] %(message)s"))
 
     @property
