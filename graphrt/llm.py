@@ -16,6 +16,7 @@ from graphrt.errors import RequestError
 from graphrt.frontend.generation_config import sampling_defaults
 from graphrt.frontend.output_processor import OutputProcessor, RequestState
 from graphrt.frontend.tokenizer import TokenizerLoading
+from graphrt.logs import configure_library_logging
 from graphrt.model.default_model import model_dir_for
 from graphrt.sampling_params import SamplingParams, TokenLogprob
 
@@ -93,6 +94,7 @@ class LLM:
         load_tokenizer: bool = True,
         **engine_options,
     ):
+        configure_library_logging()
         model_dir = model_dir_for(model)
         loading = TokenizerLoading(model_dir, load_tokenizer)
         try:

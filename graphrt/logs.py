@@ -1,6 +1,7 @@
 """Where log records go when graphrt runs as a program (the CLI, the engine process, a stage
 process): stderr, one line each, tagged with the process that wrote it. As a library (`LLM`) it
-adds no handler; the application's logging configuration decides.
+adds no handler unless GRAPHRT_LOGGING_LEVEL asks for graphrt's records; otherwise the
+application's logging configuration decides.
 
 `GRAPHRT_LOGGING_LEVEL` (as vLLM's `VLLM_LOGGING_LEVEL`) sets graphrt's level: WARNING by default,
 INFO adds what start-up measured (step costs, thread teams, the KV cache on GPUs).
@@ -41,6 +42,12 @@ def configure_logging(tag: str = "graphrt") -> None:
     if not root.handlers:
         root.addHandler(StderrHandler(tag))
     logging.getLogger("graphrt").setLevel(level)
+
+
+def configure_library_logging() -> None:
+    """For `LLM`: nothing, unless GRAPHRT_LOGGING_LEVEL is set; then as a program does."""
+    if os.environ.get(LEVEL_VARIABLE):
+        configure_logging()
 
 
 def logging_level(value: str | None) -> int:

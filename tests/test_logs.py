@@ -1,5 +1,6 @@
-"""graphrt's log records as a program prints them: one line each on stderr, tagged with the process,
-at the level GRAPHRT_LOGGING_LEVEL names; a level that is not one says which are."""
+"""graphrt's log records as a program (or an LLM, when GRAPHRT_LOGGING_LEVEL asks) prints them: one
+line each on stderr, tagged with the process, at the level GRAPHRT_LOGGING_LEVEL names; a level
+that is not one says which are."""
 
 from __future__ import annotations
 
@@ -53,3 +54,23 @@ def test_an_application_that_configured_logging_first_keeps_its_format():
     result = subprocess.run([sys.executable, "-c", CONFIGURED_FIRST], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == ["app: a warning"]
+
+
+# The Python API as a library: graphrt's records reach stderr only when GRAPHRT_LOGGING_LEVEL asks.
+LLM_START = """
+import sys
+from graphrt import LLM
+LLM(sys.argv[1], dtype="float32", load_tokenizer=False, kernels="torch", use_graphs=False,
+    speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+"""
+
+
+@pytest.mark.parametrize("level", [None, "INFO"])
+def test_the_python_api_logs_at_the_level_asked(level, tiny_model_factory):
+    env = {k: v for k, v in os.environ.items() if k != "GRAPHRT_LOGGING_LEVEL"}
+    if level is not None:
+        env["GRAPHRT_LOGGING_LEVEL"] = level
+    result = subprocess.run([sys.executable, "-c", LLM_START, str(tiny_model_factory())], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    measured = [line for line in result.stderr.splitlines() if line.startswith("[graphrt] speculative decoding: decode step ms by bucket")]
+    assert len(measured) == (1 if level else 0), result.stderr
