@@ -32,7 +32,9 @@ KERNEL_CHOICES = ("auto", "torch", "triton")
 
 
 def kernel_set(name: str, device_type: str) -> KernelSet:
-    """`auto` is triton on CUDA and torch elsewhere."""
+    """`auto` is triton on CUDA and torch elsewhere. `triton` off a GPU runs only through Triton's
+    interpreter (TRITON_INTERPRET=1: the tests' way to run the Triton kernels without one); otherwise
+    it is refused, since a CPU stage would run the CPU wing's kernels and none of Triton's."""
     if name not in KERNEL_CHOICES:
         raise ValueError(f"kernels {name!r} is not one of {', '.join(KERNEL_CHOICES)}")
     if name == "auto":
@@ -41,9 +43,22 @@ def kernel_set(name: str, device_type: str) -> KernelSet:
         from graphrt.kernels.torch_ops import TORCH
 
         return TORCH
+    if device_type != "cuda" and not triton_interpreter_on():
+        raise ValueError(
+            f"--kernels triton runs graphrt's Triton kernels on CUDA GPUs, and this stage is on the {device_type}; "
+            "leave --kernels auto there (a CPU stage times its own kernels and runs the fastest, docs/cpu.md), "
+            "or set TRITON_INTERPRET=1 to run the Triton kernels through Triton's interpreter (slowly, as the tests do)"
+        )
     from graphrt.kernels import triton_ops  # imports triton, which a CPU-only install may lack
 
     return triton_ops.TRITON
+
+
+def triton_interpreter_on() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's interpreter (read as triton reads a flag)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
 
 
 __all__ = ["KERNEL_CHOICES", "KernelSet", "kernel_set"]

@@ -16,7 +16,7 @@ from graphrt.kernels import kernel_set
 from graphrt.kernels.cpu.forcing import ForcedModes
 from graphrt.kernels.cpu.kernel_choice import CpuKernelChoice, LayerShapes, choose_cpu_kernels
 from graphrt.kernels.cpu.matmul_choice import MatmulPlan
-from graphrt.kernels.cpu.stage_kernels import cpu_kernel_set, runs_silu_and_mul_alone
+from graphrt.kernels.cpu.stage_kernels import cpu_kernel_set, runs_cpu_kernels, runs_silu_and_mul_alone
 from graphrt.model.config import ModelConfig
 from graphrt.model.llama import Stage
 from graphrt.model.moe import WHOLE, ExpertShard
@@ -61,8 +61,8 @@ def choose_stage_ops(
     kernel set's. `silu_alone`: whether some stage on the device runs SiLU-and-mul as an op of its own
     (`runs_silu_and_mul_alone`; None: this stage, alone on its device); where none does, that op is
     not timed."""
-    if stage.device.type != "cpu":
-        stage.use_kernels(stage.ops)  # a CUDA stage keeps its kernel set's (--kernels), over its new weights
+    if not runs_cpu_kernels(stage):
+        stage.use_kernels(stage.ops)  # a CUDA stage (or an interpreted Triton one) keeps its --kernels set, over its new weights
         return StageKernels(matmuls, None)
     if cpu_choice is None:
         silu_alone = runs_silu_and_mul_alone(stage) if silu_alone is None else silu_alone

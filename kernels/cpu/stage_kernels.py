@@ -50,6 +50,13 @@ LAYER_WEIGHTS = (
 )
 
 
+def runs_cpu_kernels(stage: Stage) -> bool:
+    """Whether `stage` runs what this wing chooses: a CPU stage does, unless it runs the Triton set
+    (only through Triton's interpreter: graphrt.kernels.kernel_set), which reads dense weights as
+    on a GPU."""
+    return stage.device.type == "cpu" and stage.ops.name != "triton"
+
+
 def choose_matmuls(
     stage: Stage,
     max_rows: int,
@@ -64,9 +71,10 @@ def choose_matmuls(
     `previous`: choices to reuse by shape name (the graph cache's, or another stage's on the same
     device). Call it once per stage, then `stage.use_kernels` with the set that reads those forms."""
     owners_of = stage.matmul_owners()
-    modes, previous = as_forced(mode), previous or {}
-    # Only the CPU's fused_moe (moe.py) reads experts one by one; a CUDA set's reads them stacked.
-    sparse = [layer.moe for layer in stage.layers if layer.moe is not None] if stage.device.type == "cpu" else []
+    cpu = runs_cpu_kernels(stage)
+    modes, previous = as_forced(mode if cpu else "dense"), previous or {}
+    # Only the CPU's fused_moe (moe.py) reads experts one by one; the torch and Triton sets' read them stacked.
+    sparse = [layer.moe for layer in stage.layers if layer.moe is not None] if cpu else []
     shapes = {name: tuple(getattr(*owners[0]).shape) for name, owners in owners_of.items()}
     shapes.update({name: tuple(getattr(sparse[0], name).shape[1:]) for name in EXPERT_NAMES if sparse})
     # Before the clock starts: finding out whether the panel kernel runs may mean building it.

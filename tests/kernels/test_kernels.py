@@ -270,7 +270,15 @@ def test_model_with_triton_kernels_matches_torch_kernels(tiny_model_factory, var
     results = {}
     for kernels in ("torch", "triton"):
         llm = LLM(model=model_dir, dtype="float32", kernels=kernels, kv_cache_tokens=128, max_num_seqs=2)
+        if kernels == "triton":  # a CPU stage runs the Triton set too (through the interpreter), not its CPU wing's
+            assert llm.engine.pipeline.stages[0].ops.rms_norm is rmsnorm_triton.rms_norm
         outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
         results[kernels] = [o.token_ids for o in outputs], prompt_logits(llm.engine, list(range(3, 40)))
     assert results["triton"][0] == results["torch"][0]
     torch.testing.assert_close(results["triton"][1], results["torch"][1], atol=1e-5, rtol=0)
+
+
+def test_triton_kernels_off_a_gpu_without_the_interpreter_are_refused_saying_what_to_do(tiny_model_factory, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set above for this module's tests without a GPU
+    with pytest.raises(ValueError, match=r"^--kernels triton runs graphrt's Triton kernels on CUDA GPUs, and this stage is on the cpu; leave --kernels auto"):
+        LLM(model=tiny_model_factory(), dtype="float32", kernels="triton", devices=["cpu"])
