@@ -26,38 +26,90 @@ KERNEL_CHOICES = ("auto", "torch", "triton")  # graphrt.kernels.KERNEL_CHOICES, 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # graphrt.server.tool_parsers.TOOL_CALL_PARSERS, whose package loads the server
 
 
-# vLLM's flags that graphrt has no equivalent of, with what to do instead: refused with that, not
-# with click's nearest spelling (which sent --enforce-eager to --allow-eager, -tp to -t).
-VLLM_FLAGS = {
-    "--tensor-parallel-size": "graphrt has no tensor parallelism; split the model over GPUs with --pp N (and a mixture of experts' experts with --ep N)",
-    "-tp": "graphrt has no tensor parallelism; split the model over GPUs with --pp N (and a mixture of experts' experts with --ep N)",
-    "--gpu-memory-utilization": "graphrt sizes the KV cache itself: 85% of the GPU memory left free once graphs and activations are measured",
-    "--kv-cache-dtype": "the KV cache is kept in the model's --dtype",
-    "--block-size": "KV blocks are 16 tokens here (the Python API's block_size sets it)",
-    "--max-num-batched-tokens": "a step's prompt tokens are set with --prefill-chunk-size",
-    "--quantization": "graphrt serves unquantized weights (graphrt import-gguf de-quantizes a GGUF file)",
-    "--tokenizer": "the tokenizer is read from the model folder",
-    "--revision": "graphrt reads local folders: download that revision first and pass its folder",
-    "--swap-space": "a preempted request is recomputed, not swapped",
+# vLLM's and SGLang's flags that graphrt has no equivalent of, with what to do instead: refused with
+# that, not with click's nearest spelling (which sent --enforce-eager to --allow-eager, -tp to -t,
+# --disable-radix-cache to --enable-prefix-caching).
+NO_TENSOR_PARALLELISM = "graphrt has no tensor parallelism; split the model over GPUs with --pp N (and a mixture of experts' experts with --ep N)"
+SIZED_KV_CACHE = "graphrt sizes the KV cache itself: 85% of the GPU memory left free once graphs and activations are measured"
+SPECULATIVE_CONFIG = """pass --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' or '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}' (docs/speculative.md)"""
+REFUSED_FLAGS = {
+    "--tensor-parallel-size": ("vLLM's", NO_TENSOR_PARALLELISM),
+    "-tp": ("vLLM's", NO_TENSOR_PARALLELISM),
+    "--tp-size": ("SGLang's", NO_TENSOR_PARALLELISM),
+    "--tp": ("SGLang's", NO_TENSOR_PARALLELISM),
+    "--gpu-memory-utilization": ("vLLM's", SIZED_KV_CACHE),
+    "--mem-fraction-static": ("SGLang's", SIZED_KV_CACHE),
+    "--kv-cache-dtype": ("vLLM's and SGLang's", "the KV cache is kept in the model's --dtype"),
+    "--block-size": ("vLLM's", "KV blocks are 16 tokens here (the Python API's block_size sets it)"),
+    "--page-size": ("SGLang's", "KV blocks are 16 tokens here (the Python API's block_size sets it)"),
+    "--max-num-batched-tokens": ("vLLM's", "a step's prompt tokens are set with --prefill-chunk-size"),
+    "--quantization": ("vLLM's and SGLang's", "graphrt serves unquantized weights (graphrt import-gguf de-quantizes a GGUF file)"),
+    "--tokenizer": ("vLLM's", "the tokenizer is read from the model folder"),
+    "--tokenizer-path": ("SGLang's", "the tokenizer is read from the model folder"),
+    "--revision": ("vLLM's and SGLang's", "graphrt reads local folders: download that revision first and pass its folder"),
+    "--swap-space": ("vLLM's", "a preempted request is recomputed, not swapped"),
+    "--dp-size": ("SGLang's", "a server is one replica: start one per replica, each on its own GPUs, behind a load balancer"),
+    "--dp": ("SGLang's", "a server is one replica: start one per replica, each on its own GPUs, behind a load balancer"),
+    "--log-level": ("SGLang's", "set GRAPHRT_LOGGING_LEVEL=debug, info, warning or error"),
+    "--speculative-algorithm": ("SGLang's", SPECULATIVE_CONFIG),
+    "--speculative-num-draft-tokens": ("SGLang's", SPECULATIVE_CONFIG),
+    "--speculative-draft-model-path": ("SGLang's", SPECULATIVE_CONFIG),
+    "--speculative-num-steps": ("SGLang's", SPECULATIVE_CONFIG),
+    "--enable-torch-compile": ("SGLang's", "decode replays CUDA graphs of graphrt's own kernels, with no torch.compile"),
+    "--attention-backend": ("SGLang's", "the decode kernels are chosen with --kernels auto|torch|triton"),
+    "--random-seed": ("SGLang's", "a request's `seed` field seeds its sampling"),
+    "--nnodes": ("SGLang's", "graphrt's stages span hosts under torchrun (docs/distributed.md)"),
 }
-# vLLM's flags for what graphrt always does: accepted, and they change nothing.
+# Flags that ask for no tensor parallelism, where a value of 1 changes nothing: accepted with it.
+TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--tp-size", "--tp")
+# SGLang's names for graphrt's flags, read as them by every command that has the flag.
+SGLANG_NAMES = {
+    "--model-path": "--model",
+    "--pp-size": "--pp",
+    "--ep-size": "--ep",
+    "--context-length": "--max-model-len",
+    "--max-running-requests": "--max-num-seqs",
+    "--chunked-prefill-size": "--prefill-chunk-size",
+    "--cuda-graph-max-bs": "--max-batch",
+    "--disable-cuda-graph": "--no-graphs",
+    "--disable-radix-cache": "--no-prefix-caching",
+    "--disable-overlap-schedule": "--no-async-scheduling",
+}
+# vLLM's (and SGLang's) flags for what graphrt always does: accepted, and they change nothing.
 VLLM_NO_OPS = {
     "--trust-remote-code": "graphrt runs no code from the model folder",
     "--disable-log-requests": "graphrt does not log requests",
     "--enable-prefix-caching": "prefix caching is on unless --no-prefix-caching",
     "--enable-chunked-prefill": "prompts are always prefilled in chunks of --prefill-chunk-size",
+    "--enable-metrics": "/metrics is always served",
 }
 
 
 class Command(click.Command):
-    """Names what to do instead of a vLLM flag graphrt lacks (VLLM_FLAGS)."""
+    """Reads vLLM's and SGLang's command lines: their names for graphrt's flags (SGLANG_NAMES), no
+    tensor parallelism asked as a size of 1, and a flag graphrt lacks refused saying what to do
+    instead (REFUSED_FLAGS)."""
 
     def parse_args(self, ctx, args):
-        for arg in args:
-            flag = arg.split("=", 1)[0]
-            if flag in VLLM_FLAGS:
-                raise click.UsageError(f"{flag} is vLLM's: {VLLM_FLAGS[flag]}", ctx)
-        return super().parse_args(ctx, args)
+        own = {name for param in self.params for name in (*param.opts, *param.secondary_opts)}
+        read = []
+        index = 0
+        while index < len(args):
+            arg = args[index]
+            flag, equals, value = arg.partition("=")
+            if flag in TENSOR_PARALLEL_FLAGS:
+                value = value if equals else (args[index + 1] if index + 1 < len(args) else "")
+                if value.strip() == "1":
+                    index += 1 if equals else 2
+                    continue
+            if flag in REFUSED_FLAGS:
+                whose, instead = REFUSED_FLAGS[flag]
+                raise click.UsageError(f"{flag} is {whose}: {instead}", ctx)
+            if SGLANG_NAMES.get(flag) in own:
+                arg = SGLANG_NAMES[flag] + equals + value
+            read.append(arg)
+            index += 1
+        return super().parse_args(ctx, read)
 
 
 class Group(click.Group):
@@ -87,7 +139,7 @@ def parse_devices(value: str | None) -> list[str] | None:
 def vllm_no_ops(command):
     """VLLM_NO_OPS as hidden flags, gathered in one argument the command ignores."""
     for flag, why in VLLM_NO_OPS.items():
-        command = click.option(flag, "vllm_no_ops", flag_value=flag, multiple=True, hidden=True, help=f"Accepted as in vLLM: {why}.")(command)
+        command = click.option(flag, "vllm_no_ops", flag_value=flag, multiple=True, hidden=True, help=f"Accepted as in vLLM and SGLang: {why}.")(command)
     return command
 
 

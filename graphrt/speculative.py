@@ -59,4 +59,6 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative config field {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+        if isinstance(value.get("method"), str):
+            value = {**value, "method": value["method"].lower()}  # SGLang spells it NGRAM
         return cls(**value)

@@ -95,12 +95,33 @@ def test_serve_offers_the_tool_call_parsers_there_are():
 @pytest.mark.parametrize("args, message", [
     (["serve", "-tp", "2"], "-tp is vLLM's: graphrt has no tensor parallelism; split the model over GPUs with --pp N"),
     (["serve", "--tensor-parallel-size=2"], "--tensor-parallel-size is vLLM's: graphrt has no tensor parallelism"),
-    (["generate", "--prompt", "x", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype is vLLM's: the KV cache is kept in the model's --dtype"),
+    (["generate", "--prompt", "x", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype is vLLM's and SGLang's: the KV cache is kept in the model's --dtype"),
     (["bench", "--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization is vLLM's: graphrt sizes the KV cache itself"),
+    (["serve", "--tp-size", "2"], "--tp-size is SGLang's: graphrt has no tensor parallelism"),
+    (["serve", "--tp=4"], "--tp is SGLang's: graphrt has no tensor parallelism"),
+    (["serve", "--mem-fraction-static", "0.8"], "--mem-fraction-static is SGLang's: graphrt sizes the KV cache itself"),
+    (["serve", "--log-level", "info"], "--log-level is SGLang's: set GRAPHRT_LOGGING_LEVEL=debug, info, warning or error"),
+    (["serve", "--speculative-algorithm", "NGRAM"], "--speculative-algorithm is SGLang's: pass --speculative-config '{\"method\": \"ngram\""),
 ])
-def test_a_vllm_flag_graphrt_lacks_says_what_to_do_instead(args, message):
+def test_a_vllm_or_sglang_flag_graphrt_lacks_says_what_to_do_instead(args, message):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.parametrize("sglang, ours", sorted(cli.SGLANG_NAMES.items()))
+def test_sglang_names_for_graphrt_flags_are_read_as_them(sglang, ours):
+    """Each parses to what graphrt's own name parses to, which is not the default."""
+    serve = main.commands["serve"]
+    param = next(p for p in serve.params if ours in (*p.opts, *p.secondary_opts))
+    value = [] if param.is_flag else (["/some/model"] if param.name == "model" else ["3"])
+    default = serve.make_context("serve", []).params[param.name]
+    parsed = serve.make_context("serve", [sglang, *value]).params[param.name]
+    assert parsed == serve.make_context("serve", [ours, *value]).params[param.name] != default
+
+
+def test_no_tensor_parallelism_asked_as_a_size_of_one_is_accepted():
+    args = ["-tp", "1", "--tensor-parallel-size=1", "--tp-size", "1", "--tp=1", "--port", "8001"]
+    assert main.commands["serve"].make_context("serve", args).params["port"] == 8001
 
 
 def test_vllm_flags_for_what_graphrt_does_anyway_are_accepted_and_its_names_are_aliases(tiny_model_factory):

@@ -158,6 +158,10 @@ def test_a_speculative_config_given_as_json_is_parsed_at_the_edge():
     assert EngineConfig(speculative_config='{"method": "ngram"}').speculative_config == SpeculativeConfig()
 
 
+def test_a_speculative_method_is_read_in_any_case_as_sglang_spells_it():
+    assert SpeculativeConfig.parse({"method": "NGRAM"}) == SpeculativeConfig()
+
+
 # -- the scheduler's side: what a verify row keeps and gives back -----------------------------------
 
 
