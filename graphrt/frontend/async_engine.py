@@ -72,6 +72,7 @@ class GenerationJob:
     prompts: list[str | list[int]] | None = None
     messages: list[dict] | None = None
     tools: list[dict] | None = None  # JSON schemas of functions, as transformers' chat templates take them
+    template_kwargs: dict = field(default_factory=dict)  # the rest of what the chat template renders with (Tokenizer.apply_chat_template)
     prompt_ids: list[list[int]] | None = None  # one per prompt, set by AsyncEngine.prepare before the job is submitted
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived_at: float = field(default_factory=time.perf_counter)
@@ -280,7 +281,7 @@ class PromptPreparer:
     def prompt_ids(self, job: GenerationJob) -> list[list[int]]:
         """Each prompt's token ids; a RequestError names the prompt when there are several."""
         if job.messages is not None:
-            prompt_ids = [self._encode(self._render_chat(job.messages, job.tools), templated=True)]
+            prompt_ids = [self._encode(self._render_chat(job.messages, job.tools, job.template_kwargs), templated=True)]
         else:
             prompt_ids = []
             for index, prompt in enumerate(job.prompts):
@@ -303,13 +304,13 @@ class PromptPreparer:
             raise RequestError(f"{self.model_name} has no tokenizer; pass prompts as lists of token ids")
         return self._encode(prompt, templated=False)
 
-    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> str:
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict) -> str:
         if self.tokenizer is None:
             raise RequestError(f"{self.model_name} has no tokenizer, so it has no chat template; use /v1/completions with token ids")
         try:
             # Rendering is a string join, cheap next to tokenizing; bounding the rendered text
             # rather than the messages stays right for a template that leaves a message out.
-            return self.tokenizer.apply_chat_template(messages, tools)
+            return self.tokenizer.apply_chat_template(messages, tools, **template_kwargs)
         except GraphrtError as exc:
             raise RequestError(str(exc)) from None
         except Exception as exc:  # the model's Jinja template refused the conversation

@@ -96,10 +96,13 @@ class Tokenizer:
         """Render conversations with `template` (Jinja) instead of the model's own (`--chat-template`)."""
         self._tok.chat_template = template
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True, **template_kwargs,
+    ) -> str:
         """The prompt text for a conversation, ending where the assistant's reply begins (without
         `add_generation_prompt`, with the last message). `tools`: the functions the model may call,
-        as JSON schemas; a template that has no place for them leaves them out.
+        as JSON schemas; a template that has no place for them leaves them out. `template_kwargs`:
+        transformers' `continue_final_message`, and variables the template reads (`enable_thinking`).
 
         Raises RequestError naming the message the template cannot render (a role it does not
         know, tool calls it has no place for, roles out of the order it demands).
@@ -107,7 +110,7 @@ class Tokenizer:
         if not self._tok.chat_template:
             raise ModelLoadError("this model has no chat template; send a plain prompt instead")
         try:
-            return self._render(messages, tools, add_generation_prompt=add_generation_prompt)
+            return self._render(messages, tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
         except Exception as exc:  # a Jinja template raises whatever its code runs into
             error = self._error_without_tools(messages) if tools else exc
             if error is None:  # the whole conversation renders without the tools: they are what fails
@@ -115,8 +118,10 @@ class Tokenizer:
             index, error = self._first_unrenderable(messages, error)
             raise RequestError(f"messages[{index}]: the model's chat template cannot render this message ({error})") from None
 
-    def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-        return self._tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False)
+    def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool, **template_kwargs) -> str:
+        return self._tok.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+        )
 
     def _error_without_tools(self, messages: list[dict]) -> Exception | None:
         """What rendering the whole conversation raises without the tools (None: it renders).

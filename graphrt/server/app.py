@@ -145,7 +145,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         messages = [m.template_dict() for m in parsed.messages]
         reads_markers = keep_markers and tool_use is not None and not tool_use.constrains_output  # "auto"
         params = sampling_params(parsed, keep_special_tokens=reads_markers, defaults=settings.sampling_defaults)
-        job = GenerationJob(params=params, messages=messages, tools=tool_use and tool_use.template_tools())
+        job = GenerationJob(params=params, messages=messages, tools=tool_use and tool_use.template_tools(), template_kwargs=parsed.template_kwargs())
         calling = tool_use and tool_use.calling(tool_call_parser)
         return job, ChatFormat(settings.model_id, parsed.num_logprobs, names, calling, bool(parsed.return_token_ids), parsed.prompt_logprobs)
 

@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from graphrt.sampling_params import (
     INT64_MAX,
@@ -32,6 +32,12 @@ from graphrt.server.tool_choice import Tool, ToolChoice, ToolUse
 from graphrt.server.validation import RENAMED, StrictModel, validation_error
 
 MAX_CHOICES = 128  # sequences per request (prompts x n): each is a sequence of its own in the engine
+# transformers' apply_chat_template's own arguments: not variables chat_template_kwargs may set.
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+})
 MAX_STOP_STRINGS = 16
 
 # OpenAI parameters graphrt does not implement, with the values that mean "off" (clients often
@@ -49,6 +55,10 @@ class StreamOptions(StrictModel):
     # Ignored. OpenAI pads streamed chunks with random characters against length side channels on
     # shared networks; graphrt never adds them, which is what `false` asks for.
     include_obfuscation: bool | None = None
+
+
+# SGLang's top-level names for a structured output, and the structured_outputs kind each is.
+SGLANG_STRUCTURED = {"regex": "regex", "ebnf": "grammar", "json_schema": "json"}
 
 
 class SamplingFields(StrictModel):
@@ -84,6 +94,20 @@ class SamplingFields(StrictModel):
     # What the output must be (graphrt.server.structured_outputs): OpenAI's, and vLLM's extension.
     response_format: ResponseFormatParam | None = None
     structured_outputs: StructuredOutputsParam | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_as_sent(cls, data):
+        """A null is the field left out, as OpenAI's SDKs send it (`temperature: null` is the
+        default temperature); SGLang's `regex`, `ebnf` and `json_schema` are structured_outputs."""
+        if not isinstance(data, dict):
+            return data
+        data = {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
+        sglang = {kind: data.pop(key) for key, kind in SGLANG_STRUCTURED.items() if key in data}
+        if sglang:
+            given = data.get("structured_outputs")
+            data["structured_outputs"] = {**given, **sglang} if isinstance(given, dict) else sglang
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -412,13 +436,15 @@ class ChatCompletionRequest(SamplingFields):
     service_tier: str | None = None  # OpenAI's priced tiers; one server is one tier
     reasoning_effort: str | None = None  # for OpenAI's reasoning models; no chat template here is given it
 
-    @field_validator("logprobs", mode="before")
-    @classmethod
-    def _null_logprobs(cls, logprobs):
-        return False if logprobs is None else logprobs  # OpenAI's SDKs type it optional: null means the default
+    # How the chat template renders the conversation (vLLM's and SGLang's): its own variables
+    # (e.g. Qwen3's enable_thinking), and whether the reply continues the last message instead.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def check(self) -> None:
         super().check()
+        self.template_kwargs()
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens disagree; give one of them", param="max_tokens")
         if self.top_logprobs is not None and not self.logprobs:
@@ -433,6 +459,10 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError(400, "min_tokens cannot be combined with tool_choice \"required\" or a named tool: the grammar decides where the output ends", param="min_tokens")
         for index, message in enumerate(self.messages):
             message.check(index)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is rendered with besides the messages and tools."""
+        return template_kwargs(self)
 
     def tool_use(self) -> ToolUse | None:
         """The tools the model may call and how; None where it calls none."""
@@ -457,6 +487,24 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def template_kwargs(request: StrictModel) -> dict[str, Any]:
+    """A chat request's (or /tokenize's) chat_template_kwargs, add_generation_prompt and
+    continue_final_message as the chat template is rendered with them (Tokenizer.apply_chat_template);
+    raise APIError(400) for a pair that contradicts itself or a variable that is an argument."""
+    continuing = request.continue_final_message
+    if continuing and "add_generation_prompt" in request.model_fields_set and request.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; send one", param="continue_final_message")
+    taken = sorted(set(request.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+    if taken:
+        raise APIError(
+            400, f"chat_template_kwargs.{taken[0]} is an argument of the template call, not a variable of the template; "
+            "send the request's own field (messages, tools, add_generation_prompt, continue_final_message) instead",
+            param=f"chat_template_kwargs.{taken[0]}",
+        )
+    return {**(request.chat_template_kwargs or {}), "add_generation_prompt": request.add_generation_prompt and not continuing,
+            "continue_final_message": continuing}
 
 
 def decode_body(body: bytes) -> dict:

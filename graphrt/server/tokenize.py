@@ -4,19 +4,20 @@ the model for a prompt or a conversation (to count them before sending), text ba
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
 from graphrt.errors import GraphrtError
 from graphrt.server.errors import APIError
-from graphrt.server.protocol import ChatMessage, Tool
+from graphrt.server.protocol import ChatMessage, Tool, template_kwargs
 from graphrt.server.tool_choice import ToolUse
 from graphrt.server.validation import StrictModel, validation_error
 
 
 class TokenizeRequest(StrictModel):
     """A prompt as completions tokenize it, or messages (and tools) as chat renders them; vLLM's
-    fields, but continue_final_message and chat_template."""
+    fields, but chat_template."""
 
     model: str | None = None
     prompt: str | None = None
@@ -24,6 +25,8 @@ class TokenizeRequest(StrictModel):
     tools: list[Tool] | None = None
     add_special_tokens: bool | None = None  # None: yes for a prompt (its BOS), no for messages (the template writes them)
     add_generation_prompt: bool = True  # messages: end where the assistant's reply begins, as the chat route does
+    continue_final_message: bool = False  # messages: end inside the last message, for the reply to continue it
+    chat_template_kwargs: dict[str, Any] | None = None  # variables the chat template reads, as chat takes them
     return_token_strs: bool = False  # also each id as the tokenizer's piece
 
     @model_validator(mode="after")
@@ -32,6 +35,8 @@ class TokenizeRequest(StrictModel):
             raise ValueError("give exactly one of prompt (text) and messages (a conversation)")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools go with messages: a plain prompt has no chat template to show them")
+        if (self.continue_final_message or self.chat_template_kwargs) and self.messages is None:
+            raise ValueError("continue_final_message and chat_template_kwargs go with messages: a plain prompt has no chat template")
         return self
 
 
@@ -49,7 +54,7 @@ async def tokenize(tokenizer, parsed: TokenizeRequest, max_model_len: int, model
         if parsed.messages is not None:
             messages = [message.template_dict() for message in parsed.messages]
             tools = ToolUse.of(parsed.tools, None, None).template_tools() if parsed.tools else None
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tools, parsed.add_generation_prompt)
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tools, **template_kwargs(parsed))
         else:
             text = parsed.prompt
         ids = await asyncio.to_thread(tokenizer.encode, text, special)

@@ -236,13 +236,27 @@ def test_tokenize_counts_what_the_routes_feed_the_model_and_detokenize_spells_it
     assert httpx.get(f"{server.url}/version").json()["version"]
 
 
+def test_chat_continues_the_final_message_when_asked(client, server, tokenizer):
+    """vLLM's and SGLang's continue_final_message: the prompt ends inside the assistant's message
+    (as /tokenize renders it with the same fields), and the reply is what follows it."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    partial = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    fields = {"continue_final_message": True, "add_generation_prompt": False}
+    counted = httpx.post(f"{server.url}/tokenize", json={"messages": partial, **fields}, headers=headers).json()
+    assert tokenizer.decode(counted["tokens"]).endswith("\nassistant\nThe capital of France is")  # no end of turn after it
+    answer = client.chat.completions.create(model=MODEL, messages=partial, max_tokens=4, temperature=0, extra_body=fields)
+    assert answer.usage.prompt_tokens == counted["count"]
+    assert answer.choices[0].message.content.startswith(" Paris")  # continues the sentence; a new turn would start it anew
+
+
 @pytest.mark.parametrize(
     "route, body, message",
     [
         ("/tokenize", {}, "give exactly one of prompt (text) and messages (a conversation)"),
         ("/tokenize", {"prompt": "a", "messages": QUESTION}, "give exactly one of prompt"),
         ("/tokenize", {"prompt": "a", "tools": []}, "tools go with messages"),
-        ("/tokenize", {"prompt": "a", "continue_final_message": True}, "unrecognized request argument: continue_final_message"),
+        ("/tokenize", {"prompt": "a", "continue_final_message": True}, "continue_final_message and chat_template_kwargs go with messages"),
+        ("/tokenize", {"prompt": "a", "chat_template": "{{ x }}"}, "unrecognized request argument: chat_template"),
         ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model 'gpt-4' does not exist"),
         ("/detokenize", {"tokens": [1, -1]}, "tokens: -1 is outside the tokenizer's vocabulary [0, 49152)"),
         ("/detokenize", {"tokens": "1 2"}, "tokens: Input should be a valid list"),

@@ -129,7 +129,7 @@ def test_prompt_forms(prompt, prompts):
     ([["a"]], "element 0"),
     ([1.5], "must be"),
     (5, "must be"),
-    (None, "must be"),
+    (None, "is required"),  # a null is the field left out
     ({"text": "a"}, "must be"),
 ])
 def test_malformed_prompts_are_refused(prompt, says):
@@ -313,6 +313,10 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
     ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutput(choice=["yes", "no"]), "structured_outputs.choice"),
     ({"structured_outputs": {"grammar": 'root ::= "a"+'}}, StructuredOutput(grammar='root ::= "a"+'), "structured_outputs.grammar"),
     ({"structured_outputs": {"regex": "x"}, "response_format": {"type": "text"}}, StructuredOutput(regex="x"), "structured_outputs.regex"),
+    # SGLang's names, at the top of the request
+    ({"regex": "[0-9]{3}"}, StructuredOutput(regex="[0-9]{3}"), "structured_outputs.regex"),
+    ({"ebnf": 'root ::= "a"+'}, StructuredOutput(grammar='root ::= "a"+'), "structured_outputs.grammar"),
+    ({"json_schema": json.dumps(SCHEMA)}, StructuredOutput(json=SCHEMA), "structured_outputs.json"),
 ])
 @pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
 def test_what_the_output_must_be_reaches_every_choice(parse, fields, expected, param):
@@ -338,6 +342,8 @@ def test_what_the_output_must_be_reaches_every_choice(parse, fields, expected, p
     ({"structured_outputs": {"json_schema": SCHEMA}}, "structured_outputs.json_schema", "unrecognized"),
     ({"structured_outputs": {"json": 5}}, "structured_outputs.json", "dictionary"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs", "send one"),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "structured_outputs", "got regex, grammar"),
+    ({"regex": "a", "structured_outputs": {"choice": ["a"]}}, "structured_outputs", "got regex, choice"),
 ])
 @pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
 def test_output_format_near_misses_are_refused_naming_the_parameter(parse, fields, param, says):
@@ -491,7 +497,7 @@ def test_skip_special_tokens_reaches_the_sampling_params(parse):
     assert [params.skip_special_tokens for params in parse(n=2).sampling_params()] == [True, True]
     assert [params.skip_special_tokens for params in parse(n=2, skip_special_tokens=False).sampling_params()] == [False, False]
     assert parse(skip_special_tokens=True).sampling_params(keep_special_tokens=True)[0].skip_special_tokens is False
-    for value in ("false", 0, None):
+    for value in ("false", 0):
         assert refused(parse, skip_special_tokens=value).param == "skip_special_tokens"
 
 
@@ -502,6 +508,17 @@ def test_nulls_mean_the_defaults():
     )
     [params] = completion(**nulls).sampling_params()
     assert params == SamplingParams(max_tokens=16) and not params.processes_logits
+
+
+@pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
+def test_a_null_is_a_field_left_out_as_openai_takes_it(parse):
+    """Fields whose default is not null too (OpenAI's, vLLM's and SGLang's servers take these)."""
+    fields = ["temperature", "top_p", "top_k", "n", "stream", "ignore_eos", "skip_special_tokens", "seed", "stop"]
+    if parse is chat:
+        fields += ["logprobs", "add_generation_prompt", "continue_final_message"]
+    nulls, left_out = parse(max_tokens=8, **dict.fromkeys(fields)), parse(max_tokens=8)
+    assert nulls.sampling_params() == left_out.sampling_params() and nulls.stream is False
+    assert nulls.sampling_params()[0].temperature == 1.0
 
 
 @pytest.mark.parametrize(("fields", "param", "says"), [
@@ -683,3 +700,42 @@ def test_min_tokens_with_a_grammar_is_refused_naming_min_tokens_and_the_grammars
 def test_tool_choice_against_structured_outputs_names_the_field_that_was_sent():
     error = refused(chat, tools=TOOLS, tool_choice="required", response_format={"type": "text"}, structured_outputs={"regex": "a"})
     assert error.param == "structured_outputs"
+
+
+# --- how the chat template renders the conversation ------------------------------------------------
+
+@pytest.mark.parametrize(("fields", "kwargs"), [
+    ({}, {"add_generation_prompt": True, "continue_final_message": False}),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, {"enable_thinking": False, "add_generation_prompt": True, "continue_final_message": False}),
+    ({"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": False}),
+    ({"continue_final_message": True}, {"add_generation_prompt": False, "continue_final_message": True}),
+    ({"continue_final_message": True, "add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True}),
+])
+def test_chat_template_options_reach_the_template_call(fields, kwargs):
+    assert chat(**fields).template_kwargs() == kwargs
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message", "cannot both be true"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools", "an argument of the template call"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt", "send the request's own field"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs", "dictionary"),
+])
+def test_chat_template_option_near_misses_are_refused_naming_the_parameter(fields, param, says):
+    error = refused(chat, **fields)
+    assert error.param == param and says in error.message, error.message
+
+
+def test_chat_template_variables_and_continuation_reach_the_rendered_prompt(tokenizer, monkeypatch):
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% if enable_thinking %}<think>{% endif %}{% if add_generation_prompt %}assistant: {% endif %}")
+    monkeypatch.setattr(tokenizer._tok, "chat_template", template)
+    partial = [*USER, {"role": "assistant", "content": "It is"}]
+
+    def rendered(messages, **fields):
+        request = parse_request(json.dumps({"messages": messages, **fields}).encode(), ChatCompletionRequest)
+        return tokenizer.apply_chat_template(template_messages(messages), **request.template_kwargs())
+
+    assert rendered(USER) == "user: What is the weather in Paris?\nassistant: "
+    assert rendered(USER, chat_template_kwargs={"enable_thinking": True}) == "user: What is the weather in Paris?\n<think>assistant: "
+    assert rendered(partial, continue_final_message=True) == "user: What is the weather in Paris?\nassistant: It is"
