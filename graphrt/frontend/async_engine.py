@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from graphrt.engine.core import Admitted, EngineCore, EngineSnapshot, Failed, Rejected, heap_trimmer, prompt_of  # noqa: F401 (re-exported)
@@ -55,6 +56,7 @@ class ChoiceUpdate:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     token_ids: list[int] | None = None  # the front's list of the choice's output ids, as logprobs: the first num_tokens are final
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it (None for EOS or a limit)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def model_dir(self) -> Path:
+        return self.engine.model_dir
 
     @property
     def failure(self):
@@ -243,9 +249,12 @@ class AsyncEngine:
 def choice_update(choice: int, state: RequestState, now: float) -> ChoiceUpdate:
     """What a job hears of one choice after a step: its text so far and, if asked, its logprobs."""
     text = state.text
+    stop_reason = state.stop_reason
+    if stop_reason is None and state.finish_reason == "stop" and state.output_ids and state.output_ids[-1] in state.params.stop_token_ids:
+        stop_reason = state.output_ids[-1]
     return ChoiceUpdate(
         choice, text.text, text.num_streamable, len(state.output_ids), state.finish_reason, now,
-        state.logprobs, state.prompt_logprobs, state.output_ids,
+        state.logprobs, state.prompt_logprobs, state.output_ids, stop_reason,
     )
 
 

@@ -16,7 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graphrt.frontend.async_engine import AsyncEngine, GenerationJob
-from graphrt.server import tokenize
+from graphrt.sampling_params import SamplingParams
+from graphrt.server import native, tokenize
 from graphrt.server.errors import APIError
 from graphrt.server.generation import Generation, GenerationStream
 from graphrt.server.metrics import ServerMetrics
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from graphrt.frontend.engine_client import EngineClient
 
 MAX_DRAIN_BYTES = 64 << 20  # past this, an oversized body is not read to its end before the 413
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's /health_generate: how long its one-token generation may take
 
 
 @dataclass
@@ -198,6 +200,49 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         parsed = tokenize.parse(decode_body(await read_body(request, settings.max_body_bytes)), tokenize.DetokenizeRequest)
         check_model(parsed.model)
         return await tokenize.detokenize(async_engine.tokenizer, parsed, settings.model_id)
+
+    # SGLang's native API (graphrt.server.native)
+    @app.post("/generate")
+    async def generate_native(request: Request) -> Response:
+        check_api_key(request)
+        raw = decode_body(await read_body(request, settings.max_body_bytes))
+        parsed, options = native.completion_request(raw)
+        with native.in_native_terms("text" if raw.get("text") is not None else "input_ids"):
+            await check_grammars(parsed)
+            prompts = parsed.prompts()
+            job = GenerationJob(params=sampling_params(parsed, defaults=settings.sampling_defaults) * len(prompts), prompts=prompts)
+            return await generate(request, job, parsed, native.NativeFormat(parsed, options, names))
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        """Healthy when a one-token generation comes back within HEALTH_GENERATE_TIMEOUT_S."""
+        if not async_engine.healthy:
+            return APIError(503, "the server is shutting down or its engine thread has stopped").response()
+        job = GenerationJob(params=[SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)], prompts=[[0]])
+        generation = Generation(async_engine, metrics, job, native.NativeFormat(CompletionRequest(prompt=[0]), native.NO_OPTIONS, names))
+
+        async def one_token() -> None:
+            if await generation.admit(request):
+                await generation.collect()
+
+        try:
+            await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return APIError(503, f"a one-token generation took longer than {HEALTH_GENERATE_TIMEOUT_S:g} s").response()
+        finally:
+            generation.close()
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request) -> dict:
+        check_api_key(request)
+        return native.model_info(async_engine.model_dir, async_engine.max_model_len)
+
+    @app.get("/get_server_info")
+    async def get_server_info(request: Request) -> dict:
+        check_api_key(request)
+        return {**native.model_info(async_engine.model_dir, async_engine.max_model_len), "served_model_name": settings.model_id,
+                "version": importlib.metadata.version("graphrt")}
 
     @app.get("/version")
     async def version() -> dict:

@@ -39,6 +39,8 @@ TEMPLATE_ARGUMENTS = frozenset({
     "tokenizer_kwargs",
 })
 MAX_STOP_STRINGS = 16
+# Chat content parts of OpenAI's (and vLLM's) for what a text-only model cannot read.
+MEDIA_PARTS = ("image_url", "input_image", "input_audio", "audio_url", "video_url", "file")
 
 # OpenAI parameters graphrt does not implement, with the values that mean "off" (clients often
 # send those explicitly). Any other value is refused with a 400 naming the parameter.
@@ -380,6 +382,15 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls, earlier in the conversation
     tool_call_id: str | None = None  # a tool message: the call whose result it carries
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:
+                raise ValueError(f"a {kind} part is not served: graphrt serves text-only models; send text parts (type \"text\")")
+        return content
 
     def check(self, index: int) -> None:
         """What fits together in one message; raises APIError naming the field, e.g. `messages[2].content`."""

@@ -31,6 +31,7 @@ class ChoiceState:
     num_streamable: int = 0  # characters of `text` that can no longer change (see OutputProcessor)
     num_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     first_at: float | None = None
     last_at: float | None = None
     num_sent: int = 0  # characters of `text` already streamed
@@ -46,6 +47,7 @@ class ChoiceState:
 
     def apply(self, update: ChoiceUpdate) -> None:
         self.text, self.num_tokens, self.finish_reason = update.text, update.num_tokens, update.finish_reason
+        self.stop_reason = update.stop_reason
         self.num_streamable = update.num_streamable
         if self.first_at is None:
             self.first_at = update.at
@@ -224,7 +226,8 @@ class CompletionFormat(ResponseFormat):
 
     def final_choice(self, index: int, choice: ChoiceState) -> dict:
         text = choice.echo_text + choice.text
-        body = {"index": index, "text": text, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+        body = {"index": index, "text": text, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
         if self.token_ids:
             body.update(token_ids=choice.token_ids, prompt_token_ids=self.prompt_ids[index])
         if self.num_prompt_top is not None:
@@ -234,6 +237,8 @@ class CompletionFormat(ResponseFormat):
     def delta_choice(self, index: int, choice: ChoiceState, text: str) -> dict:
         """With token_ids, each chunk's ids are the tokens since the last; the first also has the prompt's."""
         body = {"index": index, "text": text, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+        if choice.finished:
+            body["stop_reason"] = choice.stop_reason
         if self.token_ids:
             body["token_ids"] = choice.take_token_ids()
             if index not in self._prompt_ids_sent:
@@ -307,7 +312,8 @@ class ChatFormat(ResponseFormat):
             if calls:
                 message["tool_calls"] = [call.body(new_call_id()) for call in calls]
                 finish_reason = self._finish_reason(finish_reason, made_calls=True)
-        body = {"index": index, "message": message, "logprobs": self.logprobs(choice), "finish_reason": finish_reason}
+        body = {"index": index, "message": message, "logprobs": self.logprobs(choice), "finish_reason": finish_reason,
+                "stop_reason": choice.stop_reason}
         if self.token_ids:
             body["token_ids"] = choice.token_ids
         return body
@@ -335,11 +341,14 @@ class ChatFormat(ResponseFormat):
                     piece["token_ids"] = choice.take_token_ids() if position == 0 else []
             if choice.finished:
                 pieces[-1]["finish_reason"] = self._finish_reason(choice.finish_reason, stream.made_calls)
+                pieces[-1]["stop_reason"] = choice.stop_reason
         return pieces
 
     def delta_choice(self, index: int, choice: ChoiceState, text: str) -> dict:
         delta = {"content": text} if text else {}
         body = {"index": index, "delta": delta, "logprobs": self.logprobs(choice), "finish_reason": choice.finish_reason}
+        if choice.finished:
+            body["stop_reason"] = choice.stop_reason
         if self.token_ids:
             body["token_ids"] = choice.take_token_ids()
         return body

@@ -739,3 +739,11 @@ def test_chat_template_variables_and_continuation_reach_the_rendered_prompt(toke
     assert rendered(USER) == "user: What is the weather in Paris?\nassistant: "
     assert rendered(USER, chat_template_kwargs={"enable_thinking": True}) == "user: What is the weather in Paris?\n<think>assistant: "
     assert rendered(partial, continue_final_message=True) == "user: What is the weather in Paris?\nassistant: It is"
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+                                  {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])
+def test_media_content_parts_say_the_models_are_text_only(part):
+    error = refused(chat, messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}])
+    assert error.param == "messages[0].content"
+    assert f"a {part['type']} part is not served: graphrt serves text-only models" in error.message, error.message

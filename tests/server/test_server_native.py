@@ -1,0 +1,134 @@
+"""SGLang's native API on `graphrt serve`: /generate answers what /v1/completions answers for the
+same prompt and sampling, in SGLang's shapes (one object or a list, `meta_info`, streamed as the
+whole output so far), with logprobs as SGLang's triples; /health_generate, /get_model_info and
+/get_server_info; bad requests named in the request's own terms. One server per engine mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+for package in ("fastapi", "uvicorn", "openai", "httpx"):  # the server stack: not on every GPU image
+    pytest.importorskip(package)
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from helpers import SERVED_API_KEY  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+HEADERS = {"Authorization": f"Bearer {SERVED_API_KEY}"}
+PROMPTS = ["The capital of France is", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def server(default_model_server):
+    return default_model_server  # float32, each engine mode (helpers.serve_default_model)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=SERVED_API_KEY, max_retries=0)
+
+
+def generate(server, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/generate", json=body, headers=HEADERS, timeout=120)
+
+
+def test_generate_answers_what_completions_answers_in_sglangs_shape(server, client):
+    answer = generate(server, text=PROMPTS[0], sampling_params={"max_new_tokens": 6, "temperature": 0}).json()
+    expected = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    assert answer["text"] == expected.choices[0].text and answer["output_ids"] == expected.choices[0].model_extra["token_ids"]
+    meta = answer["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (expected.usage.prompt_tokens, 6)
+    assert isinstance(meta["id"], str) and meta["e2e_latency"] > 0
+    by_ids = generate(server, input_ids=expected.choices[0].model_extra["prompt_token_ids"], sampling_params={"max_new_tokens": 6, "temperature": 0})
+    assert by_ids.json()["text"] == answer["text"]
+
+
+def test_a_batch_of_prompts_answers_a_list_in_order(server):
+    batch = generate(server, text=PROMPTS, sampling_params={"max_new_tokens": 5, "temperature": 0}, rid=["a", "b"]).json()
+    alone = [generate(server, text=prompt, sampling_params={"max_new_tokens": 5, "temperature": 0}).json() for prompt in PROMPTS]
+    assert [out["text"] for out in batch] == [out["text"] for out in alone]
+    assert [out["meta_info"]["id"] for out in batch] == ["a", "b"]
+    assert isinstance(generate(server, text=PROMPTS[:1], sampling_params={"max_new_tokens": 1}).json(), list)  # a list of one is a list
+
+
+def test_a_stream_sends_the_whole_output_so_far_each_time(server):
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    whole = generate(server, **body).json()
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, headers=HEADERS, timeout=120) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    texts = [event["text"] for event in events]
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:])) and texts[-1] == whole["text"]
+    assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None] * (len(events) - 1)
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 8} and events[-1]["output_ids"] == whole["output_ids"]
+
+
+def test_logprobs_are_completions_logprobs_as_sglangs_triples(server, client):
+    answer = generate(server, text=PROMPTS[1], sampling_params={"max_new_tokens": 4, "temperature": 0}, return_logprob=True,
+                      top_logprobs_num=2, return_text_in_logprobs=True, logprob_start_len=0).json()
+    expected = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, logprobs=2, echo=True)
+    meta, logprobs = answer["meta_info"], expected.choices[0].logprobs
+    prompt_tokens = meta["prompt_tokens"]
+    assert [text for _, _, text in meta["output_token_logprobs"]] == logprobs.tokens[prompt_tokens:]
+    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(logprobs.token_logprobs[prompt_tokens:], abs=1e-5)
+    assert [lp for lp, _, _ in meta["input_token_logprobs"]][1:] == pytest.approx(logprobs.token_logprobs[1:prompt_tokens], abs=1e-5)
+    assert meta["input_token_logprobs"][0][0] is None and len(meta["input_token_logprobs"]) == prompt_tokens
+    for top, expected_top in zip(meta["output_top_logprobs"], logprobs.top_logprobs[prompt_tokens:]):
+        assert {text: lp for lp, _, text in top} == pytest.approx(expected_top, abs=1e-5)
+    plain = generate(server, text=PROMPTS[1], sampling_params={"max_new_tokens": 2}, return_logprob=True).json()["meta_info"]
+    assert [text for _, _, text in plain["output_token_logprobs"]] == [None, None] and "input_token_logprobs" not in plain
+
+
+def test_a_stop_says_what_it_matched_here_and_on_completions(server, client):
+    """SGLang's finish_reason names the stop string or token; vLLM's stop_reason on completions too."""
+    text = generate(server, text=PROMPTS[1], sampling_params={"max_new_tokens": 8, "temperature": 0}).json()["text"]
+    stop = text.strip().split()[1]  # the second number it writes
+    by_string = generate(server, text=PROMPTS[1], sampling_params={"max_new_tokens": 8, "temperature": 0, "stop": [stop]}).json()
+    assert by_string["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop} and stop not in by_string["text"]
+    token = by_string["output_ids"][0]
+    by_token = generate(server, text=PROMPTS[1], sampling_params={"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [token]}).json()
+    assert by_token["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
+    kept = generate(server, text=PROMPTS[1], sampling_params={"max_new_tokens": 8, "temperature": 0, "stop": [stop], "no_stop_trim": True}).json()
+    assert kept["text"].endswith(stop)
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, stop=[stop])
+    assert completion.choices[0].model_extra["stop_reason"] == stop
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, extra_body={"stop_token_ids": [token]})
+    assert completion.choices[0].model_extra["stop_reason"] == token
+    assert client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2).choices[0].model_extra["stop_reason"] is None
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens", "greater than or equal to 1"),
+    ({"text": "a", "sampling_params": {"max_tokens": 3}}, "sampling_params.max_tokens", "not a sampling parameter served here"),
+    ({"text": "a", "sampling_params": {"temperature": "0.5"}}, "sampling_params.temperature", "valid number"),
+    ({"text": "a", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "sampling_params.min_new_tokens", "must not exceed sampling_params.max_new_tokens"),
+    ({"text": "a", "sampling_params": {"regex": "("}}, "sampling_params.regex", "cannot be used"),
+    ({"text": "a", "sampling_params": [{"max_new_tokens": 2}]}, "sampling_params", "one object"),
+    ({"text": "a", "input_ids": [1]}, "text", "exactly one of text"),
+    ({"sampling_params": {}}, "text", "exactly one of text"),
+    ({"text": "a", "image_data": "cat.png"}, "image_data", "graphrt serves text-only models"),
+    ({"text": "a", "return_logprob": "yes"}, "return_logprob", "boolean"),
+    ({"text": "a", "return_logprob": True, "top_logprobs_num": 99}, "top_logprobs_num", "less than or equal to 20"),
+    ({"text": "", "sampling_params": {}}, None, "the text is empty; give at least one token"),  # found while preparing it
+])
+def test_bad_generate_requests_are_named_in_the_requests_terms(server, body, param, says):
+    answer = generate(server, **body)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param and says in answer.json()["error"]["message"], answer.text
+
+
+def test_health_generate_and_model_info(server, client):
+    assert httpx.get(f"{server.url}/health_generate", timeout=60).status_code == 200
+    info = httpx.get(f"{server.url}/get_model_info", headers=HEADERS).json()
+    assert info["model_path"].endswith(MODEL) and info["is_generation"] is True
+    assert info["max_model_len"] == client.models.retrieve(MODEL).model_extra["max_model_len"]
+    server_info = httpx.get(f"{server.url}/get_server_info", headers=HEADERS).json()
+    assert server_info["served_model_name"] == MODEL and server_info["version"]
+    assert httpx.get(f"{server.url}/get_model_info").status_code == 401  # behind the key, as the API is
