@@ -328,10 +328,12 @@ class Engine:
 
     def describe(self) -> str:
         """The one line every start-up banner and report gives of this engine's shape."""
+        spec = self.config.speculative_config
         return (
             f"pp={self.stage_plan.pp}{f' ep={self.config.ep}' if self.config.ep > 1 else ''} depth={self.depth} on {','.join(map(str, self.devices))}, "
             f"{str(self.dtype).removeprefix('torch.')}, {self.backend} decode, "
             f"{'async' if self.config.async_scheduling else 'no async'} scheduling"
+            + (f", speculative decoding ({spec.method}, {spec.num_speculative_tokens} tokens)" if spec is not None else "")
         )
 
     @property

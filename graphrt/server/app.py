@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from graphrt.frontend.engine_client import EngineClient
 
 MAX_DRAIN_BYTES = 64 << 20  # past this, an oversized body is not read to its end before the 413
+ROUTES = (  # for a 404's message
+    "POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize, /generate (SGLang's) and "
+    "GET /v1/models, /health, /health_generate, /metrics, /version, /get_model_info, /get_server_info"
+)
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's /health_generate: how long its one-token generation may take
 
 
@@ -87,7 +91,8 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # unknown routes and methods: the same error body as everything else
-        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
+        served = f"; this server answers {ROUTES}" if exc.status_code == 404 else ""
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}{served}").response()
 
     def check_api_key(request: Request) -> None:
         if settings.api_key is None:
@@ -118,7 +123,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     async def generate(
         request: Request, job: GenerationJob, parsed: SamplingFields, fmt: ResponseFormat, kind: type[Generation] = Generation
     ) -> Response:
-        generation = kind(async_engine, metrics, job, fmt, parsed.include_usage)
+        generation = kind(async_engine, metrics, job, fmt, parsed.include_usage, parsed.continuous_usage)
         try:
             if not await generation.admit(request):
                 return Response(status_code=499)  # the client is gone; nobody reads this

@@ -35,12 +35,14 @@ class Generation:
         job: GenerationJob,
         response_format: ResponseFormat,
         include_usage: bool = False,
+        continuous_usage: bool = False,
     ):
         self.async_engine = async_engine
         self.metrics = metrics
         self.job = job
         self.format = response_format
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # every chunk's usage so far, not only the last chunk's (vLLM's)
         self.choices = [ChoiceState() for _ in job.params]
         self.prompt_tokens = 0
         self.state = "new"  # -> submitted -> admitted, or refused by the engine
@@ -131,7 +133,7 @@ class Generation:
                 choice = self.choices[update.index]
                 choice.apply(update)
                 for piece in fmt.delta_choices(update.index, choice, choice.take_delta()):
-                    yield sse(fmt.chunk([piece], include_usage))
+                    yield sse(fmt.chunk([piece], include_usage, usage(self.prompt_tokens, self.choices) if self.continuous_usage else None))
             else:
                 self._set_finished_outcome()
                 if include_usage:

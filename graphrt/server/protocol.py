@@ -54,6 +54,7 @@ UNSUPPORTED_PARAMS: dict[str, tuple] = {
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
     # Ignored. OpenAI pads streamed chunks with random characters against length side channels on
     # shared networks; graphrt never adds them, which is what `false` asks for.
     include_obfuscation: bool | None = None
@@ -224,6 +225,10 @@ class SamplingFields(StrictModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def resolved_max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -295,10 +300,13 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # each choice's text begins with its prompt (and its logprobs, with `logprobs`)
 
-    @field_validator("echo", mode="before")
+    @field_validator("logprobs", mode="before")
     @classmethod
-    def _null_echo(cls, echo):
-        return False if echo is None else echo  # OpenAI's SDKs type it optional: null means the default
+    def _logprobs_is_a_count(cls, logprobs):
+        if isinstance(logprobs, bool):
+            raise ValueError(f"on completions, the number of alternatives per token: an integer in [0, {MAX_LOGPROBS}] "
+                             "(true or false, with top_logprobs, is chat's form)")
+        return logprobs
 
     @field_validator("prompt", mode="plain")
     @classmethod

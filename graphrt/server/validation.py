@@ -26,7 +26,10 @@ RENAMED = {
     "guided_grammar": 'send structured_outputs: {"grammar": EBNF} instead',
     "guided_json_object": 'send response_format: {"type": "json_object"} instead',
     "guided_decoding_backend": "remove it: graphrt's structured outputs always run on xgrammar",
-    "max_new_tokens": "send max_tokens instead",  # transformers' and TGI's name
+    "max_new_tokens": "send max_tokens instead",  # transformers', TGI's and SGLang's sampling_params' name
+    "min_new_tokens": "send min_tokens instead",  # SGLang's
+    "no_stop_trim": "send include_stop_str_in_output instead",  # SGLang's
+    "sampling_params": "send its fields at the top of the request, or SGLang's request to /generate",
     "stop_sequences": "send stop instead",
 }
 

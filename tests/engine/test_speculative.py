@@ -162,6 +162,13 @@ def test_a_speculative_method_is_read_in_any_case_as_sglang_spells_it():
     assert SpeculativeConfig.parse({"method": "NGRAM"}) == SpeculativeConfig()
 
 
+def test_the_banner_says_speculation_is_on(tiny_model_factory):
+    config = {"method": "ngram", "num_speculative_tokens": 2}
+    llm = LLM(model=tiny_model_factory(), dtype="float32", kernels="torch", use_graphs=False, speculative_config=config)
+    assert llm.engine.describe().endswith("scheduling, speculative decoding (ngram, 2 tokens)")
+    assert "speculative" not in LLM(model=tiny_model_factory(), dtype="float32", kernels="torch", use_graphs=False).engine.describe()
+
+
 # -- the scheduler's side: what a verify row keeps and gives back -----------------------------------
 
 

@@ -266,3 +266,18 @@ def test_tokenize_and_detokenize_refuse_what_they_cannot_answer(server, route, b
     answer = httpx.post(f"{server.url}{route}", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
     assert answer.status_code in (400, 404) and message in answer.json()["error"]["message"], answer.text
     assert httpx.post(f"{server.url}{route}", json=body).status_code == 401  # the key is asked for first
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk counts the tokens sent so far."""
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5 and len(set(counts)) > 1
+    assert all(chunk.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for chunk in chunks)
+
+
+def test_an_unknown_route_names_the_served_ones(server):
+    answer = httpx.post(f"{server.url}/v1/embeddings", json={"input": "a"}, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert answer.status_code == 404
+    assert answer.json()["error"]["message"].startswith("POST /v1/embeddings: Not Found; this server answers POST /v1/completions")

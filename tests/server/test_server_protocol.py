@@ -747,3 +747,8 @@ def test_media_content_parts_say_the_models_are_text_only(part):
     error = refused(chat, messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}])
     assert error.param == "messages[0].content"
     assert f"a {part['type']} part is not served: graphrt serves text-only models" in error.message, error.message
+
+
+def test_logprobs_true_on_completions_says_it_is_a_count_there():
+    error = refused(completion, logprobs=True)
+    assert error.param == "logprobs" and "an integer in [0, 20]" in error.message and "chat's form" in error.message
