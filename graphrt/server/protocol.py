@@ -397,7 +397,7 @@ class ChatMessage(StrictModel):
         for part in content if isinstance(content, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in MEDIA_PARTS:
-                raise ValueError(f"a {kind} part is not served: graphrt serves text-only models; send text parts (type \"text\")")
+                raise ValueError(f"{kind} parts are not served: graphrt serves text-only models; send text parts (type \"text\")")
         return content
 
     def check(self, index: int) -> None:

@@ -746,7 +746,7 @@ def test_chat_template_variables_and_continuation_reach_the_rendered_prompt(toke
 def test_media_content_parts_say_the_models_are_text_only(part):
     error = refused(chat, messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}])
     assert error.param == "messages[0].content"
-    assert f"a {part['type']} part is not served: graphrt serves text-only models" in error.message, error.message
+    assert f"{part['type']} parts are not served: graphrt serves text-only models" in error.message, error.message
 
 
 def test_logprobs_true_on_completions_says_it_is_a_count_there():
