@@ -284,20 +284,20 @@ def bench(num_requests, input_len, output_len, shared_prefix, seed, compare_hf, 
     input_range, output_range = parse_range(input_len, "--input-len"), parse_range(output_len, "--output-len")
     llm = LLM(**engine_kwargs(**model_args))
     engine = llm.engine
-    longest = shared_prefix + input_range[1] + output_range[1]
-    if longest > engine.max_model_len:
-        raise GraphrtError(
-            f"the longest request, --shared-prefix {shared_prefix} + --input-len {input_range[1]} + --output-len "
-            f"{output_range[1]} = {longest} tokens, does not fit the context of {engine.max_model_len}; shorten them"
-        )
-    workload = make_workload(num_requests, input_range, output_range, engine.model_config.vocab_size, seed, shared_prefix)
-    ours = run_graphrt(llm, workload)
-    theirs = None
-    if compare_hf:
+    try:
+        longest = shared_prefix + input_range[1] + output_range[1]
+        if longest > engine.max_model_len:
+            raise GraphrtError(
+                f"the longest request, --shared-prefix {shared_prefix} + --input-len {input_range[1]} + --output-len "
+                f"{output_range[1]} = {longest} tokens, does not fit the context of {engine.max_model_len}; shorten them"
+            )
+        workload = make_workload(num_requests, input_range, output_range, engine.model_config.vocab_size, seed, shared_prefix)
+        ours = run_graphrt(llm, workload)
         model_dir, dtype, batch = engine.model_dir, engine.dtype, engine.plan.max_batch
-        engine.close()
-        del llm, engine
-        theirs = run_transformers(model_dir, workload, batch, dtype)
+    finally:
+        engine.close()  # its stage threads stopped before this process exits, interrupted or not
+    del llm, engine
+    theirs = run_transformers(model_dir, workload, batch, dtype) if compare_hf else None
     click.echo(summarize(ours, theirs))
 
 

@@ -165,3 +165,21 @@ def test_serve_on_an_address_that_is_none_says_so_and_nothing_else():
     result = CliRunner().invoke(main, ["serve", "--host", "no.such.host.invalid", "--port", "0"])
     assert result.exit_code == 1
     assert result.output.startswith("error: cannot listen on no.such.host.invalid:0 (") and result.output.count("\n") == 1, result.output
+
+
+def test_ctrl_c_during_bench_stops_it_cleanly(default_model):
+    """It used to end in a C++ abort (terminate called without an active exception, SIGABRT): the
+    interpreter exited with stage work still running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = [sys.executable, "-m", "graphrt", "bench", "--model", str(default_model), "--dtype", "float32",
+            "--requests", "8", "--input-len", "16", "--output-len", "400"]  # about 30 s of decoding here
+    bench = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(12)  # past start-up (3 to 8 s here), into the run
+    bench.send_signal(signal.SIGINT)
+    output, _ = bench.communicate(timeout=120)
+    assert bench.returncode == 1 and output.strip().endswith("Aborted!") and "terminate called" not in output, output

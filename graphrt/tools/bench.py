@@ -101,8 +101,13 @@ def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
     processor = OutputProcessor(llm.tokenizer)  # detokenizing is part of serving
     for seq in seqs:
         processor.add(seq.request_id, seq.params)
-    while engine.has_work():
-        processor.process(engine.step())
+    try:
+        while engine.has_work():
+            processor.process(engine.step())
+    except BaseException:  # Ctrl+C: nothing left to run when the caller closes the engine
+        for seq in seqs:
+            engine.abort(seq)
+        raise
     seconds = time.perf_counter() - start
     ttft = [s.first_token_time - s.arrival_time for s in seqs]
     tpot = [(s.last_token_time - s.first_token_time) / (len(s.output_ids) - 1) for s in seqs if len(s.output_ids) > 1]
