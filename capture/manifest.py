@@ -159,7 +159,70 @@ def read_manifest(cache_dir: Path) -> dict:
     missing = [f for f in IDENTITY_FIELDS if f not in manifest]
     if missing or not isinstance(manifest.get("graphs"), list):
         raise StaleCacheError(f"{path} lacks {', '.join(missing) or 'graphs'}; {refresh}")
+    problem = malformed(manifest)
+    if problem is not None:
+        raise StaleCacheError(f"{path} is damaged: {problem}; {refresh}")
     return manifest
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_str(value) -> bool:
+    return isinstance(value, str)
+
+
+def _is_text_or_null(value) -> bool:
+    return value is None or isinstance(value, str)
+
+
+# What each field read back must be (a manifest edited by hand, or damaged, is named, not run).
+FIELD_CHECKS = {
+    "model_fingerprint": (_is_str, "a string"),
+    "architecture": (_is_str, "a string"),
+    "dtype": (_is_str, "a string"),
+    "pp": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "stages": (lambda v: isinstance(v, list) and all(
+        isinstance(s, dict) and isinstance(s.get("device"), str) and isinstance(s.get("layers"), list)
+        and len(s["layers"]) == 2 and all(map(_is_int, s["layers"])) for s in v
+    ), 'a list of {"layers": [first, end], "device": name}'),
+    "device_names": (lambda v: isinstance(v, list) and all(map(_is_str, v)), "a list of strings"),
+    "kernels": (_is_str, "a string"),
+    "backend": (_is_str, "a string"),
+    "block_size": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "max_model_len": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "buckets": (lambda v: isinstance(v, list) and v and all(_is_int(b) and b >= 1 for b in v) and v == sorted(set(v)),
+                "a non-empty, increasing list of positive integers"),
+    "torch": (_is_str, "a string"),
+    "triton": (_is_text_or_null, "a string or null"),
+    "cuda": (_is_text_or_null, "a string or null"),
+    "driver": (_is_text_or_null, "a string or null"),
+}
+GRAPH_CHECKS = {
+    "stage": (_is_int, "an integer"),
+    "bucket": (_is_int, "an integer"),
+    "mode": (lambda v: v in ("graph", "eager"), '"graph" or "eager"'),
+    "capture_ms": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+}
+
+
+def malformed(manifest: dict) -> str | None:
+    """What is wrong with a manifest's fields, their types and how they fit together; None if nothing."""
+    for field, (fits, what) in FIELD_CHECKS.items():
+        if not fits(manifest[field]):
+            return f"{field} is {manifest[field]!r}, not {what}"
+    if len(manifest["stages"]) != manifest["pp"]:
+        return f"it lists {len(manifest['stages'])} stages for pp {manifest['pp']}"
+    for index, graph in enumerate(manifest["graphs"]):
+        if not isinstance(graph, dict):
+            return f"graphs[{index}] is {graph!r}, not an object"
+        for field, (fits, what) in GRAPH_CHECKS.items():
+            if not fits(graph.get(field)):
+                return f"graphs[{index}].{field} is {graph.get(field)!r}, not {what}"
+        if not 0 <= graph["stage"] < manifest["pp"] or graph["bucket"] not in manifest["buckets"]:
+            return f"graphs[{index}] is stage {graph['stage']}, bucket {graph['bucket']}, which pp {manifest['pp']} and buckets {manifest['buckets']} do not have"
+    return None
 
 
 def stale_fields(saved: dict, current: dict) -> list[str]:

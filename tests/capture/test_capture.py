@@ -116,19 +116,34 @@ def test_cache_from_another_model_is_refused(default_cache, tiny_model_factory):
     assert result.exit_code == 1 and "model_fingerprint: cache has" in result.output
 
 
+def edited(**fields):
+    """A damage that sets manifest fields."""
+    return lambda path: path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
         (lambda p: p.write_text(p.read_text()[:100]), "is not valid JSON (truncated or corrupt)"),
         (lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "schema_version": 99})), "has schema version 99, this graphrt reads version 1"),
         (lambda p: p.unlink(), "holds no manifest.json"),
+        # edited by hand: each field named with what it must be, by generate and by --inspect alike
+        (edited(buckets="1,2,4"), "is damaged: buckets is '1,2,4', not a non-empty, increasing list of positive integers"),
+        (edited(buckets=[]), "is damaged: buckets is [], not a non-empty"),
+        (edited(stages="cpu"), "is damaged: stages is 'cpu', not a list of"),
+        (edited(pp="2"), "is damaged: pp is '2', not a positive integer"),
+        (edited(pp=3), "is damaged: it lists 2 stages for pp 3"),
+        (edited(max_model_len="8192"), "is damaged: max_model_len is '8192', not a positive integer"),
+        (lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "graphs": [{**json.loads(p.read_text())["graphs"][0], "stage": 9}]})),
+         "is damaged: graphs[0] is stage 9, bucket 1, which pp 2 and buckets [1, 2, 4, 8] do not have"),
     ],
 )
-def test_damaged_manifest(default_cache, tmp_path, damage, message):
+@pytest.mark.parametrize("command", [("generate", "--prompt", "hi", "--cache"), ("capture", "--inspect")])
+def test_damaged_manifest(default_cache, tmp_path, damage, message, command):
     cache = Path(shutil.copytree(default_cache, tmp_path / "damaged"))
     damage(cache / MANIFEST_NAME)
-    result = run_cli("generate", "--prompt", "hi", "--cache", cache)
-    assert result.exit_code == 1 and message in result.output and result.output.count("\n") == 1
+    result = run_cli(*command, cache)
+    assert result.exit_code == 1 and message in result.output and result.output.count("\n") == 1, result.output
 
 
 def test_a_cache_path_that_is_no_cache_folder_says_what_it_is(default_cache, tmp_path):
