@@ -54,6 +54,7 @@ class GraphRecord:
     # cost beyond a run: compiles, cache loads, lazy set-up; about 0 once an earlier pair paid them).
     rehearsal_ms: float = 0.0
     first_calls_ms: float = 0.0
+    max_abs_error_allowed: float | None = None  # the tolerance max_abs_error was held to (it scales with the outputs)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -182,7 +183,7 @@ def capture_stage(
                     # capture allocated or left recording there is not for later graphs to share.
                     pool = torch.cuda.graph_pool_handle()
             graph = graph or EagerStageGraph(stage, cache, inputs)
-            record.max_abs_error = verify_bucket(graph, stage, cache, plan, bucket)
+            record.max_abs_error, record.max_abs_error_allowed = verify_bucket(graph, stage, cache, plan, bucket)
             if record.max_abs_error is None and record.note is not None:
                 record.note += f"; eager pairs are verified at bucket {plan.max_batch}"
             graphs[bucket] = graph
@@ -230,14 +231,15 @@ def record_cuda_graph(stage, cache, inputs, pool, side_stream, allow_eager: bool
     return graph, record
 
 
-def verify_bucket(graph, stage: Stage, cache: StageKVCache, plan: BucketPlan, bucket: int) -> float | None:
-    """Replay against eager; raise CaptureError beyond tolerance. Returns the max abs error.
+def verify_bucket(graph, stage: Stage, cache: StageKVCache, plan: BucketPlan, bucket: int) -> tuple[float | None, float | None]:
+    """Replay against eager; raise CaptureError beyond tolerance. Returns the max abs error and the
+    tolerance it was held to (None, None for a pair not checked).
 
     An eager pair runs the same code at every bucket, so only the largest is checked (with
     padding rows): that covers the static-buffer path without a slow start on a CPU.
     """
     if graph.mode != "graph" and bucket != plan.max_batch:
-        return None
+        return None, None
     rows = bucket if graph.mode == "graph" else max(1, bucket - 1)
     error, magnitude = verify(graph, stage, cache, rows, seed=stage.index * 1000 + bucket)
     limit = TOLERANCE[stage.dtype] * max(1.0, magnitude)
@@ -246,4 +248,4 @@ def verify_bucket(graph, stage: Stage, cache: StageKVCache, plan: BucketPlan, bu
             f"stage {stage.index}, bucket {bucket}: replay differs from eager by {error:.3g} "
             f"(outputs up to {magnitude:.3g}, tolerance {limit:.3g}); the graph is not safe to use"
         )
-    return error
+    return error, limit

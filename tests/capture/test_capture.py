@@ -21,7 +21,7 @@ from graphrt.runtime.ring import build_inputs
 from graphrt.runtime.step import ScheduledStep
 
 FIELDS = set(IDENTITY_FIELDS) | {"schema_version", "created", "graphrt", "model_dir", "kv_cache_blocks", "kv_cache_bytes", "null_reasons", "graphs"}
-GRAPH_FIELDS = {"stage", "bucket", "mode", "warmup_ms", "rehearsal_ms", "first_calls_ms", "capture_ms", "pool_bytes", "nodes", "max_abs_error", "note"}
+GRAPH_FIELDS = {"stage", "bucket", "mode", "warmup_ms", "rehearsal_ms", "first_calls_ms", "capture_ms", "pool_bytes", "nodes", "max_abs_error", "max_abs_error_allowed", "note"}
 
 
 def run_cli(*args: str):
@@ -321,3 +321,19 @@ def test_verification_catches_a_replay_a_little_off(tiny_model_factory, monkeypa
     monkeypatch.setattr(EagerStageGraph, "replay", lambda self, max_seq_len=None: replay(self, max_seq_len) * 1.002)
     with pytest.raises(CaptureError, match=r"stage 0, bucket 4: replay differs from eager by .* the graph is not safe to use"):
         LLM(model=tiny_model_factory(), dtype="float32", max_batch=4, max_num_seqs=4, load_tokenizer=False)
+
+
+def test_a_cpu_capture_says_what_it_measured_and_checked(default_cache):
+    """No graph is recorded on a CPU: the summary gives the check of each stage's largest bucket with
+    its tolerance, each stage's matmul paths and the ops' kernels, not a table of CUDA zeros."""
+    result = run_cli("capture", "--inspect", default_cache)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((default_cache / MANIFEST_NAME).read_text())
+    for stage in (0, 1):
+        [checked] = [g for g in manifest["graphs"] if g["stage"] == stage and g["max_abs_error"] is not None]
+        assert checked["bucket"] == 8 and checked["max_abs_error"] <= checked["max_abs_error_allowed"]
+        assert (f"stage {stage}, bucket 8: replay over the static buffers (with a padding row) against the stage's plain forward, "
+                f"max difference {checked['max_abs_error']:.2g} (allowed {checked['max_abs_error_allowed']:.2g})") in result.output
+        paths = ", ".join(f"{c['name']} {c['path']}" for c in manifest["matmuls"][stage]["choices"])
+        assert f"stage {stage} matmuls, fastest at 1 and 8 rows (measured in " in result.output and paths in result.output
+    assert "ops: paged_decode_attention " in result.output and "warm ms" not in result.output and "Triton" not in result.output
