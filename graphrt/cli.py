@@ -276,13 +276,18 @@ def read_prompts(path: Path) -> list[str | list[int]]:
 @click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True, help="Tokens every prompt starts with (a shared system prompt), before its own --input-len tokens.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--compare-hf", is_flag=True, help="Also run transformers' generate on the same requests (static batches of --max-batch).")
-def bench(num_requests, input_len, output_len, shared_prefix, seed, compare_hf, **model_args) -> None:
+@click.option("--cache", type=click.Path(path_type=Path), default=None, help="Graph cache folder written by `graphrt capture`.")
+@click.option("--output-json", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the results to this JSON file (vLLM's bench throughput keys, then graphrt's).")
+def bench(num_requests, input_len, output_len, shared_prefix, seed, compare_hf, cache, output_json, **model_args) -> None:
     """Throughput, TTFT and TPOT of an offline workload; optionally against transformers."""
     from graphrt.llm import LLM
     from graphrt.tools.bench import make_workload, run_graphrt, run_transformers, summarize
 
     input_range, output_range = parse_range(input_len, "--input-len"), parse_range(output_len, "--output-len")
-    llm = LLM(**engine_kwargs(**model_args))
+    if output_json is not None and not output_json.parent.is_dir():
+        raise click.BadParameter(f"{output_json.parent} is no folder to write {output_json.name} into", param_hint="--output-json")
+    llm = LLM(cache=cache, **engine_kwargs(**model_args))
     engine = llm.engine
     try:
         longest = shared_prefix + input_range[1] + output_range[1]
@@ -299,6 +304,8 @@ def bench(num_requests, input_len, output_len, shared_prefix, seed, compare_hf, 
     del llm, engine
     theirs = run_transformers(model_dir, workload, batch, dtype) if compare_hf else None
     click.echo(summarize(ours, theirs))
+    if output_json is not None:
+        output_json.write_text(json.dumps({**ours.to_json(), "transformers": theirs.to_json() if theirs else None}, indent=2) + "\n")
 
 
 def parse_range(text: str, flag: str) -> tuple[int, int]:

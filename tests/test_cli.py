@@ -50,19 +50,31 @@ def test_prompt_and_prompts_file_are_exclusive(tiny_model_factory):
     assert result.exit_code == 2 and "exactly one of --prompt TEXT and --prompts-file FILE" in result.output
 
 
-def test_bench_reports_throughput_and_latency(tiny_model_factory):
+def test_bench_reports_throughput_and_latency(tiny_model_factory, tmp_path):
     result = CliRunner().invoke(
         main,
-        ["bench", "--model", str(tiny_model_factory()), "--requests", "12", "--input-len", "4,20", "--output-len", "3,9", "--pp", "2", "--depth", "1"],
+        ["bench", "--model", str(tiny_model_factory()), "--requests", "12", "--input-len", "4,20", "--output-len", "3,9", "--pp", "2", "--depth", "1",
+         "--dtype", "float32", "--output-json", str(tmp_path / "bench.json")],
     )
     assert result.exit_code == 0, result.output
-    assert "graphrt pp=2 depth=1:" in result.output
+    assert "graphrt pp=2 depth=1 float32:" in result.output
     # Every request produces exactly its output length (EOS ignored): the seeded workload's total.
     from graphrt.tools.bench import make_workload
 
-    expected = sum(r.output_len for r in make_workload(12, (4, 20), (3, 9), 97, 0))
-    assert f"{expected} output tokens from 12 requests" in result.output
-    assert "TTFT p50" in result.output and "TPOT p50" in result.output
+    workload = make_workload(12, (4, 20), (3, 9), 97, 0)
+    expected, prompt = sum(r.output_len for r in workload), sum(len(r.prompt) for r in workload)
+    assert f"{expected} output tokens from 12 requests ({prompt} prompt tokens)" in result.output
+    assert "TTFT mean" in result.output and "TPOT mean" in result.output and "total (prompt + output)" in result.output
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert (saved["num_requests"], saved["total_num_tokens"], saved["output_tokens"]) == (12, prompt + expected, expected)
+    assert saved["tokens_per_second"] == pytest.approx((prompt + expected) / saved["elapsed_time"])
+    assert set(saved["tpot_ms"]) == {"mean", "p50", "p90", "p99"} and saved["transformers"] is None
+
+
+def test_bench_with_one_output_token_has_no_tpot(tiny_model_factory):
+    result = CliRunner().invoke(main, ["bench", "--model", str(tiny_model_factory()), "--requests", "1", "--input-len", "4", "--output-len", "1"])
+    assert result.exit_code == 0 and "1 output token from 1 request (4 prompt tokens)" in result.output
+    assert "TPOT - (every request made one token)" in result.output, result.output
 
 
 def test_bench_rejects_a_bad_range(tiny_model_factory):
@@ -171,8 +183,6 @@ def test_ctrl_c_during_bench_stops_it_cleanly(default_model):
     """It used to end in a C++ abort (terminate called without an active exception, SIGABRT): the
     interpreter exited with stage work still running."""
     import signal
-    import subprocess
-    import sys
     import time
 
     args = [sys.executable, "-m", "graphrt", "bench", "--model", str(default_model), "--dtype", "float32",

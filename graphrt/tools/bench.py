@@ -42,12 +42,17 @@ def make_workload(
     ]
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
+def percentiles(values: list[float]) -> dict[str, float] | None:
+    """Mean, median, p90 and p99; None for no values (TPOT where every request made one token)."""
     if not values:
-        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+        return None
     ordered = sorted(values)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99)}
+    return {"mean": sum(ordered) / len(ordered), "p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99)}
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 @dataclass
@@ -56,6 +61,7 @@ class BenchResult:
     seconds: float
     output_tokens: int
     num_requests: int
+    prompt_tokens: int
     ttft_s: dict[str, float] | None = None
     tpot_s: dict[str, float] | None = None
     weight_gb_s: float | None = None
@@ -67,13 +73,19 @@ class BenchResult:
     def output_tok_s(self) -> float:
         return self.output_tokens / self.seconds
 
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
     def lines(self) -> list[str]:
         out = [
-            f"{self.name}: {self.output_tokens} output tokens from {self.num_requests} requests in {self.seconds:.2f} s",
-            f"  output {self.output_tok_s:.1f} tok/s, {self.num_requests / self.seconds:.2f} requests/s",
+            f"{self.name}: {plural(self.output_tokens, 'output token')} from {plural(self.num_requests, 'request')} "
+            f"({plural(self.prompt_tokens, 'prompt token')}) in {self.seconds:.2f} s",
+            f"  output {self.output_tok_s:.1f} tok/s, total (prompt + output) {self.total_tok_s:.1f} tok/s, "
+            f"{self.num_requests / self.seconds:.2f} requests/s",
         ]
         if self.ttft_s:
-            fmt = lambda d: ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in d.items())  # noqa: E731
+            fmt = lambda d: ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in d.items()) if d else "- (every request made one token)"  # noqa: E731
             out.append(f"  TTFT {fmt(self.ttft_s)}; TPOT {fmt(self.tpot_s)}")
         if self.weight_gb_s is not None:
             out.append(f"  weight bandwidth during decode: {self.weight_gb_s:.1f} GB/s{self.weight_note}")
@@ -82,6 +94,18 @@ class BenchResult:
         if self.spec is not None:
             out.append(f"  {self.spec.describe()}")
         return out
+
+    def to_json(self) -> dict:
+        """For --output-json: vLLM's `bench throughput` keys, then graphrt's own."""
+        ms = lambda d: {k: v * 1000 for k, v in d.items()} if d else None  # noqa: E731
+        return {
+            "elapsed_time": self.seconds, "num_requests": self.num_requests, "total_num_tokens": self.prompt_tokens + self.output_tokens,
+            "requests_per_second": self.num_requests / self.seconds, "tokens_per_second": self.total_tok_s,
+            "output_tokens_per_second": self.output_tok_s, "name": self.name, "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens, "ttft_ms": ms(self.ttft_s), "tpot_ms": ms(self.tpot_s),
+            "weight_gb_per_s": self.weight_gb_s, "prefix_cache_hit_rate": self.prefix_hit_rate,
+            "spec_decode_acceptance_rate": self.spec.acceptance_rate if self.spec is not None else None,
+        }
 
 
 def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
@@ -115,10 +139,11 @@ def run_graphrt(llm: LLM, workload: list[Request]) -> BenchResult:
     decode_seconds = engine.stats.decode_seconds - before[1]
     queried, hits = allocator.num_queried_tokens - before[2], allocator.num_hit_tokens - before[3]
     return BenchResult(
-        name=f"graphrt pp={engine.stage_plan.pp} depth={engine.depth}",
+        name=f"graphrt pp={engine.stage_plan.pp} depth={engine.depth} {str(engine.dtype).removeprefix('torch.')}",
         seconds=seconds,
         output_tokens=sum(len(s.output_ids) for s in seqs),
         num_requests=len(seqs),
+        prompt_tokens=sum(len(r.prompt) for r in workload),
         ttft_s=percentiles(ttft),
         tpot_s=percentiles(tpot),
         weight_gb_s=weight_bytes / decode_seconds / 1e9 if decode_seconds else None,
@@ -148,6 +173,7 @@ def run_transformers(model_dir, workload: list[Request], batch_size: int, dtype:
         seconds=seconds,
         output_tokens=sum(r.output_len for r in workload),
         num_requests=len(workload),
+        prompt_tokens=sum(len(r.prompt) for r in workload),
     )
 
 
