@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -85,6 +86,17 @@ VLLM_NO_OPS = {
 }
 
 
+class FiniteFloat(click.FloatRange):
+    """A float flag in its range, and finite: click's range lets nan through (every comparison is
+    false) and inf reached `time.sleep` as an OverflowError."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
 class Command(click.Command):
     """Reads vLLM's and SGLang's command lines: their names for graphrt's flags (SGLANG_NAMES), no
     tensor parallelism asked as a size of 1, and a flag graphrt lacks refused saying what to do
@@ -162,7 +174,7 @@ def model_options(command):
         click.option("--allow-eager", is_flag=True, help="Run a (stage, bucket) whose capture fails eagerly instead of stopping."),
         click.option("--procs", is_flag=True, help="Run stages 1..pp-1 in worker processes over torch.distributed (see docs/distributed.md)."),
         click.option("--ep", type=click.IntRange(min=1), default=None, help="Expert parallelism: ranks per stage, each holding 1/N of every sparse layer's routed experts; implies --procs (see docs/distributed.md) [default: 1]."),
-        click.option("--watchdog-s", type=click.FloatRange(min=0, min_open=True), default=None, help="With --procs: a stage silent this long is declared dead [default: 30]."),
+        click.option("--watchdog-s", type=FiniteFloat(min=0, min_open=True), default=None, help="With --procs: a stage silent this long is declared dead [default: 30]."),
         click.option("--speculative-config", default=None, help='Speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (see docs/speculative.md) [default: off].'),
     ]
     for option in reversed(options):
@@ -203,8 +215,8 @@ def engine_kwargs(
 @model_options
 @click.option("--cache", type=click.Path(path_type=Path), default=None, help="Graph cache folder written by `graphrt capture`.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
+@click.option("--temperature", type=FiniteFloat(min=0), default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=FiniteFloat(min=0, max=1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 disables it.")
 @click.option("--seed", type=int, default=None, help="Seed for this request's sampling.")
 def generate(prompt, prompts_file, chat, cache, max_tokens, temperature, top_p, top_k, seed, **model_args) -> None:
@@ -409,9 +421,9 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
 @click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Require the bearer token this file holds (a trailing newline is ignored).")
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=1 << 20, show_default=True, help="Larger request bodies get a 413 (at once when Content-Length says so).")
 @click.option("--max-connections", type=click.IntRange(min=1), default=None, help="Open connections at most; a request on one more gets a 503 and is closed [default: 512].")
-@click.option("--timeout-header", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds a client has to send a whole request head, from connecting or from the previous response [default: 10].")
-@click.option("--timeout-body", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds a client has to send a request body, from the end of its head [default: 30].")
-@click.option("--timeout-keep-alive", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds an idle keep-alive connection stays open [default: 5].")
+@click.option("--timeout-header", type=FiniteFloat(min=0, min_open=True), default=None, help="Seconds a client has to send a whole request head, from connecting or from the previous response [default: 10].")
+@click.option("--timeout-body", type=FiniteFloat(min=0, min_open=True), default=None, help="Seconds a client has to send a request body, from the end of its head [default: 30].")
+@click.option("--timeout-keep-alive", type=FiniteFloat(min=0, min_open=True), default=None, help="Seconds an idle keep-alive connection stays open [default: 5].")
 @click.option("--no-engine-process", is_flag=True, help="Step the engine on a thread of the server's process instead of in a process of its own.")
 @click.option("--cpu-placement", type=click.Choice(CPU_PLACEMENTS), default="auto", show_default=True,
               help="pin: the server's front on the first usable core, the engine process and its threads on the rest; "
@@ -484,12 +496,12 @@ def serve(
 
 @main.command()
 @model_options
-@click.option("--synthetic", "synthetic_ms", type=click.FloatRange(min=0), default=None, help="Profile the ring itself: a tiny random Llama, one layer per stage, each stage taking MS ms.")
+@click.option("--synthetic", "synthetic_ms", type=FiniteFloat(min=0), default=None, help="Profile the ring itself: a tiny random Llama, one layer per stage, each stage taking MS ms.")
 @click.option("--sweep-depth", default=None, help="Comma-separated ring depths to compare, e.g. 0,1,2 (instead of --depth).")
 @click.option("--requests", "num_requests", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--input-len", default="8,32", show_default=True, help="Prompt length, N or MIN,MAX (uniform).")
 @click.option("--output-len", default="32", show_default=True, help="Output length, N or MIN,MAX (uniform).")
-@click.option("--host-ms", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Extra host time per micro-batch read back (stands in for a slow host).")
+@click.option("--host-ms", type=FiniteFloat(min=0), default=0.0, show_default=True, help="Extra host time per micro-batch read back (stands in for a slow host).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for trace.json, report.md and the PNGs.")
 def profile(synthetic_ms, sweep_depth, num_requests, input_len, output_len, host_ms, out, **model_args) -> None:
     """Run a workload with the timeline on; write a Perfetto trace, a utilization report and PNG timelines."""

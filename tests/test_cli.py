@@ -193,3 +193,14 @@ def test_ctrl_c_during_bench_stops_it_cleanly(default_model):
     bench.send_signal(signal.SIGINT)
     output, _ = bench.communicate(timeout=120)
     assert bench.returncode == 1 and output.strip().endswith("Aborted!") and "terminate called" not in output, output
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["profile", "--host-ms", "inf", "--out", "x"], "--host-ms"),  # was an OverflowError traceback from time.sleep
+    (["profile", "--synthetic", "nan", "--out", "x"], "--synthetic"),
+    (["generate", "--prompt", "x", "--temperature", "nan"], "--temperature"),
+    (["serve", "--timeout-body", "inf"], "--timeout-body"),
+])
+def test_a_number_flag_that_is_not_finite_is_refused_naming_it(args, flag):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and f"Invalid value for '{flag}'" in result.output and "is not a finite number" in result.output, result.output
