@@ -46,6 +46,7 @@ class RunSummary:
     host_ms_per_tick_median: float
     num_ticks: int
     host_busy: float  # share of the window the host spent in ticks, not waiting
+    rows_per_micro_batch: float  # mean decode rows of the micro-batches the last stage finished in the window
 
     @property
     def min_busy(self) -> float:
@@ -127,7 +128,8 @@ def summarize(timeline: Timeline, pp: int, depth: int) -> RunSummary:
     window = steady_window(timeline)
     last = pp - 1
     # A decode micro-batch yields one token per row when its last stage finishes.
-    tokens = sum(s.rows for s in timeline.slices if s.stage == last and s.kind == "decode" and window[0] <= s.end < window[1])
+    finished = [s for s in timeline.slices if s.stage == last and s.kind == "decode" and window[0] <= s.end < window[1]]
+    tokens = sum(s.rows for s in finished)
     ticks = [seconds * 1000 for seconds in host_work_per_tick(timeline, window)] or [0.0]
     return RunSummary(
         pp=pp,
@@ -140,6 +142,7 @@ def summarize(timeline: Timeline, pp: int, depth: int) -> RunSummary:
         host_ms_per_tick_median=median(ticks),
         num_ticks=len(ticks),
         host_busy=host_busy_fraction(timeline, window),
+        rows_per_micro_batch=tokens / len(finished) if finished else 0.0,
     )
 
 
@@ -165,7 +168,7 @@ def stage_table(summary: RunSummary) -> list[str]:
 def run_section(summary: RunSummary, files: list[str]) -> list[str]:
     lo, hi = summary.window
     return [
-        f"## pp={summary.pp}, depth={summary.depth} (ring of {summary.pp + summary.depth} slots)",
+        f"## pp={summary.pp}, depth={summary.depth} (ring of {summary.pp + summary.depth} slot{'s' if summary.pp + summary.depth != 1 else ''})",
         "",
         f"Steady-state window: {lo:.3f} s to {hi:.3f} s after the timeline started ({(hi - lo) * 1000:.0f} ms), "
         "the middle 50% of the decode span.",
@@ -173,7 +176,8 @@ def run_section(summary: RunSummary, files: list[str]) -> list[str]:
         *stage_table(summary),
         "",
         f"- micro-batches in flight (mean over the window, each from its first stage start to its last stage end): {summary.in_flight:.2f}",
-        f"- output tokens/s (decode, over the window): {summary.tokens_per_s:.1f}",
+        f"- output tokens/s (decode, over the window): {summary.tokens_per_s:.1f}, from micro-batches of "
+        f"{summary.rows_per_micro_batch:.1f} rows on average (the rows in flight split over the ring's slots)",
         f"- host time per scheduler tick: mean {summary.host_ms_per_tick:.3f} ms, median "
         f"{summary.host_ms_per_tick_median:.3f} ms over {summary.num_ticks} ticks in the window (waits for the "
         f"oldest micro-batch left out); host busy {_pct(summary.host_busy)} of the window",
@@ -184,12 +188,17 @@ def run_section(summary: RunSummary, files: list[str]) -> list[str]:
 
 def depth_table(summaries: list[RunSummary]) -> list[str]:
     pp = summaries[0].pp
-    header = ["depth", "ring slots"] + [f"stage {s} busy" for s in range(pp)] + ["min busy", "host busy", "in flight", "output tok/s"]
+    header = ["depth", "ring slots"] + [f"stage {s} busy" for s in range(pp)] + [
+        "min busy", "host busy", "in flight", "rows per micro-batch", "output tok/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in summaries:
         cells = [str(run.depth), str(run.pp + run.depth)] + [_pct(s.busy) for s in run.stages]
-        cells += [_pct(run.min_busy), _pct(run.host_busy), f"{run.in_flight:.2f}", f"{run.tokens_per_s:.1f}"]
+        cells += [_pct(run.min_busy), _pct(run.host_busy), f"{run.in_flight:.2f}", f"{run.rows_per_micro_batch:.1f}", f"{run.tokens_per_s:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    rows = [run.rows_per_micro_batch for run in summaries]
+    if rows[-1] < rows[0] * 0.9:
+        lines += ["", "More slots split the same rows into smaller micro-batches: where a step costs about the same "
+                  "at any size, tokens/s falls with depth as busy rises (docs/profiling.md, \"What the depth sweep shows\")."]
     return lines
 
 

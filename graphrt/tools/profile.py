@@ -124,8 +124,8 @@ def run_profile(options: ProfileOptions, echo: Callable[[str], None] = print) ->
         plot_depth_sweep(summaries, options.out / "depth.png", f"pp={summaries[0].pp}: utilization and throughput against ring depth")
         files[0] = files[0] + ["depth.png"]
     workload = (
-        f"{options.num_requests} requests, prompts of {options.input_range[0]}-{options.input_range[1]} random tokens, "
-        f"{options.output_range[0]}-{options.output_range[1]} output tokens each (greedy, EOS ignored), all submitted at once"
+        f"{options.num_requests} requests, prompts of {span(options.input_range)} random tokens, "
+        f"{span(options.output_range)} output tokens each (greedy, EOS ignored), all submitted at once"
         + (f"; synthetic stages of {options.synthetic_ms:g} ms on a tiny random Llama, one layer per stage" if options.synthetic_ms is not None else "")
         + (f"; {options.host_ms:g} ms host time per micro-batch read back" if options.host_ms else "")
     )
@@ -135,3 +135,8 @@ def run_profile(options: ProfileOptions, echo: Callable[[str], None] = print) ->
     report.write_text(render_report(summaries, files, options.command, workload) + ranks)
     echo(f"[graphrt] wrote {report}")
     return summaries
+
+
+def span(bounds: tuple[int, int]) -> str:
+    """`4` for (4, 4), `4-16` for (4, 16)."""
+    return str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}-{bounds[1]}"

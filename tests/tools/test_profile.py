@@ -49,6 +49,8 @@ def test_the_report_adds_up_from_the_trace(sweep):
                 assert len(durations) == count
                 assert use.decode_ms[bucket] == pytest.approx(sum(durations) / count, rel=1e-6)
                 assert use.decode_ms[bucket] >= STAGE_MS * 0.95  # a sleep never ends early
+        last = [e for e in slices if e["args"]["stage"] == PP - 1 and e["args"]["kind"] == "decode" and lo <= e["ts"] + e["dur"] < hi]
+        assert summary.rows_per_micro_batch == pytest.approx(sum(e["args"]["rows"] for e in last) / len(last))
 
 
 def test_micro_batches_in_flight_never_exceed_the_ring(sweep):
@@ -71,9 +73,9 @@ def test_a_sweep_writes_every_file_and_a_report_that_names_its_window(sweep):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = (out / "report.md").read_text()
     assert "middle 50% of the decode span" in report
-    assert "| depth | ring slots | stage 0 busy" in report
+    assert "| depth | ring slots | stage 0 busy" in report and "| in flight | rows per micro-batch | output tok/s |" in report
     row0 = next(line for line in report.splitlines() if line.startswith("| 0 | 4 |"))
-    assert f"{100 * summaries[0].stages[0].busy:.1f}%" in row0
+    assert f"{100 * summaries[0].stages[0].busy:.1f}%" in row0 and f"| {summaries[0].rows_per_micro_batch:.1f} |" in row0
     assert len(lines) == 3 and "depth 1: stage busy" in lines[1]
 
 
