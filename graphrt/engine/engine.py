@@ -521,6 +521,14 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.ring.busy
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (benchmarks do between runs: vLLM's /reset_prefix_cache,
+        SGLang's /flush_cache), only while no request runs or waits, as SGLang does; False then."""
+        if self.has_work():
+            return False
+        self.allocator.forget_cache()
+        return True
+
     # -- stepping -------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:

@@ -1,8 +1,8 @@
 """What the front and the engine process say to each other: typed msgspec structs over msgpack
 (never pickle), on two ZMQ PUSH/PULL pairs (graphrt.engine.process, graphrt.frontend.engine_client).
 
-`AddJob`, `AbortJob`, `StopChoice`, `Shutdown` go to the engine; `Ready`, `JobAdmitted`,
-`JobRejected`, `JobFailed`, `Outputs`, `Fatal` come back.
+`AddJob`, `AbortJob`, `StopChoice`, `ResetPrefixCache`, `Shutdown` go to the engine; `Ready`,
+`JobAdmitted`, `JobRejected`, `JobFailed`, `Outputs`, `PrefixCacheReset`, `Fatal` come back.
 """
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ class StopChoice(msgspec.Struct, tag=True):
 
 class Shutdown(msgspec.Struct, tag=True):
     pass
+
+
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    """Forget every cached prefix, if the engine is idle (Engine.reset_prefix_cache)."""
+
+
+class PrefixCacheReset(msgspec.Struct, tag=True):
+    done: bool  # False: requests were running or waiting, and nothing was forgotten
 
 
 class EngineFacts(msgspec.Struct):
@@ -79,5 +87,5 @@ class Fatal(msgspec.Struct, tag=True):
     message: str
 
 
-ToEngine = Union[AddJob, AbortJob, StopChoice, Shutdown]
-ToFront = Union[Ready, JobAdmitted, JobRejected, JobFailed, Outputs, Fatal]
+ToEngine = Union[AddJob, AbortJob, StopChoice, ResetPrefixCache, Shutdown]
+ToFront = Union[Ready, JobAdmitted, JobRejected, JobFailed, Outputs, PrefixCacheReset, Fatal]

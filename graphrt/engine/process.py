@@ -38,6 +38,8 @@ from graphrt.engine.messages import (
     JobRejected,
     Outputs,
     Ready,
+    PrefixCacheReset,
+    ResetPrefixCache,
     Shutdown,
     StopChoice,
     ToEngine,
@@ -117,6 +119,8 @@ class EngineLoop:
         elif isinstance(message, StopChoice):
             self.core.finish(message.job, message.choice, FinishReason.STOP)
             self.core.forget_finished([message.job])
+        elif isinstance(message, ResetPrefixCache):
+            self.send(PrefixCacheReset(self.engine.reset_prefix_cache()))
 
     def _step(self) -> None:
         updated, failed = self.core.step()

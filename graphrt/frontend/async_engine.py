@@ -149,6 +149,15 @@ class AsyncEngine:
     def abort(self, job: GenerationJob) -> None:
         self._commands.put(("abort", job))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Engine.reset_prefix_cache, on the engine thread; False there when the engine is stopping."""
+        answer = asyncio.get_running_loop().create_future()
+        with self._admission:
+            if not self.healthy:
+                return False
+            self._commands.put(("reset", answer))
+        return await answer
+
     def stop(self) -> None:
         """Stop admitting; cancel every job in flight (each gets a 503); the thread then exits."""
         with self._admission:
@@ -174,7 +183,11 @@ class AsyncEngine:
             with self._admission:
                 self.accepting = False
             failed = Failed(500, "internal error in the engine; see the server log")
-            queued = [job for kind, job in self._take_commands(block=False) if kind == "add"]
+            commands = self._take_commands(block=False)
+            for kind, answer in commands:
+                if kind == "reset":
+                    self._loop.call_soon_threadsafe(answer.set_result, False)
+            queued = [job for kind, job in commands if kind == "add"]
             self._deliver([(job, failed) for job in list(self._core.jobs) + queued])
 
     def _loop_until_stopped(self) -> None:
@@ -197,6 +210,8 @@ class AsyncEngine:
                 elif kind == "abort":
                     core.abort(job)
                     self._forget_texts(job)
+                elif kind == "reset":  # `job` is the caller's future
+                    self._loop.call_soon_threadsafe(job.set_result, self.engine.reset_prefix_cache())
                 else:
                     running = False
             if not running:

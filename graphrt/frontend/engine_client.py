@@ -12,6 +12,7 @@ engine process is started on every core and told its own; the front pins itself 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import json
@@ -38,6 +39,8 @@ from graphrt.engine.messages import (
     JobRejected,
     Outputs,
     Ready,
+    PrefixCacheReset,
+    ResetPrefixCache,
     Shutdown,
     StopChoice,
     ToFront,
@@ -131,6 +134,7 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self._send_lock = threading.Lock()
         self._shutdown_sent = False
+        self._resets: collections.deque[asyncio.Future] = collections.deque()  # reset_prefix_cache calls awaiting their answer, in order
 
     @property
     def model_dir(self) -> Path:
@@ -192,6 +196,13 @@ class EngineClient:
             self._forget(job_id)
             self._send(AbortJob(job_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Engine.reset_prefix_cache, in the engine process."""
+        answer = asyncio.get_running_loop().create_future()
+        self._resets.append(answer)
+        self._send(ResetPrefixCache())
+        return await answer
+
     def stop(self) -> None:
         """Stop admitting; the engine answers every job in flight with a 503, then exits."""
         self.accepting = False
@@ -234,6 +245,8 @@ class EngineClient:
                 answer = Rejected(message.message) if isinstance(message, JobRejected) else Failed(message.status, message.message)
                 self._deliver(message.job, answer)
                 self._forget(message.job)
+            elif isinstance(message, PrefixCacheReset):
+                self._resets.popleft().set_result(message.done)
             elif isinstance(message, Fatal):
                 self._fail(message.message)
 
@@ -278,6 +291,8 @@ class EngineClient:
         for job_id in list(self._jobs):
             self._deliver(job_id, Failed(503, str(self.failure)))
             self._forget(job_id)
+        while self._resets:
+            self._resets.popleft().set_result(False)
 
     def _deliver(self, job_id: int, update) -> None:
         front = self._jobs.get(job_id)

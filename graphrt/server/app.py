@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 MAX_DRAIN_BYTES = 64 << 20  # past this, an oversized body is not read to its end before the 413
 ROUTES = (  # for a 404's message
-    "POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize, /generate (SGLang's) and "
+    "POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize, /generate (SGLang's), "
+    "/reset_prefix_cache (or /flush_cache) and "
     "GET /v1/models, /health, /health_generate, /metrics, /version, /get_model_info, /get_server_info"
 )
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's /health_generate: how long its one-token generation may take
@@ -248,6 +249,14 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         check_api_key(request)
         return {**native.model_info(async_engine.model_dir, async_engine.max_model_len), "served_model_name": settings.model_id,
                 "version": importlib.metadata.version("graphrt")}
+
+    @app.post("/reset_prefix_cache")  # vLLM's name
+    @app.post("/flush_cache")  # SGLang's
+    async def reset_prefix_cache(request: Request) -> Response:
+        check_api_key(request)
+        if not await async_engine.reset_prefix_cache():
+            raise APIError(400, "requests are running or waiting: the prefix cache is flushed only while the engine is idle; retry once they are done")
+        return JSONResponse({"status": "flushed"})
 
     @app.get("/version")
     async def version() -> dict:

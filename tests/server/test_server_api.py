@@ -281,3 +281,28 @@ def test_an_unknown_route_names_the_served_ones(server):
     answer = httpx.post(f"{server.url}/v1/embeddings", json={"input": "a"}, headers={"Authorization": f"Bearer {API_KEY}"})
     assert answer.status_code == 404
     assert answer.json()["error"]["message"].startswith("POST /v1/embeddings: Not Found; this server answers POST /v1/completions")
+
+
+def test_the_prefix_cache_is_flushed_when_idle_and_refused_while_busy(client, server):
+    """vLLM's POST /reset_prefix_cache and SGLang's POST /flush_cache: a prompt seen before is a
+    prefix-cache hit, and after a flush it is computed again. While a request runs, the flush is
+    refused and the request goes on."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    prompt = "Count with me, slowly and carefully, from one up to one hundred: one, two, three, four, five,"  # over two KV blocks
+
+    def hits_after_asking() -> float:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        return metric(httpx.get(f"{server.url}/metrics").text, "graphrt_prefix_cache_hits_total")
+
+    assert httpx.post(f"{server.url}/flush_cache", headers=headers).json() == {"status": "flushed"}
+    first = hits_after_asking()
+    again = hits_after_asking()
+    assert again > first  # the second time is a hit
+    assert httpx.post(f"{server.url}/reset_prefix_cache", headers=headers).status_code == 200
+    assert hits_after_asking() == again  # computed afresh
+    assert httpx.post(f"{server.url}/flush_cache").status_code == 401
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=64, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # running in the engine now
+    busy = httpx.post(f"{server.url}/flush_cache", headers=headers)
+    assert busy.status_code == 400 and "flushed only while the engine is idle" in busy.json()["error"]["message"]
+    assert sum(1 for _ in stream) > 0  # the request went on
