@@ -129,11 +129,18 @@ def write_manifest(out_dir: Path, manifest: dict) -> Path:
         with os.fdopen(fd, "w") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
+        os.chmod(tmp, 0o666 & ~current_umask())  # as the cache's other files (mkstemp makes it 0600)
         os.replace(tmp, out_dir / MANIFEST_NAME)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out_dir / MANIFEST_NAME
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def read_manifest(cache_dir: Path) -> dict:

@@ -271,6 +271,9 @@ def read_prompts(path: Path) -> list[str | list[int]]:
                 raise GraphrtError(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno}); a line starting with {{ must be a JSON object") from None
             except (KeyError, TypeError):
                 raise GraphrtError(f"{path}:{number}: a JSON line needs a \"prompt\" field (text or token ids)") from None
+            is_ids = isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+            if not (isinstance(value, str) or is_ids):
+                raise GraphrtError(f"{path}:{number}: \"prompt\" must be text or a non-empty list of token ids, got {json.dumps(value)}")
             prompts.append(value)
         else:
             prompts.append(line)
@@ -342,6 +345,8 @@ def capture(out, inspect_dir, **model_args) -> None:
     from graphrt.capture.report import manifest_table
 
     if inspect_dir is not None:
+        if out is not None:
+            raise click.UsageError("give --out DIR to capture or --inspect DIR to read a cache, not both")
         click.echo(manifest_table(read_manifest(inspect_dir)))
         return
     if out is None:

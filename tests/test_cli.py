@@ -204,3 +204,16 @@ def test_ctrl_c_during_bench_stops_it_cleanly(default_model):
 def test_a_number_flag_that_is_not_finite_is_refused_naming_it(args, flag):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and f"Invalid value for '{flag}'" in result.output and "is not a finite number" in result.output, result.output
+
+
+def test_a_prompts_file_line_whose_prompt_is_no_prompt_says_so(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"prompt": 5}\n')
+    result = CliRunner().invoke(main, ["generate", "--prompts-file", str(prompts)])
+    assert result.exit_code == 1
+    assert f'{prompts}:2: "prompt" must be text or a non-empty list of token ids, got 5' in result.output
+
+
+def test_capture_takes_out_or_inspect_not_both(tmp_path):
+    result = CliRunner().invoke(main, ["capture", "--out", str(tmp_path / "a"), "--inspect", str(tmp_path / "b")])
+    assert result.exit_code == 2 and "give --out DIR to capture or --inspect DIR to read a cache, not both" in result.output

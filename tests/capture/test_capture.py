@@ -201,6 +201,12 @@ def test_manifest_is_never_half_written(tmp_path):
         write_manifest(tmp_path, {"schema_version": 1, "bad": object()})  # fails mid-write
     assert json.loads((tmp_path / MANIFEST_NAME).read_text()) == {"schema_version": 1, "ok": True}
     assert os.listdir(tmp_path) == [MANIFEST_NAME]
+    mask = os.umask(0o022)
+    try:
+        write_manifest(tmp_path, {"schema_version": 1})
+    finally:
+        os.umask(mask)
+    assert (tmp_path / MANIFEST_NAME).stat().st_mode & 0o777 == 0o644  # as the cache's other files, not mkstemp's 0600
 
 
 def test_padding_rows_are_harmless(tiny_model_factory):
