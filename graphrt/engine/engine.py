@@ -334,6 +334,7 @@ class Engine:
             f"{str(self.dtype).removeprefix('torch.')}, {self.backend} decode, "
             f"{'async' if self.config.async_scheduling else 'no async'} scheduling"
             + (f", speculative decoding ({spec.method}, {spec.num_speculative_tokens} tokens)" if spec is not None else "")
+            + (f", graph cache {self.cache_dir}" if self.cache_dir is not None else "")
         )
 
     @property

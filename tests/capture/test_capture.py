@@ -74,6 +74,7 @@ def test_generate_with_cache_matches_without(default_cache):
     assert with_cache.exit_code == 0 and without.exit_code == 0
     assert with_cache.output.splitlines()[0] == without.output.splitlines()[0] != ""
     assert "pp=2 depth=0" in with_cache.stderr  # the cache's pp was applied, not the default 1
+    assert f"graph cache {default_cache}" in with_cache.stderr and "graph cache" not in without.stderr
 
 
 def stale(cache: Path, tmp_path: Path, edit) -> Path:
