@@ -213,7 +213,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         check_api_key(request)
         raw = decode_body(await read_body(request, settings.max_body_bytes))
         parsed, options = native.completion_request(raw)
-        with native.in_native_terms("text" if raw.get("text") is not None else "input_ids"):
+        with native.in_native_terms(options.prompt_field):
             await check_grammars(parsed)
             prompts = parsed.prompts()
             job = GenerationJob(params=sampling_params(parsed, defaults=settings.sampling_defaults) * len(prompts), prompts=prompts)
@@ -225,7 +225,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         if not async_engine.healthy:
             return APIError(503, "the server is shutting down or its engine thread has stopped").response()
         job = GenerationJob(params=[SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)], prompts=[[0]])
-        generation = Generation(async_engine, metrics, job, native.NativeFormat(CompletionRequest(prompt=[0]), native.NO_OPTIONS, names))
+        generation = Generation(async_engine, metrics, job, native.NativeFormat(CompletionRequest(prompt=[0]), native.NativeOptions("input_ids"), names))
 
         async def one_token() -> None:
             if await generation.admit(request):

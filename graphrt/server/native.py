@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from typing import Any, Iterator
 
 from pydantic import ValidationError
@@ -24,9 +25,6 @@ from graphrt.server.responses import ChoiceState, ResponseFormat, TokenNames
 from graphrt.server.validation import RENAMED, validation_error
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
-# The request's own fields beside text / input_ids and sampling_params.
-REQUEST_FIELDS = ("stream", "return_logprob", "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "rid")
-NO_OPTIONS = dict.fromkeys(REQUEST_FIELDS)
 # SGLang's request fields for what graphrt does not serve, and what to do instead.
 UNSERVED = {
     "image_data": "graphrt serves text-only models",
@@ -45,44 +43,49 @@ SAMPLING_FIELDS = (
 )
 
 
-@contextmanager
-def in_native_terms(prompt_field: str) -> Iterator[None]:
-    """An APIError raised within, as completions raises it, naming what a /generate request sent:
-    `sampling_params.max_new_tokens` for `max_tokens`, `text` (or `input_ids`) for `prompt`..."""
-    try:
-        yield
-    except APIError as exc:
-        raise APIError(exc.status, _renamed(exc.message, prompt_field), param=exc.param and _renamed(exc.param, prompt_field), code=exc.code) from None
+@dataclass(frozen=True)
+class NativeOptions:
+    """A /generate request's own fields beside its prompt and sampling_params, checked."""
+
+    prompt_field: str = "text"  # what the prompt came as: "text" or "input_ids"
+    batch: bool = False  # a list of prompts: the answer is a list
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # from where the prompt's logprobs are returned; below 0, none
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
+
+    @classmethod
+    def read(cls, raw: dict, prompt_field: str) -> NativeOptions:
+        given = {f.name: raw[f.name] for f in fields(cls) if f.name in raw and raw[f.name] is not None and f.name not in ("prompt_field", "batch")}
+        for name, value in given.items():
+            kind = {"top_logprobs_num": int, "logprob_start_len": int}.get(name, bool)
+            if name == "rid":
+                if not (isinstance(value, str) or isinstance(value, list) and all(isinstance(r, str) for r in value)):
+                    raise APIError(400, f"rid: must be a string, or a list of one per prompt, got {value!r}", param="rid")
+            elif type(value) is not kind:
+                raise APIError(400, f"{name}: must be a{'n integer' if kind is int else ' boolean'}, got {value!r}", param=name)
+        prompt = raw[prompt_field]
+        return cls(prompt_field=prompt_field, batch=isinstance(prompt, list) and not all(_is_id(t) for t in prompt), **given)
 
 
-def _renamed(text: str, prompt_field: str) -> str:
-    for pattern, replacement in _NATIVE_NAMES:
-        text = pattern.sub(replacement, text)
-    return re.sub(r"\bprompt\b", prompt_field, text)
-
-
-_NATIVE_NAMES = [
-    *((re.compile(rf"\b{ours}\b"), f"sampling_params.{theirs}") for theirs, ours in SAMPLING_NAMES.items()),
-    (re.compile(r"\bstructured_outputs\.grammar\b"), "sampling_params.ebnf"),
-    (re.compile(r"\bstructured_outputs\.json\b"), "sampling_params.json_schema"),
-    (re.compile(r"\bstructured_outputs\.regex\b"), "sampling_params.regex"),
-    (re.compile(r"\bprompt_logprobs\b"), "logprob_start_len"),
-    (re.compile(r"\blogprobs\b"), "top_logprobs_num"),
-    *((re.compile(rf"(?<![.\w]){name}\b"), f"sampling_params.{name}") for name in SAMPLING_FIELDS if name not in SAMPLING_NAMES),
-]
-
-
-def completion_request(raw: dict) -> tuple[CompletionRequest, dict]:
-    """`raw` (a /generate body) as a completions request, and the request's own options
-    (REQUEST_FIELDS). Raises APIError(400) naming what is wrong, in the request's names."""
-    unknown = sorted(set(raw) - {"text", "input_ids", "sampling_params", *REQUEST_FIELDS})
+def completion_request(raw: dict) -> tuple[CompletionRequest, NativeOptions]:
+    """`raw` (a /generate body) as a completions request, and the request's own options.
+    Raises APIError(400) naming what is wrong, in the request's names."""
+    known = {"text", "input_ids", "sampling_params", *(f.name for f in fields(NativeOptions))} - {"prompt_field", "batch"}
+    unknown = sorted(set(raw) - known)
     if unknown:
-        advice = f"; {UNSERVED.get(unknown[0]) or RENAMED[unknown[0]]}" if unknown[0] in {*UNSERVED, *RENAMED} else ""
-        raise APIError(400, f"unrecognized request argument: {unknown[0]}{advice}", param=unknown[0])
+        name = unknown[0]
+        advice = ("put it in sampling_params" if name in SAMPLING_FIELDS else UNSERVED.get(name) or RENAMED.get(name))
+        raise APIError(400, f"unrecognized request argument: {name}" + (f"; {advice}" if advice else ""), param=name)
     given = [name for name in ("text", "input_ids") if raw.get(name) is not None]
     if len(given) != 1:
         raise APIError(400, "give exactly one of text (a prompt, or a list of them) and input_ids (token ids, or a list of them)", param="text")
-    sampling = raw.get("sampling_params") or {}
+    _check_prompt(given[0], raw[given[0]])
+    options = NativeOptions.read(raw, given[0])
+    sampling = raw.get("sampling_params")
+    sampling = {} if sampling is None else sampling
     if not isinstance(sampling, dict):
         raise APIError(400, "sampling_params must be one object, for every prompt (a list of them, one per prompt, is not served)",
                        param="sampling_params")
@@ -90,27 +93,77 @@ def completion_request(raw: dict) -> tuple[CompletionRequest, dict]:
         if name not in SAMPLING_FIELDS:
             raise APIError(400, f"sampling_params.{name} is not a sampling parameter served here; the served ones are "
                            f"{', '.join(SAMPLING_FIELDS)}", param=f"sampling_params.{name}")
-    options = {name: raw.get(name) for name in REQUEST_FIELDS}
-    prompt = raw[given[0]]
-    options["batch"] = isinstance(prompt, list) and not all(isinstance(token, int) for token in prompt)  # texts, or lists of ids
-    body: dict[str, Any] = {"prompt": prompt, "max_tokens": DEFAULT_MAX_NEW_TOKENS, "stream": options["stream"]}
-    body.update({SAMPLING_NAMES.get(name, name): value for name, value in sampling.items()})
-    if options["return_logprob"]:
-        body["logprobs"] = options["top_logprobs_num"] or 0
-        start = options["logprob_start_len"]
-        if isinstance(start, int) and not isinstance(start, bool) and start >= 0:
-            body["prompt_logprobs"] = options["top_logprobs_num"] or 0
-    with in_native_terms(given[0]):
+    body: dict[str, Any] = {"prompt": raw[given[0]], "max_tokens": DEFAULT_MAX_NEW_TOKENS, "stream": options.stream}
+    body.update({SAMPLING_NAMES.get(name, name): value for name, value in sampling.items() if value is not None})
+    if options.return_logprob:
+        body["logprobs"] = options.top_logprobs_num
+        if options.logprob_start_len >= 0:
+            body["prompt_logprobs"] = options.top_logprobs_num
+    with in_native_terms(options.prompt_field):
         try:
             request = CompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise validation_error(exc) from None
         request.check()
-    for name, kind in (("return_logprob", bool), ("return_text_in_logprobs", bool), ("top_logprobs_num", int), ("logprob_start_len", int)):
-        value = options[name]
-        if value is not None and (type(value) is not kind):
-            raise APIError(400, f"{name}: must be a{'n integer' if kind is int else ' boolean'}, got {value!r}", param=name)
     return request, options
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_prompt(name: str, prompt) -> None:
+    """text: a string or a list of them; input_ids: ids, or a list of id lists."""
+    if name == "text":
+        fits = isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)
+        shapes = "a string or a non-empty list of strings"
+    else:
+        fits = isinstance(prompt, list) and prompt and (
+            all(map(_is_id, prompt)) or all(isinstance(p, list) and p and all(map(_is_id, p)) for p in prompt)
+        )
+        shapes = "a non-empty list of token ids, or a list of them"
+    if not fits:
+        raise APIError(400, f"{name}: must be {shapes}", param=name)
+
+
+@contextmanager
+def in_native_terms(prompt_field: str) -> Iterator[None]:
+    """An APIError raised within, as completions raises it, naming what a /generate request sent:
+    `sampling_params.max_new_tokens` for `max_tokens`, `top_logprobs_num` for `logprobs`, `text` (or
+    `input_ids`) for `prompt`. The parameter is renamed where the error names it, and in its text
+    only the identifiers no prose or schema path spells alike (max_tokens, structured_outputs.regex...)."""
+    try:
+        yield
+    except APIError as exc:
+        param = _native_param(exc.param, prompt_field) if exc.param else exc.param
+        message = exc.message
+        if exc.param and param != exc.param:
+            message = re.sub(rf"(?<![.\w]){re.escape(exc.param)}(?![\w])", param, message, count=1)
+        for pattern, replacement in _IDENTIFIERS:
+            message = pattern.sub(replacement, message)
+        raise APIError(exc.status, message, param=param, code=exc.code) from None
+
+
+def _native_param(param: str, prompt_field: str) -> str:
+    head, separator, rest = param.partition("[")
+    if head == "prompt":
+        return prompt_field + separator + rest
+    if param in _PARAMS:
+        return _PARAMS[param]
+    return f"sampling_params.{param}" if param in SAMPLING_FIELDS else param
+
+
+# completions' parameter -> what /generate calls it (the logprobs counts come from top_logprobs_num).
+_PARAMS = {
+    **{ours: f"sampling_params.{theirs}" for theirs, ours in SAMPLING_NAMES.items()},
+    "logprobs": "top_logprobs_num", "prompt_logprobs": "top_logprobs_num",
+    "structured_outputs.grammar": "sampling_params.ebnf", "structured_outputs.json": "sampling_params.json_schema",
+    "structured_outputs.regex": "sampling_params.regex", "structured_outputs": "sampling_params",
+}
+_IDENTIFIERS = [
+    (re.compile(rf"(?<![.\w]){re.escape(ours)}(?![\w])"), theirs)
+    for ours, theirs in _PARAMS.items() if "_" in ours and ours != "structured_outputs"
+]
 
 
 class NativeFormat(ResponseFormat):
@@ -118,14 +171,13 @@ class NativeFormat(ResponseFormat):
     finish_reason object, token counts, latency, and with return_logprob the logprobs as
     [logprob, token id, text or null] triples). One object for one prompt and n = 1, else a list."""
 
-    def __init__(self, request: CompletionRequest, options: dict, names: TokenNames):
+    def __init__(self, request: CompletionRequest, options: NativeOptions, names: TokenNames):
         super().__init__("", request.num_logprobs, names)
-        self.batch = bool(options.get("batch")) or request.n > 1
-        self.text_in_logprobs = bool(options["return_text_in_logprobs"])
-        self.prompt_start = options["logprob_start_len"] if request.num_prompt_logprobs is not None else None
-        rid = options["rid"]
-        self.rids = rid if isinstance(rid, list) else None
-        self.rid = rid if isinstance(rid, str) else None
+        self.batch = options.batch or request.n > 1
+        self.text_in_logprobs = options.return_text_in_logprobs
+        self.prompt_start = options.logprob_start_len if request.num_prompt_logprobs is not None else None
+        self.rids = options.rid if isinstance(options.rid, list) else None
+        self.rid = options.rid if isinstance(options.rid, str) else None
         self.job: GenerationJob | None = None
         self.scored: dict[int, list] = {}  # each choice's output logprobs so far
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -67,6 +67,9 @@ SGLANG_STRUCTURED = {"regex": "regex", "ebnf": "grammar", "json_schema": "json"}
 class SamplingFields(StrictModel):
     """What completions and chat completions share: the model, sampling, stopping and streaming."""
 
+    # Fields whose null means something other than their default, and what it means.
+    NULL_MEANS: ClassVar[dict[str, Any]] = {}
+
     model: str | None = None  # None: the served model
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
@@ -102,13 +105,21 @@ class SamplingFields(StrictModel):
     @classmethod
     def _read_as_sent(cls, data):
         """A null is the field left out, as OpenAI's SDKs send it (`temperature: null` is the
-        default temperature); SGLang's `regex`, `ebnf` and `json_schema` are structured_outputs."""
+        default temperature), but where null has a meaning of its own (NULL_MEANS); SGLang's
+        `regex`, `ebnf` and `json_schema` are structured_outputs (null: not given)."""
         if not isinstance(data, dict):
             return data
-        data = {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
+        keep = cls.NULL_MEANS.keys() | SGLANG_STRUCTURED.keys()
+        data = {key: value for key, value in data.items() if value is not None or key not in cls.model_fields or key in keep}
+        for key, value in cls.NULL_MEANS.items():
+            if key in data and data[key] is None:
+                data[key] = value
         sglang = {kind: data.pop(key) for key, kind in SGLANG_STRUCTURED.items() if key in data}
+        sglang = {kind: value for kind, value in sglang.items() if value is not None}
         if sglang:
             given = data.get("structured_outputs")
+            if isinstance(given, dict) and given.keys() & sglang.keys():
+                raise ValueError(f"structured_outputs.{next(iter(given.keys() & sglang.keys()))} is given twice (once at the top of the request, SGLang's way); send it once")
             data["structured_outputs"] = {**given, **sglang} if isinstance(given, dict) else sglang
         return data
 
@@ -294,6 +305,8 @@ class CompletionRequest(SamplingFields):
     OpenAI does. Every prompt samples with the same `sampling_params()` (choice i from seed + i), so
     a prompt generates in a batch what it generates alone.
     """
+
+    NULL_MEANS: ClassVar[dict[str, Any]] = {"max_tokens": None}  # as vLLM: up to the context
 
     prompt: Any  # after validation: a str or list[int] (one prompt), or a list of two or more of those
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions

@@ -117,11 +117,23 @@ def test_a_stop_says_what_it_matched_here_and_on_completions(server, client):
     ({"text": "a", "image_data": "cat.png"}, "image_data", "graphrt serves text-only models"),
     ({"text": "a", "return_logprob": "yes"}, "return_logprob", "boolean"),
     ({"text": "a", "return_logprob": True, "top_logprobs_num": 99}, "top_logprobs_num", "less than or equal to 20"),
-    ({"text": "", "sampling_params": {}}, None, "the text is empty; give at least one token"),  # found while preparing it
+    ({"text": "", "sampling_params": {}}, None, "the prompt is empty; give at least one token"),  # found while preparing it
+    ({"input_ids": "hello"}, "input_ids", "must be a non-empty list of token ids, or a list of them"),
+    ({"text": [1, 2]}, "text", "must be a string or a non-empty list of strings"),
+    ({"text": "a", "sampling_params": []}, "sampling_params", "one object"),
+    ({"text": "a", "max_new_tokens": 4}, "max_new_tokens", "put it in sampling_params"),
+    ({"text": "a", "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 99}, "top_logprobs_num", "must be in [0, 20]"),
 ])
 def test_bad_generate_requests_are_named_in_the_requests_terms(server, body, param, says):
     answer = generate(server, **body)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param and says in answer.json()["error"]["message"], answer.text
+
+
+def test_sglangs_nulls_are_not_given(server):
+    """SGLang's client sends every unset sampling parameter as null: max_new_tokens is then 128."""
+    sampling = {"max_new_tokens": None, "temperature": 0, "ignore_eos": True, "regex": None, "json_schema": None, "ebnf": None, "stop": None}
+    answer = generate(server, text=PROMPTS[0], sampling_params=sampling, return_logprob=None, rid=None)
+    assert answer.status_code == 200 and answer.json()["meta_info"]["completion_tokens"] == 128, answer.text
 
 
 def test_health_generate_and_model_info(server, client):

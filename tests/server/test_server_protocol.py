@@ -752,3 +752,18 @@ def test_media_content_parts_say_the_models_are_text_only(part):
 def test_logprobs_true_on_completions_says_it_is_a_count_there():
     error = refused(completion, logprobs=True)
     assert error.param == "logprobs" and "an integer in [0, 20]" in error.message and "chat's form" in error.message
+
+
+def test_a_null_max_tokens_on_completions_is_the_rest_of_the_context_not_16():
+    """vLLM's reading, and graphrt's before nulls were read as left out."""
+    assert completion(max_tokens=None).sampling_params()[0].max_tokens is None
+    assert completion().sampling_params()[0].max_tokens == 16
+
+
+@pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
+def test_sglangs_structured_fields_sent_as_null_are_not_given(parse):
+    """SGLang's client sends them as null when unset."""
+    assert parse(regex=None, ebnf=None, json_schema=None).sampling_params()[0].structured_output is None
+    assert parse(regex="[0-9]+", ebnf=None).sampling_params()[0].structured_output == StructuredOutput(regex="[0-9]+")
+    error = refused(parse, regex="a", structured_outputs={"regex": "b"})
+    assert "structured_outputs.regex is given twice" in error.message
