@@ -533,12 +533,14 @@ class Engine:
     # -- stepping -------------------------------------------------------------------------------
 
     def step(self) -> list[SequenceOutput]:
-        """One scheduler tick: schedule -> launch -> poll -> update. Returns the delta of every
+        """One scheduler tick: poll -> update -> schedule -> launch. Returns the delta of every
         sequence that got a new token (finished ones included).
 
         The finished micro-batch is taken first, so a freed slot is refilled before the host does
         anything else. The host blocks only when nothing else can launch, and then only on the
-        oldest micro-batch, launched a whole ring earlier.
+        oldest micro-batch, launched a whole ring earlier; it then launches into the slot that
+        freed before returning. Either way the rows just read back may be launched again before the
+        caller reads their tokens: a stop string the caller then finds drops that one more token.
         """
         tick_start = self.timeline.now() if self.timeline else 0.0
         if self._releases_host_team:
@@ -563,6 +565,7 @@ class Engine:
                 # idle for it (pp 2, 5 ms stages, 8 ms of host work: 38% busy against 59%).
                 if self._launch_next():
                     self._measure_host_gap()
+                self._undelivered += self.scheduler.take_ended()  # what that scheduling ended (a grammar that failed)
             elif not launched and not self._undelivered:
                 self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)  # nothing to run but requests whose grammars compile
         if self.timeline:

@@ -405,3 +405,19 @@ def test_always_on_busy_time_agrees_with_the_timeline(tiny_model_factory):
         assert len(slices) >= 10
         assert len(slices) * stage_ms / 1000 <= engine.ring.busy_s[stage] <= from_timeline + 1e-9
     engine.close()
+
+
+def test_without_async_scheduling_a_tick_that_blocked_refills_the_slot_it_freed(tiny_model_factory):
+    """The tick that waits for the oldest micro-batch launches into the slot it freed before it
+    returns: the ring is never left empty between ticks while requests still decode. It used to be,
+    so that the next tick first read back another micro-batch (host time) while that slot idled."""
+    llm = LLM(model=tiny_model_factory(), pp=2, depth=0, async_scheduling=False, kv_cache_tokens=1024)
+    engine = make_synthetic(llm.engine, stage_ms=5)  # slower than a tick's host work: every tick that waits, blocks
+    for i in range(4):
+        engine.add_request([i + 1, 2, 3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    emptied = 0
+    while engine.has_work():
+        engine.step()
+        emptied += engine.scheduler.has_work() and not engine.ring.busy
+    assert emptied == 0
+    engine.close()
