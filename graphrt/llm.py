@@ -206,14 +206,9 @@ class LLM:
 
     def _output(self, index: int, seq, state: RequestState) -> CompletionOutput:
         logprobs = seq.logprobs if seq.params.logprobs is not None else None
-        stop_reason = state.stop_reason
-        if stop_reason is None and seq.finish_reason is FinishReason.STOP and seq.output_ids:
-            last = seq.output_ids[-1]  # as vLLM: a stop token id is the reason, EOS none
-            if last in seq.params.stop_token_ids and (seq.params.ignore_eos or last not in self.engine.eos_ids):
-                stop_reason = last
         return CompletionOutput(
             index=index, text=state.text.text, token_ids=seq.output_ids, finish_reason=seq.finish_reason.value,
-            stop_reason=stop_reason, logprobs=logprobs,
+            stop_reason=state.stop_reason, logprobs=logprobs,
             cumulative_logprob=sum(entry.logprob for entry in logprobs) if logprobs is not None else None,
             error=self._error(seq),
         )

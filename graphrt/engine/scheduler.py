@@ -421,6 +421,7 @@ class Scheduler:
                     seq.request_id, new_token_ids, seq.finish_reason, new_logprobs,
                     list(seq.prompt_logprobs)
                     if seq.params.prompt_logprobs is not None and len(seq.output_ids) == len(new_token_ids) else None,
+                    stop_token=seq.stop_token,
                 ))
                 if self.prefix_root is not None:
                     self._register_full_blocks(seq)
@@ -451,8 +452,9 @@ class Scheduler:
         params = seq.params
         # A stop token (EOS unless ignored, or one of stop_token_ids) ends it once min_tokens are
         # out; the sampler masks them before, so this only confirms it, as vLLM's check does.
-        stops = (token_id in self.eos_ids and not params.ignore_eos) or token_id in params.stop_token_ids
-        if stops and len(seq.output_ids) >= params.min_tokens:
+        eos = token_id in self.eos_ids and not params.ignore_eos
+        if (eos or token_id in params.stop_token_ids) and len(seq.output_ids) >= params.min_tokens:
+            seq.stop_token = None if eos else token_id  # as vLLM: EOS is no stop reason, even when listed
             self.finish(seq, FinishReason.STOP)
         elif len(seq.output_ids) >= seq.max_tokens:
             self.finish(seq, FinishReason.LENGTH)

@@ -41,6 +41,7 @@ class Sequence:
     num_registered: int = 0  # leading full blocks offered to the prefix cache
     prefill_len: int = -1  # tokens to prefill: the prompt, or after a preemption every known token
     finish_reason: FinishReason | None = None
+    stop_token: int | None = None  # the stop_token_ids id that ended it, not EOS (vLLM's stop_reason)
     num_in_flight: int = 0  # micro-batches in the ring that carry this sequence
     # Tokens being sampled and not read back yet (async scheduling launches the next step before
     # then), and the id of the newest step sampling one; both are the scheduler's to change.
@@ -116,3 +117,4 @@ class SequenceOutput:
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, for a request that asks
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with its first output, for a request that asks
     failure: RequestFailure | None = None  # with FinishReason.ERROR where the engine ended it unrun: why
+    stop_token: int | None = None  # the stop_token_ids id that ended it (vLLM's stop_reason); EOS is none

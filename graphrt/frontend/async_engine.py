@@ -264,12 +264,9 @@ class AsyncEngine:
 def choice_update(choice: int, state: RequestState, now: float) -> ChoiceUpdate:
     """What a job hears of one choice after a step: its text so far and, if asked, its logprobs."""
     text = state.text
-    stop_reason = state.stop_reason
-    if stop_reason is None and state.finish_reason == "stop" and state.output_ids and state.output_ids[-1] in state.params.stop_token_ids:
-        stop_reason = state.output_ids[-1]
     return ChoiceUpdate(
         choice, text.text, text.num_streamable, len(state.output_ids), state.finish_reason, now,
-        state.logprobs, state.prompt_logprobs, state.output_ids, stop_reason,
+        state.logprobs, state.prompt_logprobs, state.output_ids, state.stop_reason,
     )
 
 

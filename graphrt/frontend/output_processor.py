@@ -54,7 +54,7 @@ class RequestState:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None  # a FinishReason's value
-    stop_reason: str | None = None  # the stop string that ended it, if one did
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids id that ended it (vLLM's); None for EOS or a limit
     text: RequestText = field(init=False)
 
     def __post_init__(self) -> None:
@@ -95,7 +95,7 @@ class OutputProcessor:
             if output.prompt_logprobs is not None:
                 state.prompt_logprobs = output.prompt_logprobs
             if output.finish_reason is not None:
-                state.finish_reason = output.finish_reason.value
+                state.finish_reason, state.stop_reason = output.finish_reason.value, output.stop_token
             if self.tokenizer is not None and (stop := self._extend(state)) is not None:
                 state.finish_reason, state.stop_reason = FinishReason.STOP.value, stop
                 stopped.append(state.request_id)

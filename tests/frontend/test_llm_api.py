@@ -82,6 +82,10 @@ def test_stop_reason_names_the_stop_token_or_string(tiny, default_llm):
     assert tiny.generate(PROMPT, GREEDY)[0].outputs[0].stop_reason is None  # ended by max_tokens
     by_string = default_llm.generate("The capital of France is", SamplingParams(max_tokens=12, temperature=0, stop=[" Paris"]))[0]
     assert by_string.outputs[0].stop_reason == " Paris" and by_string.finish_reason == "stop"
+    # EOS is no stop reason, even listed in stop_token_ids (as vLLM): the answer ends on it
+    eos = sorted(default_llm.engine.eos_ids)
+    ended = default_llm.generate(default_llm.chat_prompt("What is the capital of France?"), SamplingParams(max_tokens=32, temperature=0, stop_token_ids=eos))[0]
+    assert ended.finish_reason == "stop" and ended.outputs[0].stop_reason is None
 
 
 def test_chat_renders_conversations_with_text_parts_as_chat_prompt_does(default_llm):

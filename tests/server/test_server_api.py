@@ -306,3 +306,13 @@ def test_the_prefix_cache_is_flushed_when_idle_and_refused_while_busy(client, se
     busy = httpx.post(f"{server.url}/flush_cache", headers=headers)
     assert busy.status_code == 400 and "flushed only while the engine is idle" in busy.json()["error"]["message"]
     assert sum(1 for _ in stream) > 0  # the request went on
+
+
+def test_chat_choices_say_what_stopped_them(client):
+    """vLLM's stop_reason: the stop string, whole and streamed; none for EOS, even listed in stop_token_ids."""
+    answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0, stop=[" Paris"])
+    assert answer.choices[0].finish_reason == "stop" and answer.choices[0].model_extra["stop_reason"] == " Paris"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0, stop=[" Paris"], stream=True))
+    assert [c.choices[0].model_extra.get("stop_reason") for c in chunks if c.choices and c.choices[0].finish_reason] == [" Paris"]
+    ended = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32, temperature=0, extra_body={"stop_token_ids": [2]})
+    assert ended.choices[0].finish_reason == "stop" and ended.choices[0].model_extra["stop_reason"] is None  # 2 is EOS, <|im_end|>
