@@ -112,10 +112,10 @@ class Tokenizer:
         try:
             return self._render(messages, tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
         except Exception as exc:  # a Jinja template raises whatever its code runs into
-            error = self._error_without_tools(messages) if tools else exc
+            error = self._error_without_tools(messages, add_generation_prompt, template_kwargs) if tools else exc
             if error is None:  # the whole conversation renders without the tools: they are what fails
                 raise RequestError(f"tools: the model's chat template cannot render them ({exc})") from None
-            index, error = self._first_unrenderable(messages, error)
+            index, error = self._first_unrenderable(messages, error, template_kwargs)
             raise RequestError(f"messages[{index}]: the model's chat template cannot render this message ({error})") from None
 
     def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool, **template_kwargs) -> str:
@@ -123,19 +123,19 @@ class Tokenizer:
             messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
         )
 
-    def _error_without_tools(self, messages: list[dict]) -> Exception | None:
+    def _error_without_tools(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> Exception | None:
         """What rendering the whole conversation raises without the tools (None: it renders).
 
         The whole of it, not its first messages: a template may write the tools into a message of
         the conversation (Llama 3.1's, into the first user message), so part of a conversation may
         fail with the tools for want of that message while the whole renders."""
         try:
-            self._render(messages, None, add_generation_prompt=True)
+            self._render(messages, None, add_generation_prompt=add_generation_prompt, **template_kwargs)
         except Exception as exc:
             return exc
         return None
 
-    def _first_unrenderable(self, messages: list[dict], error: Exception) -> tuple[int, Exception]:
+    def _first_unrenderable(self, messages: list[dict], error: Exception, template_kwargs: dict) -> tuple[int, Exception]:
         """The message whose inclusion makes rendering fail, and the template's error for it, given
         that the whole conversation fails without the tools with `error`.
 
@@ -144,12 +144,15 @@ class Tokenizer:
         Prefixes render without the tools (with them, a prefix may fail only for lacking the
         message the template writes them into) and without the generation prompt, which a
         template may refuse after an assistant turn; the whole conversation is known to fail with it.
+        They render with the template's variables but not `continue_final_message`, which only the
+        whole conversation's last message is for.
         """
+        variables = {name: value for name, value in template_kwargs.items() if name != "continue_final_message"}
         renders, fails = 0, len(messages)
         while fails - renders > 1:
             middle = (renders + fails) // 2
             try:
-                self._render(messages[:middle], None, add_generation_prompt=False)
+                self._render(messages[:middle], None, add_generation_prompt=False, **variables)
                 renders = middle
             except Exception as exc:
                 fails, error = middle, exc

@@ -767,3 +767,12 @@ def test_sglangs_structured_fields_sent_as_null_are_not_given(parse):
     assert parse(regex="[0-9]+", ebnf=None).sampling_params()[0].structured_output == StructuredOutput(regex="[0-9]+")
     error = refused(parse, regex="a", structured_outputs={"regex": "b"})
     assert "structured_outputs.regex is given twice" in error.message
+
+
+def test_a_failure_a_template_variable_causes_is_not_blamed_on_the_tools(tokenizer, monkeypatch):
+    template = "{% if bad %}{{ raise_exception('bad asked for') }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    monkeypatch.setattr(tokenizer._tok, "chat_template", template)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(RequestError) as caught:
+        tokenizer.apply_chat_template(template_messages(USER), tools, bad=True)
+    assert "bad asked for" in str(caught.value) and not str(caught.value).startswith("tools:"), caught.value
