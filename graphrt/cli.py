@@ -104,10 +104,19 @@ class Command(click.Command):
 
     def parse_args(self, ctx, args):
         own = {name for param in self.params for name in (*param.opts, *param.secondary_opts)}
+        # graphrt's options that take a value: the token after one is that value, never a flag.
+        takes_value = {name for param in self.params if isinstance(param, click.Option) and not param.is_flag for name in param.opts}
         read = []
         index = 0
         while index < len(args):
             arg = args[index]
+            if arg == "--":  # the rest are arguments, as given
+                read += args[index:]
+                break
+            if arg in takes_value:
+                read += args[index : index + 2]
+                index += 2
+                continue
             flag, equals, value = arg.partition("=")
             if flag in TENSOR_PARALLEL_FLAGS:
                 value = value if equals else (args[index + 1] if index + 1 < len(args) else "")

@@ -217,3 +217,12 @@ def test_a_prompts_file_line_whose_prompt_is_no_prompt_says_so(tmp_path):
 def test_capture_takes_out_or_inspect_not_both(tmp_path):
     result = CliRunner().invoke(main, ["capture", "--out", str(tmp_path / "a"), "--inspect", str(tmp_path / "b")])
     assert result.exit_code == 2 and "give --out DIR to capture or --inspect DIR to read a cache, not both" in result.output
+
+
+def test_an_option_value_that_looks_like_a_flag_is_left_alone():
+    """`--prompt -tp` asks about "-tp"; only flags are read as vLLM's or SGLang's."""
+    generate = main.commands["generate"]
+    assert generate.make_context("generate", ["--prompt", "-tp"]).params["prompt"] == "-tp"
+    assert generate.make_context("generate", ["--prompt", "--model-path"]).params["prompt"] == "--model-path"
+    serve = main.commands["serve"]
+    assert serve.make_context("serve", ["--api-key", "--dp"]).params["api_key"] == "--dp"
