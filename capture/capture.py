@@ -25,12 +25,14 @@ from graphrt.profiling.nvtx import Ranges
 logger = logging.getLogger("graphrt")
 
 VERIFY_MAX_CONTEXT = 128  # verification contexts stay short so CPU capture is quick
-# Relative to the largest output. A replay and its reference run other row counts (padding rows),
-# which BLAS rounds otherwise: SmolLM2 in float32 with every matmul on F.linear (MKL) differed by
-# 1.25e-4 of its largest logit at bucket 4, 1.5e-5 at 8 (the hidden states it amplifies reach 1.5e3
-# to 2.2e4), and under load the timing picks that path for some shapes. A fault in the static-buffer
-# path (a wrong row, length or block) moves outputs by a good part of their size.
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+# Relative to the largest output. A recorded graph and its reference run the same rows.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+# An eager pair is checked with a padding row, so its reference runs one row fewer, which BLAS
+# rounds otherwise: SmolLM2 in float32 with every matmul on F.linear (MKL) differed by 1.25e-4 of
+# its largest logit at bucket 4, 1.5e-5 at 8 (the hidden states it amplifies reach 1.5e3 to 2.2e4),
+# and under load the timing picks that path for some shapes. A fault in the static-buffer path (a
+# wrong row, length or block) moves outputs by a good part of their size.
+PADDED_TOLERANCE = {**TOLERANCE, torch.float32: 1e-3}
 
 
 class CaptureError(GraphrtError):
@@ -242,7 +244,7 @@ def verify_bucket(graph, stage: Stage, cache: StageKVCache, plan: BucketPlan, bu
         return None, None
     rows = bucket if graph.mode == "graph" else max(1, bucket - 1)
     error, magnitude = verify(graph, stage, cache, rows, seed=stage.index * 1000 + bucket)
-    limit = TOLERANCE[stage.dtype] * max(1.0, magnitude)
+    limit = (TOLERANCE if graph.mode == "graph" else PADDED_TOLERANCE)[stage.dtype] * max(1.0, magnitude)
     if not error <= limit:
         raise CaptureError(
             f"stage {stage.index}, bucket {bucket}: replay differs from eager by {error:.3g} "

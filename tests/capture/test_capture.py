@@ -319,15 +319,20 @@ def test_an_eager_pair_verifies_on_every_matmul_path_the_timing_can_pick(default
     llm.engine.close()
 
 
-def test_verification_catches_a_replay_a_little_off(tiny_model_factory, monkeypatch):
-    """Two parts in a thousand of the largest output is a fault, not rounding."""
+@pytest.mark.parametrize("off, fails", [(5e-4, False), (2e-3, True)])
+def test_an_eager_pairs_check_allows_rounding_but_not_a_fault(tiny_model_factory, monkeypatch, off, fails):
+    """Five parts in ten thousand of the largest output is the rounding a padding row can bring
+    (1.25e-4 measured); two in a thousand is a fault."""
     from graphrt.capture.capture import CaptureError
     from graphrt.capture.graphs import EagerStageGraph
 
     replay = EagerStageGraph.replay
-    monkeypatch.setattr(EagerStageGraph, "replay", lambda self, max_seq_len=None: replay(self, max_seq_len) * 1.002)
-    with pytest.raises(CaptureError, match=r"stage 0, bucket 4: replay differs from eager by .* the graph is not safe to use"):
-        LLM(model=tiny_model_factory(), dtype="float32", max_batch=4, max_num_seqs=4, load_tokenizer=False)
+    monkeypatch.setattr(EagerStageGraph, "replay", lambda self, max_seq_len=None: replay(self, max_seq_len) * (1 + off))
+    if fails:
+        with pytest.raises(CaptureError, match=r"stage 0, bucket 4: replay differs from eager by .* the graph is not safe to use"):
+            LLM(model=tiny_model_factory(), dtype="float32", max_batch=4, max_num_seqs=4, load_tokenizer=False)
+    else:
+        LLM(model=tiny_model_factory(), dtype="float32", max_batch=4, max_num_seqs=4, load_tokenizer=False).engine.close()
 
 
 def test_a_cpu_capture_says_what_it_measured_and_checked(default_cache):
