@@ -14,8 +14,8 @@ import datetime
 import hashlib
 import json
 import os
+import secrets
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
@@ -122,25 +122,20 @@ def write_manifest(out_dir: Path, manifest: dict) -> Path:
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=out_dir)
+        # Made as open(2) makes files, 0666 less the umask, as the cache's other files (mkstemp's are 0600).
+        tmp = str(out_dir / f".manifest.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     except OSError as exc:
         raise GraphrtError(f"cannot write the graph cache to {out_dir} ({exc.strerror}); choose a writable --out folder") from None
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
-        os.chmod(tmp, 0o666 & ~current_umask())  # as the cache's other files (mkstemp makes it 0600)
         os.replace(tmp, out_dir / MANIFEST_NAME)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out_dir / MANIFEST_NAME
-
-
-def current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def read_manifest(cache_dir: Path) -> dict:
