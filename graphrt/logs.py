@@ -45,9 +45,16 @@ def configure_logging(tag: str = "graphrt") -> None:
 
 
 def configure_library_logging() -> None:
-    """For `LLM`: nothing, unless GRAPHRT_LOGGING_LEVEL is set; then as a program does."""
-    if os.environ.get(LEVEL_VARIABLE):
-        configure_logging()
+    """For `LLM`: nothing, unless GRAPHRT_LOGGING_LEVEL is set; then the `graphrt` loggers at that
+    level and, where the application configured no logging, a stderr handler of graphrt's own on
+    them alone (not on the root logger, which stays the application's to configure)."""
+    if not os.environ.get(LEVEL_VARIABLE):
+        return
+    graphrt = logging.getLogger("graphrt")
+    graphrt.setLevel(logging_level(os.environ[LEVEL_VARIABLE]))
+    if not logging.getLogger().handlers and not any(isinstance(h, StderrHandler) for h in graphrt.handlers):
+        graphrt.addHandler(StderrHandler("graphrt"))
+        graphrt.propagate = False  # nor printed twice once the application configures the root
 
 
 def logging_level(value: str | None) -> int:

@@ -74,3 +74,17 @@ def test_the_python_api_logs_at_the_level_asked(level, tiny_model_factory):
     assert result.returncode == 0, result.stderr
     measured = [line for line in result.stderr.splitlines() if line.startswith("[graphrt] speculative decoding: decode step ms by bucket")]
     assert len(measured) == (1 if level else 0), result.stderr
+
+
+def test_the_python_api_leaves_the_root_logger_to_the_application(tiny_model_factory):
+    """With GRAPHRT_LOGGING_LEVEL set, LLM() prints graphrt's records, and an application that
+    configures logging afterwards still can."""
+    script = LLM_START + """
+import logging
+logging.basicConfig(format="app: %(message)s")
+logging.getLogger("app").warning("configured")
+"""
+    env = {**os.environ, "GRAPHRT_LOGGING_LEVEL": "INFO"}
+    result = subprocess.run([sys.executable, "-c", script, str(tiny_model_factory())], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "app: configured" in result.stderr.splitlines() and "[graphrt] speculative decoding" in result.stderr
