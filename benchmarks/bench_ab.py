@@ -24,8 +24,8 @@ from pathlib import Path
 
 METRICS = {
     "output tok/s": re.compile(r"output ([\d.]+) tok/s"),
-    "TTFT p50 ms": re.compile(r"TTFT p50 ([\d.]+) ms"),
-    "TPOT p50 ms": re.compile(r"TPOT p50 ([\d.]+) ms"),
+    "TTFT p50 ms": re.compile(r"TTFT (?:mean [\d.]+ ms, )?p50 ([\d.]+) ms"),  # graphrt before 2026-12-07 printed no mean
+    "TPOT p50 ms": re.compile(r"TPOT (?:mean [\d.]+ ms, )?p50 ([\d.]+) ms"),
 }
 # A row of serve_bench.py's table: concurrency, requests, tok/s, TTFT p50 / p90 / p99, TPOT p50 / p90 / p99.
 SERVE_ROW = re.compile(r"^\| (\d+) \| \d+ \| ([\d.]+) \| ([\d.]+) / [\d.]+ / [\d.]+ \| ([\d.]+) / [\d.]+ / [\d.]+ \|", re.M)

@@ -32,7 +32,7 @@ def main() -> None:
         workload = make_workload(args.requests, span(args.input_len), span(args.output_len), llm.engine.model_config.vocab_size, seed=0)
         result = run_graphrt(llm, workload)
         llm.engine.close()
-        print(f"| {name} | {result.output_tokens / result.seconds:.1f} | {result.tpot_s['p50'] * 1000:.1f} | {result.seconds:.1f} |", flush=True)
+        print(f"| {name} | {result.output_tokens / result.seconds:.1f} | {result.tpot_s['p50'] * 1000 if result.tpot_s else float('nan'):.1f} | {result.seconds:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
