@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,11 +33,6 @@ if TYPE_CHECKING:
     from graphrt.frontend.engine_client import EngineClient
 
 MAX_DRAIN_BYTES = 64 << 20  # past this, an oversized body is not read to its end before the 413
-ROUTES = (  # for a 404's message
-    "POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize, /generate (SGLang's), "
-    "/reset_prefix_cache (or /flush_cache) and "
-    "GET /v1/models, /health, /health_generate, /metrics, /version, /get_model_info, /get_server_info"
-)
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's /health_generate: how long its one-token generation may take
 
 
@@ -66,6 +62,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     """An app serving an engine on a thread of this process (AsyncEngine) or in a process of its
     own (EngineClient); its lifespan starts and stops it."""
     metrics = ServerMetrics(lambda: async_engine.snapshot, settings.model_id)
+    probe_metrics = ServerMetrics(lambda: async_engine.snapshot, settings.model_id)  # /health_generate's, shown nowhere
     created = int(time.time())
     names = TokenNames(async_engine.tokenizer)  # the event loop's: logprobs responses spell tokens with it
     template = async_engine.tokenizer.chat_template if async_engine.tokenizer is not None else None
@@ -92,7 +89,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # unknown routes and methods: the same error body as everything else
-        served = f"; this server answers {ROUTES}" if exc.status_code == 404 else ""
+        served = f"; this server answers {served_routes(app)}" if exc.status_code == 404 else ""
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}{served}").response()
 
     def check_api_key(request: Request) -> None:
@@ -225,7 +222,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         if not async_engine.healthy:
             return APIError(503, "the server is shutting down or its engine thread has stopped").response()
         job = GenerationJob(params=[SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)], prompts=[[0]])
-        generation = Generation(async_engine, metrics, job, native.NativeFormat(CompletionRequest(prompt=[0]), native.NativeOptions("input_ids"), names))
+        generation = Generation(async_engine, probe_metrics, job, native.NativeFormat(CompletionRequest(prompt=[0]), native.NativeOptions("input_ids"), names))
 
         async def one_token() -> None:
             if await generation.admit(request):
@@ -273,6 +270,16 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def served_routes(app: FastAPI) -> str:
+    """Every route by method, for a 404's message: `GET /health, /metrics, ...; POST /generate, ...`."""
+    paths: dict[str, list[str]] = {}
+    for route in app.routes:
+        if isinstance(route, APIRoute):
+            for method in sorted(route.methods - {"HEAD"}):
+                paths.setdefault(method, []).append(route.path)
+    return "; ".join(f"{method} {', '.join(paths[method])}" for method in sorted(paths))
 
 
 def sampling_params(parsed: SamplingFields, keep_special_tokens: bool = False, defaults: dict | None = None) -> list:

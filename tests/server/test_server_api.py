@@ -280,7 +280,9 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
 def test_an_unknown_route_names_the_served_ones(server):
     answer = httpx.post(f"{server.url}/v1/embeddings", json={"input": "a"}, headers={"Authorization": f"Bearer {API_KEY}"})
     assert answer.status_code == 404
-    assert answer.json()["error"]["message"].startswith("POST /v1/embeddings: Not Found; this server answers POST /v1/completions")
+    message = answer.json()["error"]["message"]
+    assert message.startswith("POST /v1/embeddings: Not Found; this server answers DELETE /v1/responses/{response_id:path}; GET ")
+    assert "POST /v1/completions, /v1/chat/completions, /v1/responses," in message and "/flush_cache" in message
 
 
 def test_the_prefix_cache_is_flushed_when_idle_and_refused_while_busy(client, server):

@@ -137,10 +137,17 @@ def test_sglangs_nulls_are_not_given(server):
 
 
 def test_health_generate_and_model_info(server, client):
+    requests_before = metric_of(httpx.get(f"{server.url}/metrics").text, "graphrt_requests_total")
     assert httpx.get(f"{server.url}/health_generate", timeout=60).status_code == 200
+    assert metric_of(httpx.get(f"{server.url}/metrics").text, "graphrt_requests_total") == requests_before  # a probe is no request
     info = httpx.get(f"{server.url}/get_model_info", headers=HEADERS).json()
     assert info["model_path"].endswith(MODEL) and info["is_generation"] is True
     assert info["max_model_len"] == client.models.retrieve(MODEL).model_extra["max_model_len"]
     server_info = httpx.get(f"{server.url}/get_server_info", headers=HEADERS).json()
     assert server_info["served_model_name"] == MODEL and server_info["version"]
     assert httpx.get(f"{server.url}/get_model_info").status_code == 401  # behind the key, as the API is
+
+
+def metric_of(text: str, name: str) -> float:
+    """The sum of a metric's samples over its labels."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " "))
