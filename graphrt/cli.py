@@ -321,6 +321,7 @@ def bench(num_requests, input_len, output_len, shared_prefix, seed, compare_hf, 
                 f"{output_range[1]} = {longest} tokens, does not fit the context of {engine.max_model_len}; shorten them"
             )
         workload = make_workload(num_requests, input_range, output_range, engine.model_config.vocab_size, seed, shared_prefix)
+        click.echo(f"[graphrt] running {num_requests} request{'s' if num_requests != 1 else ''}: {engine.describe()}", err=True)
         ours = run_graphrt(llm, workload)
         model_dir, dtype, batch = engine.model_dir, engine.dtype, engine.plan.max_batch
     finally:

@@ -181,18 +181,25 @@ def test_serve_on_an_address_that_is_none_says_so_and_nothing_else():
 
 def test_ctrl_c_during_bench_stops_it_cleanly(default_model):
     """It used to end in a C++ abort (terminate called without an active exception, SIGABRT): the
-    interpreter exited with stage work still running."""
+    interpreter exited with stage work still running. The signal comes once the run has begun."""
     import signal
     import time
 
     args = [sys.executable, "-m", "graphrt", "bench", "--model", str(default_model), "--dtype", "float32",
             "--requests", "8", "--input-len", "16", "--output-len", "400"]  # about 30 s of decoding here
-    bench = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    bench = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    time.sleep(12)  # past start-up (3 to 8 s here), into the run
+    seen = []
+    for line in bench.stderr:  # start-up's lines, then the run's
+        seen.append(line)
+        if line.startswith("[graphrt] running 8 requests"):
+            break
+    time.sleep(2)  # into the run
     bench.send_signal(signal.SIGINT)
-    output, _ = bench.communicate(timeout=120)
+    stdout, stderr = bench.communicate(timeout=120)
+    output = "".join(seen) + stdout + stderr
     assert bench.returncode == 1 and output.strip().endswith("Aborted!") and "terminate called" not in output, output
+    assert "output tokens from" not in output  # it was stopped before it finished
 
 
 @pytest.mark.parametrize("args, flag", [
