@@ -171,6 +171,10 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _is_str(value) -> bool:
     return isinstance(value, str)
 
@@ -205,7 +209,9 @@ GRAPH_CHECKS = {
     "stage": (_is_int, "an integer"),
     "bucket": (_is_int, "an integer"),
     "mode": (lambda v: v in ("graph", "eager"), '"graph" or "eager"'),
-    "capture_ms": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "capture_ms": (lambda v: _is_number(v), "a number"),
+    "max_abs_error": (lambda v: v is None or _is_number(v), "a number or null"),
+    "max_abs_error_allowed": (lambda v: v is None or _is_number(v), "a number or null"),  # absent from older caches
 }
 
 

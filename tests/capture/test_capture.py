@@ -135,6 +135,8 @@ def edited(**fields):
         (edited(pp="2"), "is damaged: pp is '2', not a positive integer"),
         (edited(pp=3), "is damaged: it lists 2 stages for pp 3"),
         (edited(max_model_len="8192"), "is damaged: max_model_len is '8192', not a positive integer"),
+        (lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "graphs": [{**g, "max_abs_error": "small"} for g in json.loads(p.read_text())["graphs"]]})),
+         "is damaged: graphs[0].max_abs_error is 'small', not a number or null"),
         (lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "graphs": [{**json.loads(p.read_text())["graphs"][0], "stage": 9}]})),
          "is damaged: graphs[0] is stage 9, bucket 1, which pp 2 and buckets [1, 2, 4, 8] do not have"),
     ],
