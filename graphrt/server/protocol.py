@@ -452,7 +452,33 @@ class ChatMessage(StrictModel):
         return message
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateOptions(StrictModel):
+    """How the chat template renders a conversation (vLLM's and SGLang's fields, on chat and
+    /tokenize): variables it reads (Qwen3's enable_thinking), and whether the prompt ends where the
+    reply begins, after the last message, or inside it (the reply continues it)."""
+
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What Tokenizer.apply_chat_template renders with besides the messages and tools; raise
+        APIError(400) for a pair that contradicts itself or a variable that is an argument."""
+        continuing = self.continue_final_message
+        if continuing and "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; send one", param="continue_final_message")
+        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise APIError(
+                400, f"chat_template_kwargs.{taken[0]} is an argument of the template call, not a variable of the template; "
+                "send the request's own field (messages, tools, add_generation_prompt, continue_final_message) instead",
+                param=f"chat_template_kwargs.{taken[0]}",
+            )
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt and not continuing,
+                "continue_final_message": continuing}
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
@@ -467,12 +493,6 @@ class ChatCompletionRequest(SamplingFields):
     store: bool | None = None  # the same: nothing is stored
     service_tier: str | None = None  # OpenAI's priced tiers; one server is one tier
     reasoning_effort: str | None = None  # for OpenAI's reasoning models; no chat template here is given it
-
-    # How the chat template renders the conversation (vLLM's and SGLang's): its own variables
-    # (e.g. Qwen3's enable_thinking), and whether the reply continues the last message instead.
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
 
     def check(self) -> None:
         super().check()
@@ -491,10 +511,6 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError(400, "min_tokens cannot be combined with tool_choice \"required\" or a named tool: the grammar decides where the output ends", param="min_tokens")
         for index, message in enumerate(self.messages):
             message.check(index)
-
-    def template_kwargs(self) -> dict[str, Any]:
-        """What the chat template is rendered with besides the messages and tools."""
-        return template_kwargs(self)
 
     def tool_use(self) -> ToolUse | None:
         """The tools the model may call and how; None where it calls none."""
@@ -519,24 +535,6 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-def template_kwargs(request: StrictModel) -> dict[str, Any]:
-    """A chat request's (or /tokenize's) chat_template_kwargs, add_generation_prompt and
-    continue_final_message as the chat template is rendered with them (Tokenizer.apply_chat_template);
-    raise APIError(400) for a pair that contradicts itself or a variable that is an argument."""
-    continuing = request.continue_final_message
-    if continuing and "add_generation_prompt" in request.model_fields_set and request.add_generation_prompt:
-        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; send one", param="continue_final_message")
-    taken = sorted(set(request.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
-    if taken:
-        raise APIError(
-            400, f"chat_template_kwargs.{taken[0]} is an argument of the template call, not a variable of the template; "
-            "send the request's own field (messages, tools, add_generation_prompt, continue_final_message) instead",
-            param=f"chat_template_kwargs.{taken[0]}",
-        )
-    return {**(request.chat_template_kwargs or {}), "add_generation_prompt": request.add_generation_prompt and not continuing,
-            "continue_final_message": continuing}
 
 
 def decode_body(body: bytes) -> dict:

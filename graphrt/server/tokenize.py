@@ -4,18 +4,17 @@ the model for a prompt or a conversation (to count them before sending), text ba
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
 from graphrt.errors import GraphrtError
 from graphrt.server.errors import APIError
-from graphrt.server.protocol import ChatMessage, Tool, template_kwargs
+from graphrt.server.protocol import ChatMessage, ChatTemplateOptions, Tool
 from graphrt.server.tool_choice import ToolUse
 from graphrt.server.validation import StrictModel, validation_error
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(ChatTemplateOptions):
     """A prompt as completions tokenize it, or messages (and tools) as chat renders them; vLLM's
     fields, but chat_template."""
 
@@ -24,9 +23,6 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[Tool] | None = None
     add_special_tokens: bool | None = None  # None: yes for a prompt (its BOS), no for messages (the template writes them)
-    add_generation_prompt: bool = True  # messages: end where the assistant's reply begins, as the chat route does
-    continue_final_message: bool = False  # messages: end inside the last message, for the reply to continue it
-    chat_template_kwargs: dict[str, Any] | None = None  # variables the chat template reads, as chat takes them
     return_token_strs: bool = False  # also each id as the tokenizer's piece
 
     @model_validator(mode="after")
@@ -54,7 +50,7 @@ async def tokenize(tokenizer, parsed: TokenizeRequest, max_model_len: int, model
         if parsed.messages is not None:
             messages = [message.template_dict() for message in parsed.messages]
             tools = ToolUse.of(parsed.tools, None, None).template_tools() if parsed.tools else None
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tools, **template_kwargs(parsed))
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tools, **parsed.template_kwargs())
         else:
             text = parsed.prompt
         ids = await asyncio.to_thread(tokenizer.encode, text, special)
