@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from graphrt.cli_flags import Command, no_op_flags
 from graphrt.errors import GraphrtError
 from graphrt.kernels.cpu.placement import CPU_PLACEMENTS, MIN_CORES_TO_PIN
 from graphrt.logs import configure_logging
@@ -27,65 +28,6 @@ KERNEL_CHOICES = ("auto", "torch", "triton")  # graphrt.kernels.KERNEL_CHOICES, 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # graphrt.server.tool_parsers.TOOL_CALL_PARSERS, whose package loads the server
 
 
-# vLLM's and SGLang's flags that graphrt has no equivalent of, with what to do instead: refused with
-# that, not with click's nearest spelling (which sent --enforce-eager to --allow-eager, -tp to -t,
-# --disable-radix-cache to --enable-prefix-caching).
-NO_TENSOR_PARALLELISM = "graphrt has no tensor parallelism; split the model over GPUs with --pp N (and a mixture of experts' experts with --ep N)"
-SIZED_KV_CACHE = "graphrt sizes the KV cache itself: 85% of the GPU memory left free once graphs and activations are measured"
-SPECULATIVE_CONFIG = """pass --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' or '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}' (docs/speculative.md)"""
-REFUSED_FLAGS = {
-    "--tensor-parallel-size": ("vLLM's", NO_TENSOR_PARALLELISM),
-    "-tp": ("vLLM's", NO_TENSOR_PARALLELISM),
-    "--tp-size": ("SGLang's", NO_TENSOR_PARALLELISM),
-    "--tp": ("SGLang's", NO_TENSOR_PARALLELISM),
-    "--gpu-memory-utilization": ("vLLM's", SIZED_KV_CACHE),
-    "--mem-fraction-static": ("SGLang's", SIZED_KV_CACHE),
-    "--kv-cache-dtype": ("vLLM's and SGLang's", "the KV cache is kept in the model's --dtype"),
-    "--block-size": ("vLLM's", "KV blocks are 16 tokens here (the Python API's block_size sets it)"),
-    "--page-size": ("SGLang's", "KV blocks are 16 tokens here (the Python API's block_size sets it)"),
-    "--max-num-batched-tokens": ("vLLM's", "a step's prompt tokens are set with --prefill-chunk-size"),
-    "--quantization": ("vLLM's and SGLang's", "graphrt serves unquantized weights (graphrt import-gguf de-quantizes a GGUF file)"),
-    "--tokenizer": ("vLLM's", "the tokenizer is read from the model folder"),
-    "--tokenizer-path": ("SGLang's", "the tokenizer is read from the model folder"),
-    "--revision": ("vLLM's and SGLang's", "graphrt reads local folders: download that revision first and pass its folder"),
-    "--swap-space": ("vLLM's", "a preempted request is recomputed, not swapped"),
-    "--dp-size": ("SGLang's", "a server is one replica: start one per replica, each on its own GPUs, behind a load balancer"),
-    "--dp": ("SGLang's", "a server is one replica: start one per replica, each on its own GPUs, behind a load balancer"),
-    "--log-level": ("SGLang's", "set GRAPHRT_LOGGING_LEVEL=debug, info, warning or error"),
-    "--speculative-algorithm": ("SGLang's", SPECULATIVE_CONFIG),
-    "--speculative-num-draft-tokens": ("SGLang's", SPECULATIVE_CONFIG),
-    "--speculative-draft-model-path": ("SGLang's", SPECULATIVE_CONFIG),
-    "--speculative-num-steps": ("SGLang's", SPECULATIVE_CONFIG),
-    "--enable-torch-compile": ("SGLang's", "decode replays CUDA graphs of graphrt's own kernels, with no torch.compile"),
-    "--attention-backend": ("SGLang's", "the decode kernels are chosen with --kernels auto|torch|triton"),
-    "--random-seed": ("SGLang's", "a request's `seed` field seeds its sampling"),
-    "--nnodes": ("SGLang's", "graphrt's stages span hosts under torchrun (docs/distributed.md)"),
-}
-# Flags that ask for no tensor parallelism, where a value of 1 changes nothing: accepted with it.
-TENSOR_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--tp-size", "--tp")
-# SGLang's names for graphrt's flags, read as them by every command that has the flag.
-SGLANG_NAMES = {
-    "--model-path": "--model",
-    "--pp-size": "--pp",
-    "--ep-size": "--ep",
-    "--context-length": "--max-model-len",
-    "--max-running-requests": "--max-num-seqs",
-    "--chunked-prefill-size": "--prefill-chunk-size",
-    "--cuda-graph-max-bs": "--max-batch",
-    "--disable-cuda-graph": "--no-graphs",
-    "--disable-radix-cache": "--no-prefix-caching",
-    "--disable-overlap-schedule": "--no-async-scheduling",
-}
-# vLLM's (and SGLang's) flags for what graphrt always does: accepted, and they change nothing.
-VLLM_NO_OPS = {
-    "--trust-remote-code": "graphrt runs no code from the model folder",
-    "--disable-log-requests": "graphrt does not log requests",
-    "--enable-prefix-caching": "prefix caching is on unless --no-prefix-caching",
-    "--enable-chunked-prefill": "prompts are always prefilled in chunks of --prefill-chunk-size",
-    "--enable-metrics": "/metrics is always served",
-}
-
-
 class FiniteFloat(click.FloatRange):
     """A float flag in its range, and finite: click's range lets nan through (every comparison is
     false) and inf reached `time.sleep` as an OverflowError."""
@@ -95,42 +37,6 @@ class FiniteFloat(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return number
-
-
-class Command(click.Command):
-    """Reads vLLM's and SGLang's command lines: their names for graphrt's flags (SGLANG_NAMES), no
-    tensor parallelism asked as a size of 1, and a flag graphrt lacks refused saying what to do
-    instead (REFUSED_FLAGS)."""
-
-    def parse_args(self, ctx, args):
-        own = {name for param in self.params for name in (*param.opts, *param.secondary_opts)}
-        # graphrt's options that take a value: the token after one is that value, never a flag.
-        takes_value = {name for param in self.params if isinstance(param, click.Option) and not param.is_flag for name in param.opts}
-        read = []
-        index = 0
-        while index < len(args):
-            arg = args[index]
-            if arg == "--":  # the rest are arguments, as given
-                read += args[index:]
-                break
-            if arg in takes_value:
-                read += args[index : index + 2]
-                index += 2
-                continue
-            flag, equals, value = arg.partition("=")
-            if flag in TENSOR_PARALLEL_FLAGS:
-                value = value if equals else (args[index + 1] if index + 1 < len(args) else "")
-                if value.strip() == "1":
-                    index += 1 if equals else 2
-                    continue
-            if flag in REFUSED_FLAGS:
-                whose, instead = REFUSED_FLAGS[flag]
-                raise click.UsageError(f"{flag} is {whose}: {instead}", ctx)
-            if SGLANG_NAMES.get(flag) in own:
-                arg = SGLANG_NAMES[flag] + equals + value
-            read.append(arg)
-            index += 1
-        return super().parse_args(ctx, read)
 
 
 class Group(click.Group):
@@ -155,13 +61,6 @@ def main() -> None:
 
 def parse_devices(value: str | None) -> list[str] | None:
     return [d.strip() for d in value.split(",")] if value else None
-
-
-def vllm_no_ops(command):
-    """VLLM_NO_OPS as hidden flags, gathered in one argument the command ignores."""
-    for flag, why in VLLM_NO_OPS.items():
-        command = click.option(flag, "vllm_no_ops", flag_value=flag, multiple=True, hidden=True, help=f"Accepted as in vLLM and SGLang: {why}.")(command)
-    return command
 
 
 def model_options(command):
@@ -454,19 +353,19 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
                    "(temperature, top_p, top_k, min_p, repetition_penalty), as vLLM; vllm, the API's; or a folder holding one.")
 @click.option("--chat-template", default=None, help="A Jinja file, or the template itself, to render chat conversations with instead of the model's own.")
 @click.option("--enable-auto-tool-choice", is_flag=True, help="Accepted as in vLLM's command lines; tool_choice auto is always on here.")
-@vllm_no_ops
+@no_op_flags
 @click.argument("model_folder", required=False, type=click.Path(path_type=Path), metavar="[MODEL]")
 def serve(
     cache, max_num_seqs, max_model_len, prefill_chunk_size, host, port, api_key, api_key_file, max_body_bytes,
     max_connections, timeout_header, timeout_body, timeout_keep_alive, no_engine_process, cpu_placement, tool_call_parser,
-    served_model_names, generation_config, chat_template, enable_auto_tool_choice, vllm_no_ops, model_folder, **model_args,
+    served_model_names, generation_config, chat_template, enable_auto_tool_choice, no_ops, model_folder, **model_args,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM.
     MODEL (as in `vllm serve MODEL`) is the same as --model.
 
     Chat completions take tools (tool_choice auto, required or a named function) and, like
     completions, response_format and structured_outputs (a JSON schema, a regex, a choice, a grammar)."""
-    del enable_auto_tool_choice, vllm_no_ops  # vLLM's flags for what graphrt always does (tool_choice auto included)
+    del enable_auto_tool_choice, no_ops  # vLLM's and SGLang's flags for what graphrt always does (tool_choice auto included)
     # Ctrl+C or SIGTERM while the server stack imports stops it as cleanly as later: one line, exit 0.
     try:
         with stop_requests_noted():  # acted on once the server stack has imported whole

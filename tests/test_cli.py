@@ -9,7 +9,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from graphrt import LLM, SamplingParams, cli
+from graphrt import LLM, SamplingParams, cli, cli_flags
 from graphrt.cli import main
 from graphrt.kernels import KERNEL_CHOICES
 
@@ -120,7 +120,7 @@ def test_a_vllm_or_sglang_flag_graphrt_lacks_says_what_to_do_instead(args, messa
     assert result.exit_code == 2 and message in result.output, result.output
 
 
-@pytest.mark.parametrize("sglang, ours", sorted(cli.SGLANG_NAMES.items()))
+@pytest.mark.parametrize("sglang, ours", sorted(cli_flags.SGLANG_NAMES.items()))
 def test_sglang_names_for_graphrt_flags_are_read_as_them(sglang, ours):
     """Each parses to what graphrt's own name parses to, which is not the default."""
     serve = main.commands["serve"]
