@@ -151,3 +151,15 @@ def test_health_generate_and_model_info(server, client):
 def metric_of(text: str, name: str) -> float:
     """The sum of a metric's samples over its labels."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_a_stream_with_logprobs_ends_with_the_whole_outputs_logprobs(server):
+    body = {"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 5, "temperature": 0}, "return_logprob": True, "top_logprobs_num": 1}
+    whole = generate(server, **body).json()["meta_info"]
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, headers=HEADERS, timeout=120) as response:
+        events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line and line != "data: [DONE]"]
+    counts = [len(event["meta_info"]["output_token_logprobs"]) for event in events]
+    assert counts == sorted(counts) and counts[-1] == 5  # each event the whole output's so far
+    last = events[-1]["meta_info"]
+    assert [token for _, token, _ in last["output_token_logprobs"]] == [token for _, token, _ in whole["output_token_logprobs"]]
+    assert [lp for lp, _, _ in last["output_token_logprobs"]] == pytest.approx([lp for lp, _, _ in whole["output_token_logprobs"]], abs=1e-5)
