@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible routes over one `AsyncEngine`, plus /health and /metrics."""
+"""The FastAPI app: OpenAI-compatible routes over one `AsyncEngine`, vLLM's and SGLang's extra routes
+(/tokenize, /reset_prefix_cache, SGLang's /generate and its kin: graphrt.server.native), /health and /metrics."""
 
 from __future__ import annotations
 
