@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from graphrt.frontend.async_engine import GenerationJob
 from graphrt.sampling_params import TokenLogprob
 from graphrt.server.errors import APIError
-from graphrt.server.protocol import CompletionRequest
+from graphrt.server.protocol import CompletionRequest, is_token_id
 from graphrt.server.responses import ChoiceState, ResponseFormat, TokenNames
 from graphrt.server.validation import RENAMED, validation_error
 
@@ -67,7 +67,7 @@ class NativeOptions:
             elif type(value) is not kind:
                 raise APIError(400, f"{name}: must be a{'n integer' if kind is int else ' boolean'}, got {value!r}", param=name)
         prompt = raw[prompt_field]
-        return cls(prompt_field=prompt_field, batch=isinstance(prompt, list) and not all(_is_id(t) for t in prompt), **given)
+        return cls(prompt_field=prompt_field, batch=isinstance(prompt, list) and not all(is_token_id(t) for t in prompt), **given)
 
 
 def completion_request(raw: dict) -> tuple[CompletionRequest, NativeOptions]:
@@ -108,10 +108,6 @@ def completion_request(raw: dict) -> tuple[CompletionRequest, NativeOptions]:
     return request, options
 
 
-def _is_id(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_prompt(name: str, prompt) -> None:
     """text: a string or a list of them; input_ids: ids, or a list of id lists."""
     if name == "text":
@@ -119,7 +115,7 @@ def _check_prompt(name: str, prompt) -> None:
         shapes = "a string or a non-empty list of strings"
     else:
         fits = isinstance(prompt, list) and prompt and (
-            all(map(_is_id, prompt)) or all(isinstance(p, list) and p and all(map(_is_id, p)) for p in prompt)
+            all(map(is_token_id, prompt)) or all(isinstance(p, list) and p and all(map(is_token_id, p)) for p in prompt)
         )
         shapes = "a non-empty list of token ids, or a list of them"
     if not fits:

@@ -326,7 +326,7 @@ class CompletionRequest(SamplingFields):
     def _check_prompt(cls, prompt):
         """A string, a list of token ids, or a batch: a list of strings or of token-id lists."""
         shapes = "a string, a list of token ids, a list of strings, or a list of token-id lists"
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt)):
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_token_id(t) for t in prompt)):
             return prompt
         if not isinstance(prompt, list):
             raise ValueError(f"must be {shapes}")
@@ -335,13 +335,13 @@ class CompletionRequest(SamplingFields):
         if not all(isinstance(p, str) for p in prompt) and not all(isinstance(p, list) for p in prompt):
             raise ValueError(f"must be {shapes}, not a mix of those")
         for index, element in enumerate(prompt):
-            if isinstance(element, list) and not (element and all(_is_token_id(t) for t in element)):
+            if isinstance(element, list) and not (element and all(is_token_id(t) for t in element)):
                 raise ValueError(f"element {index} must be a non-empty list of token ids (integers)")
         return prompt[0] if len(prompt) == 1 else prompt
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts in order; one element for a single prompt."""
-        if isinstance(self.prompt, str) or _is_token_id(self.prompt[0]):
+        if isinstance(self.prompt, str) or is_token_id(self.prompt[0]):
             return [self.prompt]
         return list(self.prompt)
 
@@ -365,7 +365,7 @@ class CompletionRequest(SamplingFields):
         return max(asked, default=None)
 
 
-def _is_token_id(value: Any) -> bool:
+def is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
