@@ -197,7 +197,9 @@ class EngineClient:
             self._send(AbortJob(job_id))
 
     async def reset_prefix_cache(self) -> bool:
-        """Engine.reset_prefix_cache, in the engine process."""
+        """Engine.reset_prefix_cache, in the engine process; False once it is gone or stopping."""
+        if self.failure is not None or not self.accepting:
+            return False
         answer = asyncio.get_running_loop().create_future()
         self._resets.append(answer)
         self._send(ResetPrefixCache())
