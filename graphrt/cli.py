@@ -40,7 +40,9 @@ class FiniteFloat(click.FloatRange):
 
 
 class Group(click.Group):
-    """Prints graphrt's own errors as one line (what happened, what to do) and exits 1."""
+    """Prints graphrt's own errors as one line (what happened, what to do) and exits 1; Ctrl+C ends a
+    command with "Aborted!" and 130, the shell's code for a run stopped by SIGINT (click's own is 1,
+    which scripts cannot tell from a failure)."""
 
     command_class = Command
 
@@ -51,6 +53,9 @@ class Group(click.Group):
         except (GraphrtError, ValueError) as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("\nAborted!", err=True)
+            sys.exit(130)
 
 
 @click.group(cls=Group)

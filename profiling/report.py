@@ -2,8 +2,10 @@
 
 Busy and bubble shares, throughput and micro-batches in flight are measured over the steady-state
 window: the middle 50% of the decode span (first decode slice start to last decode slice end), so
-the ring filling up at the start and draining at the end don't count. Mean stage times use every
-slice of the run.
+the ring filling up at the start and draining at the end don't count. Stage times use every slice
+of the run: decode and verify times are medians per bucket, so the first replays (which warm caches
+and, on CPUs, may still be timing kernels) do not pull them; prefill times are means, their chunks
+being of every length.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ STEADY_SHARE = 0.5  # the middle half of the decode span
 class StageUse:
     stage: int
     busy: float  # share of the steady-state window
-    decode_ms: dict[int, float]  # bucket -> mean stage time
+    decode_ms: dict[int, float]  # bucket -> median stage time
     decode_counts: dict[int, int]
     prefill_ms: float | None
     num_prefill: int
@@ -115,11 +117,11 @@ def stage_use(timeline: Timeline, stage: int, window: tuple[float, float]) -> St
     return StageUse(
         stage=stage,
         busy=timeline.busy_fraction(stage, window),
-        decode_ms={bucket: mean(values) for bucket, values in sorted(times.items())},
+        decode_ms={bucket: median(values) for bucket, values in sorted(times.items())},
         decode_counts={bucket: len(values) for bucket, values in sorted(times.items())},
         prefill_ms=mean(prefill) if prefill else None,
         num_prefill=len(prefill),
-        verify_ms=mean(verify) if verify else None,
+        verify_ms=median(verify) if verify else None,
         num_verify=len(verify),
     )
 
@@ -210,7 +212,8 @@ def render_report(summaries: list[RunSummary], files: list[list[str]], command: 
         f"- command: `{command}`",
         f"- workload: {workload}",
         "- busy: share of the steady-state window (the middle 50% of the decode span) in which the stage "
-        "was running a micro-batch; bubble = 100% - busy. Stage times are means over every slice of the run.",
+        "was running a micro-batch; bubble = 100% - busy. Decode and verify stage times are medians over every "
+        "slice of the run, prefill times means.",
         "",
     ]
     if len(summaries) > 1:

@@ -3,6 +3,7 @@ trace JSON, timeline PNGs, report.md and (for a sweep) depth.png into one folder
 
 from __future__ import annotations
 
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -103,26 +104,57 @@ def expert_rank_lines(engine) -> list[str]:
     return lines
 
 
+# What a profile writes into --out; clear_earlier_profile removes these names only.
+PROFILE_FILES = re.compile(r"(trace|timeline)(-depth\d+)?\.(json|png)|depth\.png|report\.md")
+
+
 def run_profile(options: ProfileOptions, echo: Callable[[str], None] = print) -> list[RunSummary]:
     options.out.mkdir(parents=True, exist_ok=True)
-    summaries, files = [], []
-    with tempfile.TemporaryDirectory(prefix="graphrt-synthetic-") as tmp:
-        model_dir = None
-        if options.synthetic_ms is not None:
-            # One layer per stage, so each stage's own compute is small beside its known sleep.
-            model_dir = make_tiny_model(Path(tmp) / "tiny", SYNTHETIC_VARIANT, num_layers=options.engine_kwargs.get("pp") or 1)
-        rank_lines = []
-        for depth in options.depths:
-            summary, names, rank_lines = profile_once(options, depth, model_dir)
-            busy = ", ".join(f"{100 * s.busy:.0f}%" for s in summary.stages)
-            echo(f"[graphrt] depth {depth}: stage busy {busy}; {summary.tokens_per_s:.1f} tok/s; wrote {', '.join(names)}")
-            for line in rank_lines:
-                echo(f"[graphrt]   {line}")
-            summaries.append(summary)
-            files.append(names)
+    earlier = clear_earlier_profile(options.out)
+    if earlier:
+        echo(f"[graphrt] removed {len(earlier)} file{'s' if len(earlier) != 1 else ''} of an earlier profile from {options.out}: {', '.join(earlier)}")
+    summaries, files, rank_lines = [], [], []
+    try:
+        with tempfile.TemporaryDirectory(prefix="graphrt-synthetic-") as tmp:
+            model_dir = None
+            if options.synthetic_ms is not None:
+                # One layer per stage, so each stage's own compute is small beside its known sleep.
+                model_dir = make_tiny_model(Path(tmp) / "tiny", SYNTHETIC_VARIANT, num_layers=options.engine_kwargs.get("pp") or 1)
+            for depth in options.depths:
+                requests = f"{options.num_requests} request{'s' if options.num_requests != 1 else ''}"
+                echo(f"[graphrt] depth {depth}: starting the engine, then {requests}")
+                summary, names, rank_lines = profile_once(options, depth, model_dir)
+                busy = ", ".join(f"{100 * s.busy:.0f}%" for s in summary.stages)
+                echo(f"[graphrt] depth {depth}: stage busy {busy}; {summary.tokens_per_s:.1f} tok/s; wrote {', '.join(names)}")
+                for line in rank_lines:
+                    echo(f"[graphrt]   {line}")
+                summaries.append(summary)
+                files.append(names)
+    except KeyboardInterrupt:
+        if summaries:  # what finished stays readable
+            done = ", ".join(str(s.depth) for s in summaries)
+            report = write_report(options, summaries, files, rank_lines, f"Interrupted: this report covers depth {done} only.")
+            echo(f"[graphrt] interrupted; wrote {report} for depth {done}")
+        raise
     if options.sweep:
         plot_depth_sweep(summaries, options.out / "depth.png", f"pp={summaries[0].pp}: utilization and throughput against ring depth")
         files[0] = files[0] + ["depth.png"]
+    report = write_report(options, summaries, files, rank_lines)
+    echo(f"[graphrt] wrote {report}")
+    return summaries
+
+
+def clear_earlier_profile(out: Path) -> list[str]:
+    """Remove the files an earlier profile wrote to `out`: left beside a new run's (a sweep's
+    per-depth files after a single run, a report from another model), nothing would say which run
+    they came from. Files of other names stay."""
+    earlier = sorted(p.name for p in out.iterdir() if p.is_file() and PROFILE_FILES.fullmatch(p.name))
+    for name in earlier:
+        (out / name).unlink()
+    return earlier
+
+
+def write_report(options: ProfileOptions, summaries: list[RunSummary], files: list[list[str]], rank_lines: list[str], note: str = "") -> Path:
     workload = (
         f"{options.num_requests} requests, prompts of {span(options.input_range)} random tokens, "
         f"{span(options.output_range)} output tokens each (greedy, EOS ignored), all submitted at once"
@@ -132,9 +164,9 @@ def run_profile(options: ProfileOptions, echo: Callable[[str], None] = print) ->
     report = options.out / "report.md"
     ranks = "".join(f"\n- {line}" for line in rank_lines)
     ranks = f"\n## Expert ranks (the last run)\n{ranks}\n" if ranks else ""
-    report.write_text(render_report(summaries, files, options.command, workload) + ranks)
-    echo(f"[graphrt] wrote {report}")
-    return summaries
+    note = f"\n{note}\n" if note else ""
+    report.write_text(render_report(summaries, files, options.command, workload) + ranks + note)
+    return report
 
 
 def span(bounds: tuple[int, int]) -> str:

@@ -186,7 +186,15 @@ def make_tiny_model(
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek's router steering: zeros would test nothing
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
-    model.save_pretrained(path, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its "Writing model shards" bar would sit among a command's own lines
+    try:
+        model.save_pretrained(path, safe_serialization=True)
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     return path
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import pytest
@@ -31,7 +32,7 @@ def sweep(tmp_path_factory):
 
 
 def test_the_report_adds_up_from_the_trace(sweep):
-    """Busy shares, bubbles and mean stage times are what the written trace says over the named
+    """Busy shares, bubbles and median stage times are what the written trace says over the named
     window. (How close they come to the pipeline formula depends on the machine's load:
     benchmarks/ring_utilization.py measures that.)"""
     summaries, out, _ = sweep
@@ -47,7 +48,7 @@ def test_the_report_adds_up_from_the_trace(sweep):
             for bucket, count in use.decode_counts.items():
                 durations = [e["dur"] / 1000 for e in track if e["args"]["kind"] == "decode" and e["args"]["bucket"] == bucket]
                 assert len(durations) == count
-                assert use.decode_ms[bucket] == pytest.approx(sum(durations) / count, rel=1e-6)
+                assert use.decode_ms[bucket] == pytest.approx(statistics.median(durations), rel=1e-6)
                 assert use.decode_ms[bucket] >= STAGE_MS * 0.95  # a sleep never ends early
         last = [e for e in slices if e["args"]["stage"] == PP - 1 and e["args"]["kind"] == "decode" and lo <= e["ts"] + e["dur"] < hi]
         assert summary.rows_per_micro_batch == pytest.approx(sum(e["args"]["rows"] for e in last) / len(last))
@@ -76,7 +77,8 @@ def test_a_sweep_writes_every_file_and_a_report_that_names_its_window(sweep):
     assert "| depth | ring slots | stage 0 busy" in report and "| in flight | rows per micro-batch | output tok/s |" in report
     row0 = next(line for line in report.splitlines() if line.startswith("| 0 | 4 |"))
     assert f"{100 * summaries[0].stages[0].busy:.1f}%" in row0 and f"| {summaries[0].rows_per_micro_batch:.1f} |" in row0
-    assert len(lines) == 3 and "depth 1: stage busy" in lines[1]
+    assert lines[0] == "[graphrt] depth 0: starting the engine, then 8 requests" and "depth 0: stage busy" in lines[1]
+    assert "depth 1: stage busy" in lines[3] and lines[4] == f"[graphrt] wrote {out / 'report.md'}" and len(lines) == 5
 
 
 def test_the_trace_is_chrome_json_with_one_track_per_stage_and_no_overlap(sweep):
@@ -107,6 +109,40 @@ def test_the_command_writes_trace_report_and_timeline(tmp_path):
     assert result.exit_code == 0, result.output
     assert {p.name for p in out.iterdir()} == {"report.md", "trace.json", "timeline.png"}
     assert "pp=2, depth=1 (ring of 3 slots)" in (out / "report.md").read_text()
+
+
+def test_a_reused_out_folder_keeps_no_file_of_the_earlier_profile(tmp_path):
+    """A single run after a sweep left the sweep's per-depth traces and depth.png beside its own."""
+    out = tmp_path / "run"
+    quick = ["profile", "--synthetic", "1", "--pp", "2", "--requests", "2", "--output-len", "4", "--out", str(out)]
+    assert CliRunner().invoke(main, [*quick, "--sweep-depth", "0,1"]).exit_code == 0
+    (out / "notes.md").write_text("mine")
+    result = CliRunner().invoke(main, [*quick, "--depth", "1"])
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in out.iterdir()} == {"report.md", "trace.json", "timeline.png", "notes.md"}
+    assert (f"removed 6 files of an earlier profile from {out}: depth.png, report.md, timeline-depth0.png, "
+            "timeline-depth1.png, trace-depth0.json, trace-depth1.json") in result.output
+
+
+def test_an_interrupted_sweep_keeps_a_report_of_the_depths_it_finished(tmp_path):
+    """Ctrl+C as the second depth starts: the first depth's trace, timeline and report stay."""
+    options = ProfileOptions(
+        engine_kwargs=dict(pp=2), depths=[0, 1], sweep=True, out=tmp_path, num_requests=2, input_range=(4, 4),
+        output_range=(4, 4), synthetic_ms=1.0,
+    )
+    lines = []
+
+    def echo(line):
+        lines.append(line)
+        if line.startswith("[graphrt] depth 1: starting"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_profile(options, echo=echo)
+    assert {p.name for p in tmp_path.iterdir()} == {"report.md", "trace-depth0.json", "timeline-depth0.png"}
+    report = (tmp_path / "report.md").read_text()
+    assert "## pp=2, depth=0" in report and "depth=1" not in report and "Interrupted: this report covers depth 0 only." in report
+    assert lines[-1] == f"[graphrt] interrupted; wrote {tmp_path / 'report.md'} for depth 0"
 
 
 @pytest.mark.parametrize("args, message", [
