@@ -20,8 +20,9 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 
 from graphrt.sampling_params import MAX_LOGPROBS
+from graphrt.server.chat_protocol import ChatCompletionRequest
 from graphrt.server.errors import APIError
-from graphrt.server.protocol import ChatCompletionRequest, decode_body
+from graphrt.server.protocol import decode_body
 from graphrt.server.validation import StrictModel, validation_error
 
 

@@ -8,9 +8,9 @@ import asyncio
 from pydantic import Field, ValidationError, model_validator
 
 from graphrt.errors import GraphrtError
+from graphrt.server.chat_protocol import ChatMessage, ChatTemplateOptions
 from graphrt.server.errors import APIError
-from graphrt.server.protocol import ChatMessage, ChatTemplateOptions, Tool
-from graphrt.server.tool_choice import ToolUse
+from graphrt.server.tool_choice import Tool, ToolUse
 from graphrt.server.validation import StrictModel, validation_error
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from graphrt import LLM, SamplingParams
 from graphrt.frontend.generation_config import describe, resolve, sampling_defaults
-from graphrt.server.protocol import ChatCompletionRequest, CompletionRequest
+from graphrt.server.chat_protocol import ChatCompletionRequest
+from graphrt.server.protocol import CompletionRequest
 
 QWEN3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "temperature": 0.6, "top_k": 20, "top_p": 0.95}
 

@@ -12,8 +12,9 @@ for package in ("fastapi", "uvicorn"):  # graphrt.server imports the server stac
 
 from graphrt.errors import RequestError  # noqa: E402
 from graphrt.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput  # noqa: E402
+from graphrt.server.chat_protocol import ChatCompletionRequest  # noqa: E402
 from graphrt.server.errors import APIError  # noqa: E402
-from graphrt.server.protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, parse_request  # noqa: E402
+from graphrt.server.protocol import MAX_CHOICES, CompletionRequest, parse_request  # noqa: E402
 from graphrt.server.structured_outputs import check_grammar  # noqa: E402
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
