@@ -211,12 +211,16 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     async def generate_native(request: Request) -> Response:
         check_api_key(request)
         raw = decode_body(await read_body(request, settings.max_body_bytes))
-        parsed, options = native.completion_request(raw)
+        requests, options = native.completion_requests(raw)  # one for every prompt, or one per prompt
+        prompts, params = [], []
+        for index, parsed in enumerate(requests):
+            with native.in_native_terms(options.prompt_field, f"sampling_params[{index}]" if len(requests) > 1 else "sampling_params"):
+                await check_grammars(parsed)
+                params += sampling_params(parsed, defaults=settings.sampling_defaults) * len(parsed.prompts())
+            prompts += parsed.prompts()
         with native.in_native_terms(options.prompt_field):
-            await check_grammars(parsed)
-            prompts = parsed.prompts()
-            job = GenerationJob(params=sampling_params(parsed, defaults=settings.sampling_defaults) * len(prompts), prompts=prompts)
-            return await generate(request, job, parsed, native.NativeFormat(parsed, options, names))
+            job = GenerationJob(params=params, prompts=prompts)
+            return await generate(request, job, requests[0], native.NativeFormat(requests[0], options, names))
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:

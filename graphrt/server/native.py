@@ -2,7 +2,7 @@
 request and response shapes (streamed as SGLang streams: each event the whole output so far),
 GET /health_generate, /get_model_info and /get_server_info.
 
-A /generate request is read as the completions request it amounts to (`completion_request`), so its
+A /generate request is read as the completions requests it amounts to (`completion_requests`), so its
 checks, sampling and engine path are completions'; only the names differ, and an error names the
 parameter as this request sent it (`in_native_terms`).
 """
@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from graphrt.frontend.async_engine import GenerationJob
 from graphrt.sampling_params import TokenLogprob
 from graphrt.server.errors import APIError
-from graphrt.server.protocol import CompletionRequest, is_token_id
+from graphrt.server.protocol import MAX_CHOICES, CompletionRequest, is_token_id
 from graphrt.server.responses import ChoiceState, ResponseFormat, TokenNames
 from graphrt.server.validation import RENAMED, validation_error
 
@@ -70,8 +70,9 @@ class NativeOptions:
         return cls(prompt_field=prompt_field, batch=isinstance(prompt, list) and not all(is_token_id(t) for t in prompt), **given)
 
 
-def completion_request(raw: dict) -> tuple[CompletionRequest, NativeOptions]:
-    """`raw` (a /generate body) as a completions request, and the request's own options.
+def completion_requests(raw: dict) -> tuple[list[CompletionRequest], NativeOptions]:
+    """`raw` (a /generate body) as the completions requests it amounts to, and the request's own
+    options: one request, or with a list of sampling_params (one per prompt) one per prompt, in order.
     Raises APIError(400) naming what is wrong, in the request's names."""
     known = {"text", "input_ids", "sampling_params", *(f.name for f in fields(NativeOptions))} - {"prompt_field", "batch"}
     unknown = sorted(set(raw) - known)
@@ -82,30 +83,47 @@ def completion_request(raw: dict) -> tuple[CompletionRequest, NativeOptions]:
     given = [name for name in ("text", "input_ids") if raw.get(name) is not None]
     if len(given) != 1:
         raise APIError(400, "give exactly one of text (a prompt, or a list of them) and input_ids (token ids, or a list of them)", param="text")
-    _check_prompt(given[0], raw[given[0]])
+    prompt = raw[given[0]]
+    _check_prompt(given[0], prompt)
     options = NativeOptions.read(raw, given[0])
     sampling = raw.get("sampling_params")
+    if not isinstance(sampling, list):
+        return [_request(prompt, sampling, options, "sampling_params")], options
+    if not options.batch or len(sampling) != len(prompt):
+        prompts = f"{len(prompt)} prompts" if options.batch else "one prompt"
+        raise APIError(400, f"sampling_params: a list must hold one object per prompt ({prompts}), got {len(sampling)}; "
+                       "or send one object for every prompt", param="sampling_params")
+    requests = [_request([one], params, options, f"sampling_params[{i}]") for i, (one, params) in enumerate(zip(prompt, sampling))]
+    if len({r.n for r in requests}) > 1:
+        raise APIError(400, "sampling_params: n must be the same for every prompt", param="sampling_params")
+    if len(requests) * requests[0].n > MAX_CHOICES:
+        raise APIError(400, f"{len(requests)} prompts x n = {requests[0].n} is more outputs than the {MAX_CHOICES} one request "
+                       "may ask for; send fewer prompts per request or lower n", param="sampling_params")
+    return requests, options
+
+
+def _request(prompt, sampling, options: NativeOptions, where: str) -> CompletionRequest:
+    """One completions request: `prompt` with the sampling parameters found at `where`."""
     sampling = {} if sampling is None else sampling
     if not isinstance(sampling, dict):
-        raise APIError(400, "sampling_params must be one object, for every prompt (a list of them, one per prompt, is not served)",
-                       param="sampling_params")
+        raise APIError(400, f"{where} must be an object of sampling parameters, got {sampling!r}", param=where)
     for name in sampling:
         if name not in SAMPLING_FIELDS:
-            raise APIError(400, f"sampling_params.{name} is not a sampling parameter served here; the served ones are "
-                           f"{', '.join(SAMPLING_FIELDS)}", param=f"sampling_params.{name}")
-    body: dict[str, Any] = {"prompt": raw[given[0]], "max_tokens": DEFAULT_MAX_NEW_TOKENS, "stream": options.stream}
+            raise APIError(400, f"{where}.{name} is not a sampling parameter served here; the served ones are "
+                           f"{', '.join(SAMPLING_FIELDS)}", param=f"{where}.{name}")
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": DEFAULT_MAX_NEW_TOKENS, "stream": options.stream}
     body.update({SAMPLING_NAMES.get(name, name): value for name, value in sampling.items() if value is not None})
     if options.return_logprob:
         body["logprobs"] = options.top_logprobs_num
         if options.logprob_start_len >= 0:
             body["prompt_logprobs"] = options.top_logprobs_num
-    with in_native_terms(options.prompt_field):
+    with in_native_terms(options.prompt_field, where):
         try:
             request = CompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise validation_error(exc) from None
         request.check()
-    return request, options
+    return request
 
 
 def _check_prompt(name: str, prompt) -> None:
@@ -123,30 +141,36 @@ def _check_prompt(name: str, prompt) -> None:
 
 
 @contextmanager
-def in_native_terms(prompt_field: str) -> Iterator[None]:
+def in_native_terms(prompt_field: str, sampling: str = "sampling_params") -> Iterator[None]:
     """An APIError raised within, as completions raises it, naming what a /generate request sent:
-    `sampling_params.max_new_tokens` for `max_tokens`, `top_logprobs_num` for `logprobs`, `text` (or
+    `sampling_params.max_new_tokens` for `max_tokens` (`sampling_params[1].max_new_tokens` where
+    `sampling` names the second prompt's), `top_logprobs_num` for `logprobs`, `text` (or
     `input_ids`) for `prompt`. The parameter is renamed where the error names it, and in its text
     only the identifiers no prose or schema path spells alike (max_tokens, structured_outputs.regex...)."""
     try:
         yield
     except APIError as exc:
-        param = _native_param(exc.param, prompt_field) if exc.param else exc.param
+        param = _native_param(exc.param, prompt_field, sampling) if exc.param else exc.param
         message = exc.message
         if exc.param and param != exc.param:
             message = re.sub(rf"(?<![.\w]){re.escape(exc.param)}(?![\w])", param, message, count=1)
         for pattern, replacement in _IDENTIFIERS:
-            message = pattern.sub(replacement, message)
+            message = pattern.sub(lambda _: _in(replacement, sampling), message)
         raise APIError(exc.status, message, param=param, code=exc.code) from None
 
 
-def _native_param(param: str, prompt_field: str) -> str:
+def _native_param(param: str, prompt_field: str, sampling: str = "sampling_params") -> str:
     head, separator, rest = param.partition("[")
     if head == "prompt":
         return prompt_field + separator + rest
     if param in _PARAMS:
-        return _PARAMS[param]
-    return f"sampling_params.{param}" if param in SAMPLING_FIELDS else param
+        return _in(_PARAMS[param], sampling)
+    return f"{sampling}.{param}" if param in SAMPLING_FIELDS else param
+
+
+def _in(name: str, sampling: str) -> str:
+    """`name` (sampling_params.x) in the sampling parameters at `sampling` (sampling_params[1].x)."""
+    return sampling + name[len("sampling_params"):] if name.startswith("sampling_params") else name
 
 
 # completions' parameter -> what /generate calls it (the logprobs counts come from top_logprobs_num).

@@ -111,7 +111,6 @@ def test_a_stop_says_what_it_matched_here_and_on_completions(server, client):
     ({"text": "a", "sampling_params": {"temperature": "0.5"}}, "sampling_params.temperature", "valid number"),
     ({"text": "a", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "sampling_params.min_new_tokens", "must not exceed sampling_params.max_new_tokens"),
     ({"text": "a", "sampling_params": {"regex": "("}}, "sampling_params.regex", "cannot be used"),
-    ({"text": "a", "sampling_params": [{"max_new_tokens": 2}]}, "sampling_params", "one object"),
     ({"text": "a", "input_ids": [1]}, "text", "exactly one of text"),
     ({"sampling_params": {}}, "text", "exactly one of text"),
     ({"text": "a", "image_data": "cat.png"}, "image_data", "graphrt serves text-only models"),
@@ -120,8 +119,8 @@ def test_a_stop_says_what_it_matched_here_and_on_completions(server, client):
     ({"text": "", "sampling_params": {}}, None, "the prompt is empty; give at least one token"),  # found while preparing it
     ({"input_ids": "hello"}, "input_ids", "must be a non-empty list of token ids, or a list of them"),
     ({"text": [1, 2]}, "text", "must be a string or a non-empty list of strings"),
-    ({"text": "a", "sampling_params": []}, "sampling_params", "one object"),
     ({"text": "a", "max_new_tokens": 4}, "max_new_tokens", "put it in sampling_params"),
+    ({"text": "a", "sampling_params": "greedy"}, "sampling_params", "must be an object of sampling parameters"),
     ({"text": "a", "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 99}, "top_logprobs_num", "must be in [0, 20]"),
 ])
 def test_bad_generate_requests_are_named_in_the_requests_terms(server, body, param, says):
@@ -134,6 +133,33 @@ def test_sglangs_nulls_are_not_given(server):
     sampling = {"max_new_tokens": None, "temperature": 0, "ignore_eos": True, "regex": None, "json_schema": None, "ebnf": None, "stop": None}
     answer = generate(server, text=PROMPTS[0], sampling_params=sampling, return_logprob=None, rid=None)
     assert answer.status_code == 200 and answer.json()["meta_info"]["completion_tokens"] == 128, answer.text
+
+
+def test_each_prompt_may_bring_its_own_sampling_params(server):
+    """SGLang's batch form: a list of sampling_params, one per prompt, each prompt answered as it
+    would be alone with its own."""
+    own = [{"max_new_tokens": 3, "temperature": 0}, {"max_new_tokens": 6, "temperature": 0, "stop": [" "]}]
+    batch = generate(server, text=PROMPTS, sampling_params=own).json()
+    alone = [generate(server, text=prompt, sampling_params=params).json() for prompt, params in zip(PROMPTS, own)]
+    assert [(a["text"], a["output_ids"], a["meta_info"]["finish_reason"]) for a in batch] == [
+        (a["text"], a["output_ids"], a["meta_info"]["finish_reason"]) for a in alone]
+    assert batch[0]["meta_info"]["completion_tokens"] == 3 and batch[0]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"text": "a", "sampling_params": [{"max_new_tokens": 2}]}, "sampling_params", "a list must hold one object per prompt (one prompt), got 1"),
+    ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params", "a list must hold one object per prompt (2 prompts), got 1"),
+    ({"text": ["a", "b"], "sampling_params": [{}, {"max_new_tokens": 0}]}, "sampling_params[1].max_new_tokens", "greater than or equal to 1"),
+    ({"text": ["a", "b"], "sampling_params": [{}, {"max_tokens": 3}]}, "sampling_params[1].max_tokens", "not a sampling parameter served here"),
+    ({"text": ["a", "b"], "sampling_params": [{}, 7]}, "sampling_params[1]", "must be an object of sampling parameters"),
+    ({"text": ["a", "b"], "sampling_params": [{}, {"min_new_tokens": 9, "max_new_tokens": 4}]}, "sampling_params[1].min_new_tokens",
+     "must not exceed sampling_params[1].max_new_tokens"),
+    ({"text": ["a", "b"], "sampling_params": [{"regex": "("}, {}]}, "sampling_params[0].regex", "cannot be used"),
+    ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {}]}, "sampling_params", "n must be the same for every prompt"),
+])
+def test_a_list_of_sampling_params_is_checked_prompt_by_prompt(server, body, param, says):
+    answer = generate(server, **body)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param and says in answer.json()["error"]["message"], answer.text
 
 
 def test_health_generate_and_model_info(server, client):
