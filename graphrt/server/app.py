@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from graphrt.frontend.engine_client import EngineClient
 
 MAX_DRAIN_BYTES = 64 << 20  # past this, an oversized body is not read to its end before the 413
+# The model SGLang's examples and scripts request (SGLang ignores the field); a request naming it gets
+# the served model, as one naming no model does.
+SGLANG_ANY_MODEL = "default"
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's /health_generate: how long its one-token generation may take
 
 
@@ -102,8 +105,9 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), settings.api_key.encode()):
             raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model not in settings.model_ids:
+    def check_model(model: str | None, any_model_ok: bool = True) -> None:
+        """A 404 unless `model` is served; a request naming none, or SGLang's "default", gets the served one."""
+        if model is not None and model not in settings.model_ids and not (any_model_ok and model == SGLANG_ANY_MODEL):
             served = ", ".join(map(repr, settings.model_ids))
             raise APIError(404, f"model {model!r} does not exist; this server serves {served}", param="model", code="model_not_found")
 
@@ -189,7 +193,7 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     @app.get("/v1/models/{model_id:path}")
     async def get_model(request: Request, model_id: str) -> dict:
         check_api_key(request)
-        check_model(model_id)
+        check_model(model_id, any_model_ok=False)  # "default" names no card
         return model_card(model_id)
 
     @app.post("/tokenize")

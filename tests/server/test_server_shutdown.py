@@ -105,8 +105,9 @@ def test_signal_with_16_open_streams_ends_each_and_exits_0(sig):
 
 
 def test_served_model_names_are_what_clients_pass_and_the_first_is_what_responses_carry(default_model):
-    """As vLLM's --served-model-name: clients that send the Hugging Face name get answers. The
-    command line is a vLLM user's too: the model as an argument, -pp, --enable-auto-tool-choice."""
+    """As vLLM's --served-model-name: clients that send the Hugging Face name get answers (and
+    SGLang's scripts, which send "default"). The command line is a vLLM user's too: the model as an
+    argument, -pp, --enable-auto-tool-choice."""
     names = ("HuggingFaceTB/SmolLM2-135M-Instruct", "smol")
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
     vllm_habits = ("-pp", "1", "--enable-auto-tool-choice", "--chat-template", template, str(default_model))
@@ -127,6 +128,9 @@ def test_served_model_names_are_what_clients_pass_and_the_first_is_what_response
             body = {"model": name, "prompt": "hi", "max_tokens": 2}
             answer = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
             assert answer.status_code == 200 and answer.json()["model"] == names[0]
+        sglangs = httpx.post(f"{url}/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 2}, headers=headers, timeout=60)
+        assert sglangs.status_code == 200 and sglangs.json()["model"] == names[0]
+        assert httpx.get(f"{url}/v1/models/default", headers=headers).status_code == 404  # no card has that name
         refused = httpx.post(f"{url}/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "hi"}, headers=headers, timeout=60)
         assert refused.status_code == 404
         assert refused.json()["error"]["message"] == f"model 'SmolLM2-135M-Instruct' does not exist; this server serves {names[0]!r}, {names[1]!r}"
