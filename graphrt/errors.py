@@ -22,6 +22,15 @@ class RequestError(GraphrtError):
     """
 
 
+class ContextLengthError(RequestError):
+    """A request longer than the model's context. Its message begins as OpenAI's and vLLM's do
+    ("This model's maximum context length is N tokens"), and the server answers it with their code,
+    `context_length_exceeded`: agent frameworks (LangChain, LiteLLM, pydantic-ai) recognise an
+    overflow by one or the other, and only then trim the conversation or fall back to a longer model."""
+
+    code = "context_length_exceeded"
+
+
 class StageError(GraphrtError):
     """A pipeline stage failed while running micro-batches; the requests they carried are ended."""
 

@@ -156,7 +156,7 @@ class LLM:
                     prompt_ids, engine_params = self._prompt_ids(prompt), self._for_engine(prompt_params)
                     seqs.append([engine.add_request(prompt_ids, choice) for choice in choices(engine_params)])
                 except RequestError as exc:
-                    raise RequestError(f"prompt {index}: {exc}") from None
+                    raise type(exc)(f"prompt {index}: {exc}") from None
             states = self._run([seq for group in seqs for seq in group], use_tqdm)
         except BaseException:
             for group in seqs:

@@ -62,7 +62,7 @@ def test_pp_larger_than_layers(tiny_model_factory):
 
 def test_prompt_longer_than_context(tiny_model_factory):
     llm = LLM(model=tiny_model_factory(), kv_cache_tokens=1024)
-    with pytest.raises(RequestError, match=r"prompt 1: the prompt is 300 tokens but the context holds 256"):
+    with pytest.raises(RequestError, match=r"prompt 1: This model's maximum context length is 256 tokens, and the prompt is 300 tokens"):
         llm.generate([[1, 2, 3], [7] * 300], SamplingParams(max_tokens=4))
     # Nothing was left behind: the first, valid prompt released its blocks, and the engine still works.
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks - 1
@@ -151,7 +151,7 @@ def test_a_sliding_window_caps_the_context(tiny_model_factory, tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config))
     llm = LLM(model=model_dir, kv_cache_tokens=256)
     assert llm.engine.max_model_len == 64
-    with pytest.raises(RequestError, match="the prompt is 70 tokens but the context holds 64"):
+    with pytest.raises(RequestError, match="maximum context length is 64 tokens, and the prompt is 70 tokens"):
         llm.generate([1] * 70)
 
 

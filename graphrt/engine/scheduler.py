@@ -49,7 +49,7 @@ from graphrt.engine.drafter import Drafter
 from graphrt.engine.sequence import FinishReason, Sequence, SequenceOutput
 from graphrt.engine.speculation import Speculation
 from graphrt.engine.stats import SpecStats
-from graphrt.errors import RequestError
+from graphrt.errors import ContextLengthError, RequestError
 from graphrt.runtime.step import ScheduledStep
 
 if TYPE_CHECKING:
@@ -62,16 +62,16 @@ def check_lengths(prompt_len: int, max_tokens: int | None, max_model_len: int, c
     if prompt_len == 0:
         raise RequestError("the prompt is empty; give at least one token")
     if prompt_len >= max_model_len:
-        raise RequestError(
-            f"the prompt is {prompt_len} tokens but the context holds {max_model_len} "
-            "(prompt plus at least one new token); shorten the prompt"
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens, and the prompt is {prompt_len} tokens "
+            "(the prompt and at least one new token must fit); shorten the prompt"
         )
     if max_tokens is None:  # as much as the context and the cache allow
         max_tokens = max(1, min(max_model_len, capacity_tokens) - prompt_len)
     if prompt_len + max_tokens > max_model_len:
-        raise RequestError(
-            f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context "
-            f"length {max_model_len}; lower max_tokens to {max_model_len - prompt_len} or less"
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens, and the prompt ({prompt_len} tokens) "
+            f"plus max_tokens ({max_tokens}) exceeds it; lower max_tokens to {max_model_len - prompt_len} or less"
         )
     if prompt_len + max_tokens > capacity_tokens:
         raise RequestError(

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from graphrt.engine.core import Admitted, EngineCore, EngineSnapshot, Failed, Rejected, heap_trimmer, prompt_of  # noqa: F401 (re-exported)
 from graphrt.engine.sequence import FinishReason
-from graphrt.errors import GraphrtError, RequestError
+from graphrt.errors import ContextLengthError, GraphrtError, RequestError
 from graphrt.frontend.output_processor import OutputProcessor, RequestState
 from graphrt.sampling_params import SamplingParams, TokenLogprob
 
@@ -309,13 +309,13 @@ class PromptPreparer:
                 try:
                     prompt_ids.append(self._prompt_ids(prompt))
                 except RequestError as exc:
-                    raise RequestError(f"prompt[{index}]: {exc}" if len(job.prompts) > 1 else str(exc)) from None
+                    raise type(exc)(f"prompt[{index}]: {exc}" if len(job.prompts) > 1 else str(exc)) from None
         for choice, params in enumerate(job.params):
             index = job.prompt_index(choice)
             try:
                 self.check_lengths(len(prompt_ids[index]), params.max_tokens)
             except RequestError as exc:
-                raise RequestError(f"prompt[{index}]: {exc}" if len(prompt_ids) > 1 else str(exc)) from None
+                raise type(exc)(f"prompt[{index}]: {exc}" if len(prompt_ids) > 1 else str(exc)) from None
         return prompt_ids
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -342,9 +342,9 @@ class PromptPreparer:
         # megabyte takes about half a second of CPU that such a request has no claim to.
         at_least = self.tokenizer.min_num_tokens(len(text))
         if at_least >= self.max_model_len:
-            raise RequestError(
-                f"the prompt is {len(text)} characters, so at least {at_least} tokens, but the context holds "
-                f"{self.max_model_len} tokens (prompt plus at least one new token); shorten the prompt"
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the prompt is {len(text)} "
+                f"characters, so at least {at_least} tokens (the prompt and at least one new token must fit); shorten the prompt"
             )
         return self.tokenizer.encode_templated(text) if templated else self.tokenizer.encode(text)
 

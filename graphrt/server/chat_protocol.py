@@ -148,6 +148,10 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateOptions):
     store: bool | None = None  # the same: nothing is stored
     service_tier: str | None = None  # OpenAI's priced tiers; one server is one tier
     reasoning_effort: str | None = None  # for OpenAI's reasoning models; no chat template here is given it
+    verbosity: str | None = None  # the same
+    safety_identifier: str | None = None  # an end-user id for OpenAI's abuse monitoring, as `user`
+    prompt_cache_key: str | None = None  # OpenAI's cache routing; prefix caching needs no key
+    prompt_cache_retention: str | None = None  # the same
 
     def check(self) -> None:
         super().check()

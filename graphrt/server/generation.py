@@ -63,7 +63,7 @@ class Generation:
             await self.async_engine.prepare(self.job)
         except RequestError as exc:
             self.outcome = None
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), code=getattr(exc, "code", None)) from None
         except Exception:
             logger.exception("preparing a request failed")
             self.outcome = None

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 
 from graphrt.sampling_params import MAX_LOGPROBS
-from graphrt.server.chat_protocol import ChatCompletionRequest
+from graphrt.server.chat_protocol import MEDIA_PARTS, ChatCompletionRequest
 from graphrt.server.errors import APIError
 from graphrt.server.protocol import decode_body
 from graphrt.server.validation import StrictModel, validation_error
@@ -44,6 +44,15 @@ class MessageItem(StrictModel):
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
     phase: Literal["commentary", "final_answer"] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:
+                raise ValueError(f"{kind} parts are not served: graphrt serves text-only models; send input_text parts")
+        return content
 
     @property
     def text(self) -> str:
@@ -129,6 +138,7 @@ class TextFormat(StrictModel):
 
 class TextConfig(StrictModel):
     format: TextFormat | None = None
+    verbosity: str | None = None  # accepted and ignored: for OpenAI's reasoning models; no chat template here takes it
 
 
 class FunctionTool(StrictModel):
@@ -181,6 +191,7 @@ class ResponsesRequest(StrictModel):
     parallel_tool_calls: bool | None = None
     # Refused unless off: graphrt keeps no responses to continue from or to finish later.
     previous_response_id: str | None = None
+    conversation_: str | dict[str, Any] | None = Field(None, alias="conversation")  # a stored conversation's id
     background: bool | None = None
     # Accepted and ignored, as the chat route does: none changes what graphrt generates.
     store: bool | None = None  # nothing is stored, whatever it says; a response says "store": false
@@ -188,9 +199,13 @@ class ResponsesRequest(StrictModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # prefix caching needs no key
+    prompt_cache_retention: str | None = None
     service_tier: str | None = None
     reasoning: dict[str, Any] | None = None  # no chat template here takes a reasoning effort
-    truncation: Literal["disabled"] | None = None  # "auto" would drop turns; a long prompt is refused instead
+    # "auto" lets OpenAI drop the conversation's first items to fit the context. graphrt drops
+    # nothing, as vLLM: an input over the context is refused with the context-length error, which
+    # the clients that send "auto" (the Agents SDK, LangChain) recognise.
+    truncation: Literal["disabled", "auto"] | None = None
     # More output than the response holds by default: OUTPUT_LOGPROBS asks for the logprobs of the
     # output text's tokens, each with its `top_logprobs` most likely alternatives. As in vLLM, they
     # come only with that include: top_logprobs alone is accepted and asks for nothing.
@@ -211,6 +226,9 @@ class ResponsesRequest(StrictModel):
                 400, "previous_response_id is not supported: graphrt stores no responses; send the whole conversation in input",
                 param="previous_response_id",
             )
+        if self.conversation_ is not None:
+            raise APIError(400, "conversation is not supported: graphrt stores no conversations; send the whole conversation in input",
+                           param="conversation")
         if self.background:
             raise APIError(400, "background is not supported: graphrt answers each request while it is open; send background: false", param="background")
         if self.stream_options is not None and not self.stream:
@@ -328,9 +346,33 @@ _MESSAGE = re.compile(r"\bmessages\[(\d+)\](\.content\b)?")
 def parse_responses_request(body: bytes) -> ResponsesRequest:
     """Decode, parse and validate a Responses request body; raise APIError(400) naming what is wrong."""
     raw = decode_body(body)
+    check_tool_shapes(raw)
     try:
         request = ResponsesRequest.model_validate(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
     request.check()
     return request
+
+
+def check_tool_shapes(raw: dict) -> None:
+    """Chat's shapes of a tool and a named tool_choice, and OpenAI's built-in tools, named as such:
+    validation alone would call them a missing `name` or a wrong `type`."""
+    choice = raw.get("tool_choice")
+    if isinstance(choice, dict):
+        if "function" in choice and "name" not in choice:
+            raise APIError(400, 'tool_choice: the Responses API names the function at the top, {"type": "function", "name": ...}; '
+                           '{"function": {"name": ...}} is chat\'s shape', param="tool_choice")
+        if choice.get("type", "function") != "function":
+            raise APIError(400, f"tool_choice: type {choice['type']!r} is not served; send \"none\", \"auto\", \"required\" "
+                           'or {"type": "function", "name": ...}', param="tool_choice")
+    tools = raw.get("tools")
+    for index, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if not isinstance(tool, dict):
+            continue
+        if tool.get("type", "function") != "function":
+            raise APIError(400, f"tools[{index}].type: {tool['type']!r} is not served: graphrt runs none of OpenAI's built-in tools; "
+                           "send function tools", param=f"tools[{index}].type")
+        if "function" in tool and "name" not in tool:
+            raise APIError(400, f'tools[{index}]: the Responses API takes a function tool flat, {{"type": "function", "name": ..., '
+                           '"parameters": ...}}; {"function": {...}} is chat\'s shape', param=f"tools[{index}]")

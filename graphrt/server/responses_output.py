@@ -126,7 +126,7 @@ class ResponsesFormat(ResponseFormat):
             "tool_choice": {"type": "function", "name": tool_choice.name} if isinstance(tool_choice, NamedFunction) else tool_choice,
             "tools": [tool.body() for tool in request.tools or []],
             "top_logprobs": request.top_logprobs or 0, "top_p": self._sampling("top_p"),
-            "truncation": "disabled", "usage": usage, "user": request.user,
+            "truncation": request.truncation or "disabled", "usage": usage, "user": request.user,
         }
 
 

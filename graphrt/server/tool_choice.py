@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from graphrt.sampling_params import StructuredOutput
 from graphrt.server.errors import APIError
@@ -43,6 +43,14 @@ class FunctionDefinition(StrictModel):
 class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chats_shape(cls, tool: Any) -> Any:
+        if isinstance(tool, dict) and "name" in tool and "function" not in tool:
+            raise ValueError('chat nests the function: {"type": "function", "function": {"name": ..., "parameters": ...}}; '
+                             "the flat shape is the Responses API's")
+        return tool
 
 
 class NamedFunction(StrictModel):

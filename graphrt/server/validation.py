@@ -37,6 +37,16 @@ RENAMED = {
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none)$|[\[\-]")
 
 
+def _model_names() -> set[str]:
+    """The request models' class names: a union of models puts the member's in the location."""
+    names, models = set(), [StrictModel]
+    while models:
+        model = models.pop()
+        names.add(model.__name__)
+        models += model.__subclasses__()
+    return names
+
+
 def validation_error(exc: ValidationError, renamed: dict[str, str] | None = None) -> APIError:
     """The first validation problem as a 400 that names the parameter, e.g. `messages[0].role`.
     `renamed`: advice for unknown parameters the route knows under another name (RENAMED).
@@ -45,11 +55,11 @@ def validation_error(exc: ValidationError, renamed: dict[str, str] | None = None
     """
     errors = exc.errors()
     error = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
-    param = ""
+    param, models = "", _model_names()
     for part in error["loc"]:
         if isinstance(part, int):
             param += f"[{part}]"
-        elif not _TYPE_TAG.search(part):
+        elif not _TYPE_TAG.search(part) and part not in models:
             param += f".{part}" if param else part
     if error["type"] == "extra_forbidden":
         advice = f"; {renamed[param]}" if renamed and param in renamed else ""

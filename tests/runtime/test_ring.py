@@ -215,7 +215,7 @@ def test_a_request_that_can_never_fit_fails_alone(tiny_model_factory):
     first = engine.add_request([1, 2, 3], params)
     with pytest.raises(RequestError, match="needs 108 tokens of KV cache but the whole cache holds 64"):
         engine.add_request([5] * 100, params)
-    with pytest.raises(RequestError, match="the prompt is 300 tokens but the context holds 256"):
+    with pytest.raises(RequestError, match="maximum context length is 256 tokens, and the prompt is 300 tokens"):
         engine.add_request([5] * 300, params)
     last = engine.add_request([4, 5], params)
     while engine.has_work():

@@ -156,7 +156,8 @@ def test_a_prompt_being_tokenized_does_not_stall_a_running_stream(served, tokeni
     request.join(WAIT_S)
     assert response[0].status_code == 400, response[0].text
     message = response[0].json()["error"]["message"]
-    assert f"but the context holds {MAX_MODEL_LEN}" in message and "shorten the prompt" in message
+    assert message.startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens, and the prompt is ") and "shorten the prompt" in message
+    assert response[0].json()["error"]["code"] == "context_length_exceeded"
     assert calls and all(thread != ENGINE_THREAD for _, thread in calls), calls
     assert stream.finished_whole(), (stream.error, stream.finish_reason)
 
@@ -178,7 +179,8 @@ def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenizing(served
         thread.join(WAIT_S)
         assert response[0].status_code == 400, response[0].text
         message = response[0].json()["error"]["message"]
-        assert "characters, so at least" in message and f"the context holds {MAX_MODEL_LEN} tokens" in message
+        assert message.startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens, and the prompt is ")
+        assert "characters, so at least" in message and response[0].json()["error"]["code"] == "context_length_exceeded"
         assert "shorten the prompt" in message
     # Only the chat template ran (to see the text the model would read); no text was tokenized.
     assert [name for name, _ in calls if name != "apply_chat_template"] == [], calls
@@ -203,7 +205,7 @@ def test_prompts_that_fit_are_tokenized_off_the_engine_thread(served, tokenizer_
     assert text.status_code == 200 and text.json()["usage"]["prompt_tokens"] == len(reference.encode("Once upon a time"))
     assert ids.status_code == 200 and ids.json()["usage"]["prompt_tokens"] == 4
     assert two.status_code == 200 and len(two.json()["choices"]) == 2
-    assert too_many_ids.status_code == 400 and f"the context holds {MAX_MODEL_LEN}" in too_many_ids.json()["error"]["message"]
+    assert too_many_ids.status_code == 400 and f"maximum context length is {MAX_MODEL_LEN} tokens" in too_many_ids.json()["error"]["message"]
     assert bad_id.status_code == 400 and "outside the vocabulary" in bad_id.json()["error"]["message"]
     assert len(calls) >= 4 and all(thread != ENGINE_THREAD for _, thread in calls), calls
 

@@ -153,7 +153,7 @@ def test_bad_request_gets_4xx_and_server_keeps_serving(http, method, path, raw, 
 
 def test_messages_say_what_to_do(http):
     too_long = http.post(COMPLETIONS, json={"prompt": "word " * 400, "max_tokens": 4}).json()["error"]["message"]
-    assert f"the context holds {MAX_MODEL_LEN}" in too_long and "shorten the prompt" in too_long
+    assert f"This model's maximum context length is {MAX_MODEL_LEN} tokens" in too_long and "shorten the prompt" in too_long
     huge = http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 10**9}).json()["error"]["message"]
     assert "lower max_tokens" in huge
     outside = http.post(COMPLETIONS, json={"prompt": "hi", "logit_bias": {"1000000": 5}}).json()["error"]["message"]

@@ -163,6 +163,9 @@ IGNORED_CHAT_FIELDS = [
     {"store": False},
     {"service_tier": "auto"},
     {"reasoning_effort": "low"},
+    {"verbosity": "low"},  # the OpenAI Agents SDK's and LangChain's settings pass these through
+    {"safety_identifier": "user-1"},
+    {"prompt_cache_key": "session-7", "prompt_cache_retention": "24h"},
     {"parallel_tool_calls": True},
     {"parallel_tool_calls": False},
     {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}},
@@ -282,6 +285,7 @@ def test_a_named_tool_choice_holds_the_output_to_that_tools_parameters():
     ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name", "required"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "city"}}]}, "tools[0].function.parameters", "dictionary"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools[0].function.parameters", "object"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools[0]", "chat nests the function"),  # the Responses API's shape
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "unique"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "send one"),
     ({"tools": TOOLS, "tool_choice": NAMED, "structured_outputs": {"regex": "a+"}}, "structured_outputs", "send one"),

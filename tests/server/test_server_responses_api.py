@@ -92,6 +92,18 @@ def test_input_items_become_the_chat_conversation_they_mean():
     assert json.loads(chat.structured_output().json) == PERSON
 
 
+def test_what_agent_frameworks_pass_through_from_their_settings_is_accepted_and_changes_nothing():
+    """The OpenAI Agents SDK's ModelSettings(truncation="auto", verbosity=..., prompt_cache_retention=...)
+    and LangChain's and pydantic-ai's equivalents: refused, each failed every request of such an agent."""
+    plain = {"input": "Hi", "max_output_tokens": 8, "temperature": 0}
+    baseline = parse_responses_request(json.dumps(plain).encode()).chat_request()
+    passed = parse_responses_request(json.dumps({
+        **plain, "truncation": "auto", "text": {"verbosity": "low"}, "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+        "safety_identifier": "user-1",
+    }).encode())
+    assert passed.chat_request().sampling_params() == baseline.sampling_params() and passed.truncation == "auto"
+
+
 def test_the_chat_requests_errors_name_what_the_responses_request_sent():
     request = parse_responses_request(json.dumps({
         "instructions": "Be brief.",
@@ -428,7 +440,7 @@ def test_without_the_include_the_output_text_has_no_logprobs(client, asked):
         ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "graphrt stores no responses"),
         ({"input": "hi", "background": True}, "background", "background is not supported"),
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0]", "an input item is a message"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type", "input_text"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, "input[0].content[0].type", "input_text"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "'user', 'system', 'developer' or 'assistant'"),
         ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input[0].call_id", "no function_call item"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments", "is required"),
@@ -441,8 +453,18 @@ def test_without_the_include_the_output_text_has_no_logprobs(client, asked):
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
         ({"input": "hi", "include": ["file_search_call.results"]}, "include", "'file_search_call.results' is not supported"),
         ({"input": "hi", "top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs", "less than or equal to 20"),
-        ({"input": "hi", "max_output_tokens": 9000}, None, "plus max_output_tokens (9000) exceeds the context length"),
+        ({"input": "hi", "max_output_tokens": 9000}, None, "plus max_output_tokens (9000) exceeds it; lower max_output_tokens"),
         ({"input": "hi", "model": "gpt-4o"}, "model", "does not exist"),
+        ({"input": "hi", "conversation": "conv_1"}, "conversation", "graphrt stores no conversations"),
+        # Chat's shapes, OpenAI's built-in tools and images: said as such, not as a missing name or a wrong type.
+        ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tool_choice", "names the function at the top"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
+         "tool_choice", "type 'allowed_tools' is not served"),
+        ({"input": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0]", "takes a function tool flat"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "graphrt runs none of OpenAI's built-in tools"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "what is this?"}, {"type": "input_image", "image_url": "x"}]}]},
+         "input[0].content", "input_image parts are not served: graphrt serves text-only models"),
     ],
 )
 def test_bad_requests_are_refused_naming_the_parameter(server, body, param, message):
