@@ -130,14 +130,16 @@ def flushed_denormals(device: torch.device):
 
 def _compare(graph, stage: Stage, cache: StageKVCache, x: torch.Tensor, meta: StepMetadata, rows: int) -> tuple[float, float]:
     graph.inputs.load(x, meta)
-    replayed = graph.replay(meta.max_seq_len)[:rows].float().clone()
+    # Compared in float64: a float64 stage's differences are far below float32's step, where they
+    # could only read as 0 or as a whole float32 step (5e-7 at 6, against a tolerance of 6e-10).
+    replayed = graph.replay(meta.max_seq_len)[:rows].double().clone()
     if graph.mode == "graph":
         # The reference reads the rows as the graph does (its width, no host lengths) but not from
         # the graph's buffers: at another context width CUDA's attention rounds differently, which 8
         # bfloat16 layers of a random model grew past the tolerance on an H200 (bucket 32, 0.266
         # where 0.254 was allowed) with no fault at all. Widths agreeing is the kernels' tests' part.
         meta = as_read_by_graph(meta, graph.inputs.meta.block_tables.shape[1])
-    reference = stage(x, meta, cache).float()
+    reference = stage(x, meta, cache).double()
     return (replayed - reference).abs().max().item(), reference.abs().max().item()
 
 

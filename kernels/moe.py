@@ -15,13 +15,17 @@ import torch.nn.functional as F
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, num_experts) logits -> (topk_weights (tokens, top_k) float32, topk_ids (tokens, top_k) int64).
+    """(tokens, num_experts) logits -> (topk_weights (tokens, top_k) float32, float64 for a float64
+    model; topk_ids (tokens, top_k) int64).
 
-    The softmax runs in float32 whatever the model's dtype, as Mixtral's and Qwen's routers in
-    transformers do: which experts a token reaches must not depend on bfloat16 rounding. With
+    The softmax runs in float32 at least, as Mixtral's and Qwen's routers in transformers do: which
+    experts a token reaches must not depend on bfloat16 rounding. A float64 model keeps float64
+    (transformers rounds to float32 there too): a float32 softmax of float64 logits that differ in
+    their last bits, as a row's do in a padded and an unpadded batch, can land a float32 step apart,
+    and capture's float64 check (1e-10) then refused a correct stage. With
     `renormalize` the chosen weights are divided by their sum (Mixtral always; Qwen per
     `norm_topk_prob`), else they stay the softmax's probabilities."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.promote_types(router_logits.dtype, torch.float32))
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
@@ -38,9 +42,9 @@ def route_grouped_topk(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's routing (Kimi K2's too): (tokens, num_experts) logits -> (topk_weights (tokens,
-    top_k) float32, topk_ids (tokens, top_k) int64).
+    top_k) float32, float64 for a float64 model; topk_ids (tokens, top_k) int64).
 
-    Scores are sigmoid(logits) in float32. The bias (trained to balance the experts' load) steers
+    Scores are sigmoid(logits) in float32 at least (float64 stays float64, as in `route_topk`). The bias (trained to balance the experts' load) steers
     only which experts are chosen: the experts fall into `n_group` equal groups, each group is scored
     by the sum of its two best biased scores, and only the experts of the `topk_group` best groups
     are eligible for the top-k. The weights are the chosen experts' unbiased scores, divided by their
@@ -48,8 +52,9 @@ def route_grouped_topk(
     of the logits' shape (masked_fill), never selected by indexing, so every shape follows from the
     number of tokens and a graph holds the routing."""
     num_tokens, num_experts = router_logits.shape
-    scores = torch.sigmoid(router_logits.float())  # (tokens, num_experts)
-    biased = scores + e_score_correction_bias.float()
+    wide = torch.promote_types(router_logits.dtype, torch.float32)
+    scores = torch.sigmoid(router_logits.to(wide))  # (tokens, num_experts)
+    biased = scores + e_score_correction_bias.to(wide)
     per_group = biased.view(num_tokens, n_group, num_experts // n_group)
     group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)  # (tokens, n_group)
     best_groups = group_scores.topk(topk_group, dim=-1).indices  # (tokens, topk_group)

@@ -1,7 +1,7 @@
 """The sparse MLP of a mixture-of-experts layer (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3), pure torch
 over a KernelSet.
 
-A router picks each token's top-k experts (`route_topk`, softmax in float32; DeepSeek-V3's
+A router picks each token's top-k experts (`route_topk`, softmax in float32 at least; DeepSeek-V3's
 `route_grouped_topk`, sigmoid with a bias and expert groups); the set's `fused_moe` runs them and
 sums their outputs by the routing weights. Qwen2-MoE adds a shared expert that every token runs,
 scaled by sigmoid(shared_expert_gate(x)); DeepSeek-V3's shared experts (one MLP) are not gated.
@@ -170,7 +170,8 @@ class SparseMoE(nn.Module):
         return out
 
     def route(self, hidden: torch.Tensor, ops: KernelSet) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, hidden_size) -> (topk_weights (tokens, top_k) float32, topk_ids (tokens, top_k) int64)."""
+        """(tokens, hidden_size) -> (topk_weights (tokens, top_k) float32, float64 for a float64 model;
+        topk_ids (tokens, top_k) int64)."""
         moe = self.moe_cfg
         if moe.scoring == "softmax":
             router_logits = ops.linear(hidden, self.router)  # (tokens, num_experts), in the model's dtype

@@ -116,6 +116,34 @@ def test_the_bias_changes_the_choice_but_not_the_weights():
     assert torch.equal(weights, torch.sigmoid(logits).gather(1, ids))  # unbiased scores, not scores + bias
 
 
+def float32_midpoints(count: int) -> torch.Tensor:
+    """float64 logits halfway between neighbouring float32 numbers: one float64 step either side of
+    them rounds to float32 a whole float32 step apart."""
+    low = torch.linspace(-3, 3, count, dtype=torch.float32)
+    return (low.double() + torch.nextafter(low, torch.tensor(float("inf"))).double()) / 2
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_a_float64_router_keeps_float64_so_a_last_bit_moves_its_weights_by_a_last_bit(scoring):
+    """A padded and an unpadded batch give a row's float64 logits that differ in their last bits;
+    routed in float32, a tiny DeepSeek-V3 model's weights moved by 6e-8, and capture's float64 check
+    (1e-10) refused its stage at bucket 32 (a new-user trial, plain rope)."""
+    from graphrt.kernels.moe import route_topk
+
+    logits = float32_midpoints(16).reshape(1, 16)
+    ulp = torch.finfo(torch.float64).eps * logits.abs()
+    below, above = logits - 2 * ulp, logits + 2 * ulp
+    if scoring == "softmax":
+        (w_below, ids_below), (w_above, ids_above) = route_topk(below, 4, True), route_topk(above, 4, True)
+    else:
+        bias = torch.zeros(16, dtype=torch.float64)
+        (w_below, ids_below), (w_above, ids_above) = (route_grouped_topk(x, 4, bias, 4, 2, True, 2.5) for x in (below, above))
+    assert torch.equal(ids_below, ids_above)
+    assert (w_below - w_above).abs().max() < 1e-12  # float32 weights: a float32 step apart, about 6e-8
+    assert w_below.dtype == torch.float64
+    assert route_topk(logits.float(), 4, True)[0].dtype == torch.float32  # narrower models keep float32
+
+
 def deepseek_block(config, dtype: torch.dtype, seed: int):
     """transformers' DeepseekV3MoE with random weights in `dtype`; its router stays in float32, as
     from_pretrained keeps it (`_keep_in_fp32_modules_strict`)."""
@@ -177,13 +205,14 @@ def test_sparse_moe_equals_transformers_deepseek_block(num_experts, top_k, dtype
         if dtype == torch.float32:
             expected = block(hidden.unsqueeze(0)).squeeze(0)
         else:
-            # A float64 model's router multiplies in float64 (a float32 GEMM rounds by batch shape),
-            # transformers' in float32: the same experts, weights within float32 rounding, and the
-            # rest of the block exact given the same routing.
+            # A float64 model routes in float64 (a float32 GEMM rounds by batch shape, and a float32
+            # sigmoid turns last-bit differences into float32 steps), transformers in float32: the
+            # same experts, weights within float32 rounding, and the rest of the block exact given
+            # the same routing.
             weights, ids = moe.route(hidden, ops)
             _, hf_weights, hf_ids = block.gate(hidden)
-            assert torch.equal(by_expert(weights, ids)[1], by_expert(hf_weights, hf_ids)[1])
-            torch.testing.assert_close(by_expert(weights, ids)[0], by_expert(hf_weights, hf_ids)[0], atol=1e-6, rtol=0)
+            assert torch.equal(by_expert(weights, ids)[1], by_expert(hf_weights, hf_ids)[1]) and weights.dtype == torch.float64
+            torch.testing.assert_close(by_expert(weights, ids)[0], by_expert(hf_weights, hf_ids)[0].double(), atol=1e-6, rtol=0)
             expected = block.experts(hidden, ids, weights) + block.shared_experts(hidden)
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected, atol=1e-5 if dtype == torch.float32 else 1e-12, rtol=0)

@@ -217,11 +217,13 @@ struct Routing {
   double routed_scaling_factor;
 };
 
-// SparseMoE.route: (topk_weights (tokens, top_k) float32, topk_ids (tokens, top_k) int64).
+// SparseMoE.route: (topk_weights (tokens, top_k) float32, float64 for a float64 model; topk_ids (tokens, top_k) int64).
 std::tuple<at::Tensor, at::Tensor> route(const Layer& layer, const at::Tensor& normed, const Routing& routing) {
   const at::Tensor router = layer[kRouter];
+  // float32 at least: float64 stays float64 (kernels/moe.py says why)
+  const at::ScalarType wide = at::promote_types(normed.scalar_type(), at::kFloat);
   if (routing.scoring == "softmax") {
-    const at::Tensor probs = at::softmax(at::linear(normed, router), -1, at::kFloat);
+    const at::Tensor probs = at::softmax(at::linear(normed, router), -1, wide);
     auto [topk_weights, topk_ids] = at::topk(probs, routing.top_k, -1);
     if (routing.renormalize) {
       topk_weights = topk_weights / topk_weights.sum({-1}, /*keepdim=*/true);
@@ -229,11 +231,10 @@ std::tuple<at::Tensor, at::Tensor> route(const Layer& layer, const at::Tensor& n
     return {topk_weights, topk_ids};
   }
   // sigmoid: the router multiplies in float32 at least
-  const at::ScalarType wide = at::promote_types(normed.scalar_type(), at::kFloat);
   const at::Tensor logits = at::linear(normed.to(wide), router.to(wide));
   const int64_t num_tokens = logits.size(0), num_experts = logits.size(1);
-  const at::Tensor scores = at::sigmoid(logits.to(at::kFloat));
-  at::Tensor biased = scores + layer[kRouterBias].to(at::kFloat);
+  const at::Tensor scores = at::sigmoid(logits);
+  at::Tensor biased = scores + layer[kRouterBias].to(wide);
   const at::Tensor per_group = biased.view({num_tokens, routing.n_group, num_experts / routing.n_group});
   const at::Tensor group_scores = std::get<0>(per_group.topk(2, -1)).sum({-1});
   const at::Tensor best_groups = std::get<1>(group_scores.topk(routing.topk_group, -1));
