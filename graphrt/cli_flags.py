@@ -9,6 +9,8 @@ from __future__ import annotations
 import click
 
 NO_TENSOR_PARALLELISM = "graphrt has no tensor parallelism; split the model over GPUs with --pp N (and a mixture of experts' experts with --ep N)"
+ONE_REPLICA = "a server is one replica: start one per replica, each on its own GPUs, behind a load balancer"
+EXPERT_PARALLEL = "split a mixture of experts' experts over ranks with --ep N (each pipeline stage as N processes, docs/distributed.md)"
 SPECULATIVE_CONFIG = """pass --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' or '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}' (docs/speculative.md)"""
 # (flags, whose, what to do instead)
 _REFUSED = [
@@ -25,7 +27,13 @@ _REFUSED = [
     (("--tokenizer-path",), "SGLang's", "the tokenizer is read from the model folder"),
     (("--revision",), "vLLM's and SGLang's", "graphrt reads local folders: download that revision first and pass its folder"),
     (("--swap-space",), "vLLM's", "a preempted request is recomputed, not swapped"),
-    (("--dp-size", "--dp"), "SGLang's", "a server is one replica: start one per replica, each on its own GPUs, behind a load balancer"),
+    (("--dp-size", "--dp"), "SGLang's", ONE_REPLICA),
+    (("--data-parallel-size", "-dp"), "vLLM's", ONE_REPLICA),
+    (("--enable-expert-parallel",), "vLLM's", EXPERT_PARALLEL),
+    (("--enable-ep-moe",), "SGLang's", EXPERT_PARALLEL),
+    (("--enable-eplb",), "vLLM's", "graphrt places experts by index and does not move them; /metrics shows each expert's load "
+                                    "(graphrt_moe_expert_tokens_total, graphrt_moe_expert_load_imbalance)"),
+    (("--moe-a2a-backend",), "SGLang's", "the ranks of a stage combine their experts' shares with one all-reduce per sparse layer (docs/distributed.md)"),
     (("--log-level",), "SGLang's", "set GRAPHRT_LOGGING_LEVEL=debug, info, warning or error"),
     (("--speculative-algorithm", "--speculative-num-draft-tokens", "--speculative-draft-model-path", "--speculative-num-steps"),
      "SGLang's", SPECULATIVE_CONFIG),
@@ -94,8 +102,6 @@ class Command(click.Command):
             read.append(arg)
             index += 1
         return super().parse_args(ctx, read)
-
-
 
 
 def no_op_flags(command):

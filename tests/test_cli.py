@@ -114,6 +114,12 @@ def test_serve_offers_the_tool_call_parsers_there_are():
     (["serve", "--mem-fraction-static", "0.8"], "--mem-fraction-static is SGLang's: graphrt sizes the KV cache itself"),
     (["serve", "--log-level", "info"], "--log-level is SGLang's: set GRAPHRT_LOGGING_LEVEL=debug, info, warning or error"),
     (["serve", "--speculative-algorithm", "NGRAM"], "--speculative-algorithm is SGLang's: pass --speculative-config '{\"method\": \"ngram\""),
+    # a MoE user's first flags (a new-user trial): click had offered --enable-chunked-prefill for the first
+    (["serve", "--enable-expert-parallel"], "--enable-expert-parallel is vLLM's: split a mixture of experts' experts over ranks with --ep N"),
+    (["serve", "--enable-ep-moe"], "--enable-ep-moe is SGLang's: split a mixture of experts' experts over ranks with --ep N"),
+    (["serve", "--enable-eplb"], "--enable-eplb is vLLM's: graphrt places experts by index and does not move them"),
+    (["serve", "--moe-a2a-backend", "deepep"], "--moe-a2a-backend is SGLang's: the ranks of a stage combine their experts' shares"),
+    (["serve", "-dp", "2"], "-dp is vLLM's: a server is one replica"),
 ])
 def test_a_vllm_or_sglang_flag_graphrt_lacks_says_what_to_do_instead(args, message):
     result = CliRunner().invoke(main, args)
