@@ -7,8 +7,13 @@ def _cell(value, fmt: str = "{}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def layer_span(start: int, stop: int) -> str:
+    """`layer 3` for (3, 4), `layers 0-2` for (0, 3)."""
+    return f"layer {start}" if stop - start == 1 else f"layers {start}-{stop - 1}"
+
+
 def manifest_table(manifest: dict) -> str:
-    stages = ", ".join(f"{s['device']} layers {s['layers'][0]}-{s['layers'][1] - 1}" for s in manifest["stages"])
+    stages = ", ".join(f"{s['device']} {layer_span(*s['layers'])}" for s in manifest["stages"])
     lines = [
         f"model {manifest.get('model_dir', '?')} ({manifest['architecture']}, {manifest['dtype']}), "
         f"fingerprint {manifest['model_fingerprint'][:12]}",

@@ -55,6 +55,27 @@ def test_missing_tensor_is_reported(tiny_model_factory, tmp_path):
         LLM(model=model_dir)
 
 
+def test_a_shard_missing_from_the_folder_is_named(tiny_model_factory, tmp_path):
+    """A download cut short (DeepSeek-V3 comes in 163 shards): the index names the file that is not there."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = shutil.copytree(tiny_model_factory(), tmp_path / "m")
+    tensors = load_file(model_dir / "model.safetensors")
+    (model_dir / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, held in shards.items():
+        save_file({name: tensors[name] for name in held}, model_dir / shard)
+    weight_map = {name: shard for shard, held in shards.items() for name in held}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    LLM(model=model_dir, max_batch=1)  # whole, it loads
+    (model_dir / "model-00002-of-00002.safetensors").unlink()
+    message = (f"{model_dir} lacks 1 shard that model.safetensors.index.json names (model-00002-of-00002.safetensors), "
+               f"holding {len(shards['model-00002-of-00002.safetensors'])} tensors the config needs; the download is incomplete")
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        LLM(model=model_dir)
+
+
 def test_pp_larger_than_layers(tiny_model_factory):
     with pytest.raises(Exception, match=r"--pp 5 is larger than the model's 4 layers"):
         LLM(model=tiny_model_factory(), pp=5)

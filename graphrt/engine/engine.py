@@ -26,6 +26,7 @@ from graphrt.capture.manifest import (
     software_versions,
     stale_fields,
 )
+from graphrt.capture.report import layer_span
 from graphrt.config import EngineConfig
 from graphrt.distributed.handshake import StagePlan
 from graphrt.distributed.remote import Cluster, load_first_stage
@@ -283,7 +284,7 @@ class Engine:
         cfg, rows = self.model_config, self.partition_rows
         shares = stage_read_shares(cfg, self.layers, rows)
         described = [
-            (f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}")
+            layer_span(r.start, r.stop)
             + (" + LM head" if i == len(self.layers) - 1 else "") + f" {share:.0%}"
             for i, (r, share) in enumerate(zip(self.layers, shares))
         ]

@@ -192,7 +192,8 @@ def _refuse_unimplemented(arch: str, raw: dict) -> None:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise ModelLoadError(
             f"quantization_config ({method}) is not supported; graphrt reads unquantized float weights, "
-            "so use the model's bfloat16 or float16 release"
+            "so use the model's bfloat16 or float16 release, or, for one released only in FP8 (DeepSeek-V3, Kimi K2), "
+            "dequantize it to bfloat16 first (DeepSeek-V3's inference/fp8_cast_bf16.py does)"
         )
     if arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM") and raw.get("attention_bias"):
         raise ModelLoadError(

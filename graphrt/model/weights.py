@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -36,6 +37,24 @@ class WeightFiles:
                 "download or convert it again"
             ) from None
 
+    def _missing(self, missing: list[str]) -> str:
+        """What to say of tensors no shard holds: the shards model.safetensors.index.json names for
+        them that are not in the folder (a download cut short), else that the folder lacks them."""
+        tensors = f"{len(missing)} tensor{'s' if len(missing) != 1 else ''}"
+        index = self.model_dir / "model.safetensors.index.json"
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError):
+            weight_map = {}
+        absent = sorted({weight_map[n] for n in missing if isinstance(weight_map.get(n), str) and not (self.model_dir / weight_map[n]).exists()})
+        if absent:
+            shards = f"{len(absent)} shard{'s' if len(absent) != 1 else ''}"
+            return (f"{self.model_dir} lacks {shards} that model.safetensors.index.json names ({', '.join(absent[:3])}"
+                    f"{', ...' if len(absent) > 3 else ''}), holding {tensors} the config needs; the download is incomplete: "
+                    f"fetch the missing file{'s' if len(absent) != 1 else ''}")
+        return (f"the weights in {self.model_dir} lack {tensors} the config needs, e.g. {missing[0]!r}; the model folder is "
+                "incomplete or from another architecture")
+
     def __contains__(self, name: str) -> bool:
         return name in self.location
 
@@ -50,10 +69,7 @@ class WeightFiles:
         rows = rows or {}
         missing = [n for n in names if n not in self.location]
         if missing:
-            raise ModelLoadError(
-                f"the weights in {self.model_dir} lack {len(missing)} tensors the config needs, "
-                f"e.g. {missing[0]!r}; the model folder is incomplete or from another architecture"
-            )
+            raise ModelLoadError(self._missing(missing))
         by_file: dict[Path, list[str]] = {}
         for name in names:
             by_file.setdefault(self.location[name], []).append(name)

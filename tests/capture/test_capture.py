@@ -15,6 +15,7 @@ from graphrt import LLM, SamplingParams
 from graphrt.capture.buckets import BucketPlan, default_buckets, parse_buckets
 from graphrt.capture.capture import as_read_by_graph, random_decode_rows
 from graphrt.capture.manifest import IDENTITY_FIELDS, MANIFEST_NAME, write_manifest
+from graphrt.capture.report import layer_span
 from graphrt.cli import main
 from graphrt.model import SCRATCH_BLOCK
 from graphrt.runtime.ring import build_inputs
@@ -65,6 +66,7 @@ def test_capture_writes_every_manifest_field(default_cache):
     assert {g["bucket"] for g in verified} == {8} and all(g["max_abs_error"] < 0.1 for g in verified)
     inspect = run_cli("capture", "--inspect", default_cache)
     assert inspect.exit_code == 0 and "pp=2: cpu layers 0-18, cpu layers 19-29" in inspect.output
+    assert (layer_span(3, 4), layer_span(0, 3)) == ("layer 3", "layers 0-2")  # a one-layer stage read "layers 3-3"
 
 
 def test_generate_with_cache_matches_without(default_cache):
