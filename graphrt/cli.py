@@ -265,6 +265,9 @@ def capture(out, inspect_dir, **model_args) -> None:
         return
     if out is None:
         raise click.UsageError("give --out DIR for the graph cache (or --inspect DIR to read one)")
+    if (model_args["ep"] or 1) > 1:
+        raise click.UsageError("a graph cache with --ep is not supported yet: its expert ranks would capture none of their own; "
+                               "run --ep without a cache")
     from graphrt.llm import LLM
 
     check_writable(out)
@@ -303,7 +306,7 @@ def build_manifest(engine) -> dict:
         null_reasons = {k: v for k, v in null_reasons.items() if v}
     extra = {
         "graphrt": __version__,
-        "model_dir": str(engine.model_dir),
+        "model_dir": str(engine.model_dir.resolve()),  # `--cache` alone runs it
         "kv_cache_blocks": engine.allocator.num_blocks,
         "kv_cache_bytes": sum(c.nbytes for c in engine.pipeline.caches),
         "null_reasons": null_reasons,

@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from graphrt.engine.sequence import FinishReason
-from graphrt.engine.startup import build_engine
+from graphrt.engine.startup import build_engine, model_for
 from graphrt.errors import RequestError
 from graphrt.frontend.generation_config import sampling_defaults
 from graphrt.frontend.output_processor import OutputProcessor, RequestState
@@ -95,7 +95,7 @@ class LLM:
         **engine_options,
     ):
         configure_library_logging()
-        model_dir = model_dir_for(model)
+        model_dir = model_dir_for(model_for(model, cache))
         loading = TokenizerLoading(model_dir, load_tokenizer)
         try:
             self.engine = build_engine(

@@ -141,9 +141,6 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.plan = self._bucket_plan(num_blocks)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
-        if self.cache_dir is not None and config.ep > 1:
-            # the cache's eager buckets would be rank 0's alone, and its other expert ranks must capture as it does
-            raise ValueError("a graph cache (--cache, graphrt capture) with --ep is not supported yet; drop one of them")
         forced_eager = self._check_graph_cache() if self.cache_dir is not None else set()
         # Before timing the matmuls, which the tokenizer's thread would disturb.
         self.tokenizer_eos_id = eos_id.result()
@@ -468,10 +465,14 @@ class Engine:
         manifest = read_manifest(self.cache_dir)
         stale = stale_fields(manifest, self.identity())
         if stale:
-            raise StaleCacheError(
-                f"the graph cache {self.cache_dir} was made for something else: " + "; ".join(stale)
-                + f". Refresh it with `graphrt capture --out {self.cache_dir}` and the same options as this run"
-            )
+            captured_from = manifest.get("model_dir")
+            if any(field.startswith("model_fingerprint") for field in stale) and captured_from:
+                # refreshing it would overwrite another model's cache
+                advice = (f"it was captured from {captured_from}: pass --model {captured_from}, or capture this model's "
+                          "graphs into another folder (`graphrt capture --out NEW_DIR`)")
+            else:
+                advice = f"refresh it with `graphrt capture --out {self.cache_dir}` and the same options as this run"
+            raise StaleCacheError(f"the graph cache {self.cache_dir} was made for something else: " + "; ".join(stale) + f". {advice}")
         return {(g["stage"], g["bucket"]) for g in manifest["graphs"] if g.get("mode") == "eager"}
 
     # -- requests -------------------------------------------------------------------------------

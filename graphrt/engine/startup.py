@@ -46,6 +46,9 @@ def build_engine(
                 f"max_batch {max_batch} differs from the graph cache {cache}, whose largest bucket is {max(manifest['buckets'])}; "
                 f"leave it out, or refresh the cache with `graphrt capture --out {cache} --max-batch {max_batch}`"
             )
+        if options.get("ep", 1) > 1:
+            # the cache's eager buckets would be rank 0's alone, and its other expert ranks must capture as it does
+            raise ValueError("a graph cache (--cache, graphrt capture) with --ep is not supported yet; drop one of them")
         for field in CACHE_DEFAULTS:
             options.setdefault(field, manifest[field])
     model_dir = model_dir_for(model)
@@ -53,6 +56,15 @@ def build_engine(
         model_dir, EngineConfig(**options), cache_dir=cache, show_progress=show_progress, eos_token_id=eos_token_id,
         load_colleagues=load_colleagues,
     )
+
+
+def model_for(model: str | Path | None, cache: str | Path | None) -> str | Path | None:
+    """The model a run means: `model`, or where none is given, the folder `cache` was captured from
+    while it is there (as pp and dtype come from the cache); None is the default model."""
+    if model is not None or cache is None:
+        return model
+    captured_from = read_manifest(Path(cache)).get("model_dir")
+    return captured_from if isinstance(captured_from, str) and Path(captured_from).is_dir() else None
 
 
 # vLLM's LLM arguments that are no EngineConfig field, with what to pass instead.

@@ -20,6 +20,7 @@ from graphrt.cli import main
 from graphrt.model import SCRATCH_BLOCK
 from graphrt.runtime.ring import build_inputs
 from graphrt.runtime.step import ScheduledStep
+from graphrt.tools.synthetic import write_char_tokenizer
 
 FIELDS = set(IDENTITY_FIELDS) | {"schema_version", "created", "graphrt", "model_dir", "kv_cache_blocks", "kv_cache_bytes", "null_reasons", "graphs"}
 GRAPH_FIELDS = {"stage", "bucket", "mode", "warmup_ms", "rehearsal_ms", "first_calls_ms", "capture_ms", "pool_bytes", "nodes", "max_abs_error", "max_abs_error_allowed", "note"}
@@ -90,7 +91,6 @@ def stale(cache: Path, tmp_path: Path, edit) -> Path:
 @pytest.mark.parametrize(
     "edit, extra_args, message",
     [
-        (lambda m: m.update(model_fingerprint="0" * 64), [], "model_fingerprint: cache has '0000"),
         (lambda m: None, ["--dtype", "float64"], "dtype: cache has 'float32', this run has 'float64'"),
         (lambda m: None, ["--pp", "3"], "pp: cache has 2, this run has 3"),
         (lambda m: None, ["--buckets", "1,2"], "buckets: cache has [1, 2, 4, 8], this run has [1, 2]"),
@@ -114,9 +114,31 @@ def test_a_max_batch_the_cache_does_not_have_is_refused(default_cache):
     assert run_cli("generate", "--prompt", "hi", "--max-tokens", "2", "--cache", default_cache, "--max-batch", "8").exit_code == 0
 
 
-def test_cache_from_another_model_is_refused(default_cache, tiny_model_factory):
+def test_cache_from_another_model_is_refused_naming_the_folder_it_was_captured_from(default_cache, tiny_model_factory):
+    """Not advising a capture into it, which would overwrite another model's cache."""
     result = run_cli("generate", "--prompt", "hi", "--cache", default_cache, "--model", tiny_model_factory())
-    assert result.exit_code == 1 and "model_fingerprint: cache has" in result.output
+    captured_from = json.loads((default_cache / MANIFEST_NAME).read_text())["model_dir"]
+    assert result.exit_code == 1 and "model_fingerprint: cache has" in result.output, result.output
+    assert f"it was captured from {captured_from}: pass --model {captured_from}, or capture this model's graphs into another folder" in result.output
+    assert f"--out {default_cache}" not in result.output
+
+
+def test_a_cache_alone_runs_the_model_it_was_captured_from(tiny_model_factory, tmp_path):
+    """As pp and dtype, the model comes from the cache: before, the default model was checked against it."""
+    model = write_char_tokenizer(shutil.copytree(tiny_model_factory(), tmp_path / "model"))
+    assert run_cli("capture", "--model", model, "--out", tmp_path / "cache", "--max-batch", "2").exit_code == 0
+    alone = run_cli("generate", "--prompt", "hi", "--max-tokens", "3", "--cache", tmp_path / "cache")
+    named = run_cli("generate", "--prompt", "hi", "--max-tokens", "3", "--cache", tmp_path / "cache", "--model", model)
+    assert alone.exit_code == 0 and alone.stdout == named.stdout != "", alone.output
+
+
+def test_a_cache_with_expert_parallelism_is_refused_before_anything_starts(default_cache, tmp_path):
+    captured = run_cli("capture", "--ep", "2", "--out", tmp_path / "ep")
+    assert captured.exit_code == 2 and "a graph cache with --ep is not supported yet" in captured.output
+    assert not (tmp_path / "ep").exists()
+    used = run_cli("generate", "--prompt", "hi", "--cache", default_cache, "--ep", "2")
+    assert used.exit_code == 1 and "a graph cache (--cache, graphrt capture) with --ep is not supported yet" in used.output
+    assert "stops" not in used.stderr  # no expert rank was started to be stopped
 
 
 def edited(**fields):
