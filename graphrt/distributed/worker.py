@@ -14,6 +14,7 @@ MASTER_ADDR, MASTER_PORT, and LOCAL_RANK for the GPU of this process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
@@ -300,11 +301,19 @@ def run_worker(options: WorkerOptions) -> int:
         link.join_expert_group()
         try:
             worker = StageWorker(link, plan, options, device)
-        except Exception:
-            traceback.print_exc()  # this rank's output says why; rank 0 is told only that it failed
+        except Exception as exc:
+            # This rank's output says why (one line for a mistake the user can fix, a traceback for
+            # a bug); rank 0 is told only that it failed.
+            if isinstance(exc, GraphrtError):
+                print(f"[graphrt] {stage_name(rank, options.ep)} could not load its stage: {exc}", file=sys.stderr, flush=True)
+            else:
+                traceback.print_exc()
             # Not waiting long: rank 0 may be capturing with this stage's other ranks, who learn of
             # the failure when this process exits and their all-reduce loses it.
-            report_ready(link, None, min(options.watchdog_s, 1.0))
+            with contextlib.suppress(GraphrtError):  # rank 0, busy with the stage's other ranks, learns it when this exits
+                report_ready(link, None, min(options.watchdog_s, 1.0))
+            if isinstance(exc, GraphrtError):
+                return 1
             raise
         report_ready(link, worker.stage.weight_reads(), options.startup_timeout_s)
         stop = threading.Event()

@@ -110,9 +110,13 @@ class Engine:
         try:
             self._start(files, cache_dir, show_progress, eos_id, load_watch)
         except BaseException as exc:
-            if self.cluster is not None:  # workers must not wait out their timeouts for a dead engine
-                self.cluster.fail_soon(f"the engine (rank 0) failed to start: {exc}")
-                self.cluster.close()
+            if self.cluster is None:
+                raise
+            self.cluster.fail_soon(f"the engine (rank 0) failed to start: {exc}")  # workers must not wait out their timeouts
+            self.cluster.close()
+            if isinstance(exc, StageFailure) and self.cluster.first_exit is not None:
+                # rank 0 lost a worker mid-way (an expert rank's all-reduce, a hop): the worker's failure is the news
+                raise StageFailure(f"{self.cluster.first_exit} while the stages started; its own output says why") from None
             raise
 
     def _start(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shutil
 import signal
 import threading
 import time
@@ -226,6 +228,23 @@ def test_rank_zero_loads_only_its_experts_from_the_checkpoint(tiny_model_factory
     finally:
         llm.engine.close()
         wait_all_exited(children, within_s=10)
+
+
+def test_an_expert_rank_that_cannot_load_its_share_says_why_in_one_line(tiny_model_factory, tmp_path, capfd):
+    """Expert 7, rank 1's, is missing from the checkpoint: rank 1 says so in one line (it printed a
+    traceback), and the engine's error names that rank rather than the all-reduce it lost."""
+    from safetensors.torch import load_file, save_file
+
+    model = shutil.copytree(tiny_model_factory("mixtral"), tmp_path / "m")
+    weights = load_file(model / "model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.experts.7.w1.weight"]
+    save_file(weights, model / "model.safetensors")
+    with pytest.raises(StageFailure, match=re.escape("stage 0 expert rank 1 (rank 1) exited with code 1 while the stages started; its own output says why")):
+        LLM(model=model, pp=1, ep=2, watchdog_s=WATCHDOG_S, **OPTIONS)
+    said = capfd.readouterr().err
+    assert ("[graphrt] stage 0 expert rank 1 (rank 1) could not load its stage: the weights in "
+            f"{model} lack 1 tensor the config needs, e.g. 'model.layers.1.block_sparse_moe.experts.7.w1.weight'") in said
+    assert "Traceback" not in said, said
 
 
 def test_killing_an_expert_rank_ends_everything(tiny_model_factory):
