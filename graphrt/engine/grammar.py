@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import functools
 import json
 import logging
 import time
@@ -76,11 +77,18 @@ def _xgrammar():
 
 def check_structured_output(spec: StructuredOutput) -> None:
     """Raise RequestError saying what is wrong with a request's grammar, without its tokenizer."""
+    _check(*spec.key())
+
+
+@functools.lru_cache(maxsize=MAX_CACHED_GRAMMARS)
+def _check(kind: str, text: str) -> None:
+    """check_structured_output of the grammar `spec.key()` names, once per process for a grammar
+    that passes: an agent sends the same schema with every request, and xgrammar's parser prints
+    its warnings (a `format` beside `minLength`, which it drops) to stderr each time it runs."""
     xgr = _xgrammar()
-    kind = spec.kind
     if kind == "json":
         try:
-            schema = json.loads(spec.json)
+            schema = json.loads(text)
         except (ValueError, RecursionError) as exc:
             raise RequestError(f"structured_output.json is not valid JSON ({exc}); send a JSON schema") from None
         if not isinstance(schema, (dict, bool)):
@@ -88,11 +96,11 @@ def check_structured_output(spec: StructuredOutput) -> None:
         check_schema_keywords(schema)
     try:
         if kind == "json":
-            xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
+            xgr.Grammar.from_json_schema(text, any_whitespace=False)
         elif kind == "regex":
-            xgr.Grammar.from_regex(spec.regex)
+            xgr.Grammar.from_regex(text)
         elif kind == "grammar":
-            xgr.Grammar.from_ebnf(spec.grammar)
+            xgr.Grammar.from_ebnf(text)
     except Exception as exc:  # xgrammar raises RuntimeError or ValueError with the parser's message
         raise RequestError(f"structured_output.{kind} cannot be used: {xgrammar_reason(exc)}") from None
 

@@ -431,3 +431,20 @@ def test_a_failed_read_back_with_a_mask_pending_fails_the_requests_and_the_engin
     assert not worker.is_alive(), "the engine hung on a mask a failed read-back was to make"
     assert failed_once and {key for key, _ in failures} == {0, 1}
     engine.close()
+
+
+def test_a_grammar_is_checked_once_per_process_and_a_bad_one_every_time(monkeypatch):
+    """An agent sends one schema with every request; xgrammar's parser prints its warnings (a
+    `format` beside `minLength`, which it drops) each time it runs: three lines a request before."""
+    import xgrammar
+
+    parsed = []
+    real = xgrammar.Grammar.from_json_schema
+    monkeypatch.setattr(xgrammar.Grammar, "from_json_schema", lambda *args, **kwargs: parsed.append(args[0]) or real(*args, **kwargs))
+    url = json.dumps({"type": "object", "properties": {"site": {"type": "string", "format": "uri", "minLength": 1}}, "description": "checked once"})
+    for _ in range(3):
+        check_structured_output(StructuredOutput(json=url))
+    assert parsed == [url]
+    for _ in range(2):
+        with pytest.raises(RequestError, match="cannot be used"):
+            check_structured_output(StructuredOutput(regex="("))
