@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import importlib.metadata
+import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -34,11 +35,13 @@ from graphrt.server.tool_parsers import TOOL_CALL_PARSERS, detect_tool_call_pars
 if TYPE_CHECKING:
     from graphrt.frontend.engine_client import EngineClient
 
+logger = logging.getLogger("graphrt.server")
 MAX_DRAIN_BYTES = 64 << 20  # past this, an oversized body is not read to its end before the 413
 # The model SGLang's examples and scripts request (SGLang ignores the field); a request naming it gets
 # the served model, as one naming no model does.
 SGLANG_ANY_MODEL = "default"
-HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's /health_generate: how long its one-token generation may take
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+MAX_LOGGED_CHARS = 300  # of a refused request's error message, in its log line  # SGLang's /health_generate: how long its one-token generation may take
 
 
 @dataclass
@@ -89,13 +92,17 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         metrics.count("rejected" if exc.status < 500 else "error")
+        if exc.status < 500:  # a 5xx is logged, with its traceback, where it happened
+            log_refused(request, exc)
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # unknown routes and methods: the same error body as everything else
         served = f"; this server answers {served_routes(app)}" if exc.status_code == 404 else ""
-        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}{served}").response()
+        error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}{served}")
+        log_refused(request, error)
+        return error.response()
 
     def check_api_key(request: Request) -> None:
         if settings.api_key is None:
@@ -290,6 +297,12 @@ def served_routes(app: FastAPI) -> str:
             for method in sorted(route.methods - {"HEAD"}):
                 paths.setdefault(method, []).append(route.path)
     return "; ".join(f"{method} {', '.join(paths[method])}" for method in sorted(paths))
+
+
+def log_refused(request: Request, error: APIError) -> None:
+    """One line for a refused request, so the server's operator sees what a client (or the agent
+    framework wrapping it, which may retry or reword the error) keeps sending."""
+    logger.warning("refused %s %s (%d): %s", request.method, request.url.path, error.status, error.message[:MAX_LOGGED_CHARS])
 
 
 def sampling_params(parsed: SamplingFields, keep_special_tokens: bool = False, defaults: dict | None = None) -> list:
