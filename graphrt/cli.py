@@ -329,6 +329,18 @@ def import_gguf_command(gguf_file: Path, out_dir: Path) -> None:
     click.echo(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s")
 
 
+@main.command("dequantize-fp8")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+def dequantize_fp8_command(src: Path, out_dir: Path) -> None:
+    """Write a block-FP8 model folder (DeepSeek-V3, Kimi K2) as a bfloat16 one graphrt reads."""
+    from graphrt.model.fp8 import dequantize_fp8
+
+    start = time.perf_counter()
+    dequantize_fp8(src, out_dir, echo=lambda line: click.echo(line, err=True))
+    click.echo(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s; run it with --model {out_dir}")
+
+
 @main.command()
 @model_options
 @click.option("--cache", type=click.Path(path_type=Path), default=None, help="Graph cache folder written by `graphrt capture`.")

@@ -190,10 +190,10 @@ def _refuse_unimplemented(arch: str, raw: dict) -> None:
     quantization = raw.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        fp8 = ", or write a bfloat16 copy of this FP8 one with `graphrt dequantize-fp8 SRC OUT_DIR`" if method == "fp8" else ""
         raise ModelLoadError(
             f"quantization_config ({method}) is not supported; graphrt reads unquantized float weights, "
-            "so use the model's bfloat16 or float16 release, or, for one released only in FP8 (DeepSeek-V3, Kimi K2), "
-            "dequantize it to bfloat16 first (DeepSeek-V3's inference/fp8_cast_bf16.py does)"
+            f"so use the model's bfloat16 or float16 release{fp8}"
         )
     if arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM") and raw.get("attention_bias"):
         raise ModelLoadError(
