@@ -84,12 +84,30 @@ def profile_once(options: ProfileOptions, depth: int, model_dir: Path | None) ->
         ) + (f", host {options.host_ms:g} ms per micro-batch" if options.host_ms else "")
         trace = write_trace(timeline, pp, options.out / f"trace{suffix}.json", title=title)
         picture = plot_timeline(timeline, pp, options.out / f"timeline{suffix}.png", title, window=summary.window)
-        return summary, [trace.name, picture.name], expert_rank_lines(engine)
+        return summary, [trace.name, picture.name], expert_load_lines(engine) + expert_expert_lines(engine)
     finally:
         engine.close()
 
 
-def expert_rank_lines(engine) -> list[str]:
+def expert_load_lines(engine) -> list[str]:
+    """For a mixture of experts, a line per sparse stage: how evenly its layers' routing spread the
+    tokens over the experts (what /metrics' graphrt_moe_expert_tokens_total counts); expert
+    parallelism waits on the busiest expert's rank."""
+    lines = []
+    for stage, counts in enumerate(engine.ring.stage_expert_tokens):
+        if not counts or not sum(counts):
+            continue
+        mean = sum(counts) / len(counts)
+        busiest, idlest = max(range(len(counts)), key=counts.__getitem__), min(range(len(counts)), key=counts.__getitem__)
+        lines.append(
+            f"stage {stage}: {sum(counts)} tokens to {len(counts)} experts (a token once per sparse layer and choice); "
+            f"busiest expert {busiest}: {counts[busiest]} ({counts[busiest] / mean:.2f}x the mean), "
+            f"idlest expert {idlest}: {counts[idlest]} ({counts[idlest] / mean:.2f}x)"
+        )
+    return lines
+
+
+def expert_expert_lines(engine) -> list[str]:
     """Under --ep, each rank's busy time, its share in the sparse layers' all-reduces and the tokens
     its experts served, as the workers last published them (profile_once waits for that)."""
     if engine.config.ep == 1:
@@ -113,7 +131,7 @@ def run_profile(options: ProfileOptions, echo: Callable[[str], None] = print) ->
     earlier = clear_earlier_profile(options.out)
     if earlier:
         echo(f"[graphrt] removed {len(earlier)} file{'s' if len(earlier) != 1 else ''} of an earlier profile from {options.out}: {', '.join(earlier)}")
-    summaries, files, rank_lines = [], [], []
+    summaries, files, expert_lines = [], [], []
     try:
         with tempfile.TemporaryDirectory(prefix="graphrt-synthetic-") as tmp:
             model_dir = None
@@ -123,23 +141,23 @@ def run_profile(options: ProfileOptions, echo: Callable[[str], None] = print) ->
             for depth in options.depths:
                 requests = f"{options.num_requests} request{'s' if options.num_requests != 1 else ''}"
                 echo(f"[graphrt] depth {depth}: starting the engine, then {requests}")
-                summary, names, rank_lines = profile_once(options, depth, model_dir)
+                summary, names, expert_lines = profile_once(options, depth, model_dir)
                 busy = ", ".join(f"{100 * s.busy:.0f}%" for s in summary.stages)
                 echo(f"[graphrt] depth {depth}: stage busy {busy}; {summary.tokens_per_s:.1f} tok/s; wrote {', '.join(names)}")
-                for line in rank_lines:
+                for line in expert_lines:
                     echo(f"[graphrt]   {line}")
                 summaries.append(summary)
                 files.append(names)
     except KeyboardInterrupt:
         if summaries:  # what finished stays readable
             done = ", ".join(str(s.depth) for s in summaries)
-            report = write_report(options, summaries, files, rank_lines, f"Interrupted: this report covers depth {done} only.")
+            report = write_report(options, summaries, files, expert_lines, f"Interrupted: this report covers depth {done} only.")
             echo(f"[graphrt] interrupted; wrote {report} for depth {done}")
         raise
     if options.sweep:
         plot_depth_sweep(summaries, options.out / "depth.png", f"pp={summaries[0].pp}: utilization and throughput against ring depth")
         files[0] = files[0] + ["depth.png"]
-    report = write_report(options, summaries, files, rank_lines)
+    report = write_report(options, summaries, files, expert_lines)
     echo(f"[graphrt] wrote {report}")
     return summaries
 
@@ -154,7 +172,7 @@ def clear_earlier_profile(out: Path) -> list[str]:
     return earlier
 
 
-def write_report(options: ProfileOptions, summaries: list[RunSummary], files: list[list[str]], rank_lines: list[str], note: str = "") -> Path:
+def write_report(options: ProfileOptions, summaries: list[RunSummary], files: list[list[str]], expert_lines: list[str], note: str = "") -> Path:
     workload = (
         f"{options.num_requests} requests, prompts of {span(options.input_range)} random tokens, "
         f"{span(options.output_range)} output tokens each (greedy, EOS ignored), all submitted at once"
@@ -162,8 +180,8 @@ def write_report(options: ProfileOptions, summaries: list[RunSummary], files: li
         + (f"; {options.host_ms:g} ms host time per micro-batch read back" if options.host_ms else "")
     )
     report = options.out / "report.md"
-    ranks = "".join(f"\n- {line}" for line in rank_lines)
-    ranks = f"\n## Expert ranks (the last run)\n{ranks}\n" if ranks else ""
+    ranks = "".join(f"\n- {line}" for line in expert_lines)
+    ranks = f"\n## Experts (the last run)\n{ranks}\n" if ranks else ""
     note = f"\n{note}\n" if note else ""
     report.write_text(render_report(summaries, files, options.command, workload) + ranks + note)
     return report

@@ -111,6 +111,23 @@ def test_the_command_writes_trace_report_and_timeline(tmp_path):
     assert "pp=2, depth=1 (ring of 3 slots)" in (out / "report.md").read_text()
 
 
+def test_a_mixture_of_experts_reports_how_evenly_its_experts_were_loaded(tiny_model_factory, tmp_path):
+    """Two requests of 4 prompt tokens and 4 output tokens feed 7 tokens each through every sparse
+    layer, each reaching top-k experts: the report counts them all, busiest and idlest named."""
+    from graphrt.model.config import ModelConfig
+
+    model = tiny_model_factory("mixtral")
+    moe_cfg = ModelConfig.from_dir(model)
+    routed = 2 * (4 + 3) * moe_cfg.moe.num_experts_per_tok * sum(map(moe_cfg.moe.is_sparse, range(moe_cfg.num_layers)))
+    options = ProfileOptions(engine_kwargs=dict(model=model, dtype="float32"), depths=[0], sweep=False, out=tmp_path,
+                             num_requests=2, input_range=(4, 4), output_range=(4, 4))
+    lines = []
+    run_profile(options, echo=lines.append)
+    [line] = [line for line in lines if "experts (a token once per sparse layer and choice)" in line]
+    assert line.startswith(f"[graphrt]   stage 0: {routed} tokens to {moe_cfg.moe.num_experts} experts") and "busiest expert" in line
+    assert "## Experts (the last run)" in (tmp_path / "report.md").read_text()
+
+
 def test_a_reused_out_folder_keeps_no_file_of_the_earlier_profile(tmp_path):
     """A single run after a sweep left the sweep's per-depth traces and depth.png beside its own."""
     out = tmp_path / "run"
