@@ -24,6 +24,16 @@ TEMPLATE_ARGUMENTS = frozenset({
 MEDIA_PARTS = ("image_url", "input_image", "input_audio", "audio_url", "video_url", "file")
 
 
+def text_only(content, send: str):
+    """A message's content as given, or a ValueError naming the first image, audio or file part in
+    it: a text-only model cannot read them. `send`: what to send instead."""
+    for part in content if isinstance(content, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise ValueError(f"{kind} parts are not served: graphrt serves text-only models; send {send}")
+    return content
+
+
 class TextPart(StrictModel):
     type: Literal["text"]
     text: str
@@ -62,11 +72,7 @@ class ChatMessage(StrictModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, content):
-        for part in content if isinstance(content, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in MEDIA_PARTS:
-                raise ValueError(f"{kind} parts are not served: graphrt serves text-only models; send text parts (type \"text\")")
-        return content
+        return text_only(content, 'text parts (type "text")')
 
     def check(self, index: int) -> None:
         """What fits together in one message; raises APIError naming the field, e.g. `messages[2].content`."""

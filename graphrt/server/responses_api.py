@@ -20,7 +20,7 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 
 from graphrt.sampling_params import MAX_LOGPROBS
-from graphrt.server.chat_protocol import MEDIA_PARTS, ChatCompletionRequest
+from graphrt.server.chat_protocol import ChatCompletionRequest, text_only
 from graphrt.server.errors import APIError
 from graphrt.server.protocol import decode_body
 from graphrt.server.validation import StrictModel, validation_error
@@ -48,11 +48,7 @@ class MessageItem(StrictModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, content):
-        for part in content if isinstance(content, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in MEDIA_PARTS:
-                raise ValueError(f"{kind} parts are not served: graphrt serves text-only models; send input_text parts")
-        return content
+        return text_only(content, "input_text parts")
 
     @property
     def text(self) -> str:
