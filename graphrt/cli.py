@@ -398,6 +398,10 @@ def serve(
                 if model_args["model"] is not None and model_args["model"] != model_folder:
                     raise click.UsageError(f"the model is named twice, {model_folder} and --model {model_args['model']}: give one")
                 model_args["model"] = model_folder
+            if cache is not None:
+                from graphrt.engine.startup import model_for
+
+                model_args["model"] = model_for(model_args["model"], cache)
             if str(model_args["model"]) == DEFAULT_MODEL_HUB_ID and not served_model_names:
                 served_model_names = (DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_HUB_ID.split("/")[-1])  # clients pass what vLLM serves it as
             from graphrt.server import ServeOptions

@@ -14,7 +14,8 @@ from typing import Callable
 from graphrt.capture.manifest import read_manifest
 from graphrt.config import EngineConfig
 from graphrt.engine.engine import Engine
-from graphrt.model.default_model import model_dir_for
+from graphrt.errors import ModelLoadError
+from graphrt.model.default_model import default_model_path, model_dir_for
 from graphrt.model.kv_cache import describe_token_bytes
 from graphrt.sampling_params import SamplingParams
 
@@ -60,11 +61,18 @@ def build_engine(
 
 def model_for(model: str | Path | None, cache: str | Path | None) -> str | Path | None:
     """The model a run means: `model`, or where none is given, the folder `cache` was captured from
-    while it is there (as pp and dtype come from the cache); None is the default model."""
+    (as pp and dtype come from the cache); None is the default model. A folder that is gone is named
+    rather than replaced by the default model, which the cache would then refuse."""
     if model is not None or cache is None:
         return model
     captured_from = read_manifest(Path(cache)).get("model_dir")
-    return captured_from if isinstance(captured_from, str) and Path(captured_from).is_dir() else None
+    if not isinstance(captured_from, str) or Path(captured_from) == default_model_path():
+        return None  # the default model, converted again if its folder was removed
+    if not Path(captured_from).is_dir():
+        raise ModelLoadError(
+            f"the graph cache {cache} was captured from {captured_from}, which is not here; pass --model with that model's folder"
+        )
+    return captured_from
 
 
 # vLLM's LLM arguments that are no EngineConfig field, with what to pass instead.

@@ -112,11 +112,16 @@ def model_dir_for(model: str | Path | None) -> Path:
     return Path(model)
 
 
+def default_model_path() -> Path:
+    """Where the default model is converted to, converted or not."""
+    return cache_root() / "models" / DEFAULT_MODEL_NAME
+
+
 def default_model_dir() -> Path:
     """The converted default model, converting it on first use (about half a minute on a CPU).
     Processes starting at once (a server and a script, two test workers) convert it once: the
     others wait for the first under a lock on the cache and then read its folder."""
-    out_dir = cache_root() / "models" / DEFAULT_MODEL_NAME
+    out_dir = default_model_path()
     if (out_dir / COMPLETE_MARKER).is_file():
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)

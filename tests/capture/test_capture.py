@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from click.testing import CliRunner
@@ -130,6 +135,34 @@ def test_a_cache_alone_runs_the_model_it_was_captured_from(tiny_model_factory, t
     alone = run_cli("generate", "--prompt", "hi", "--max-tokens", "3", "--cache", tmp_path / "cache")
     named = run_cli("generate", "--prompt", "hi", "--max-tokens", "3", "--cache", tmp_path / "cache", "--model", model)
     assert alone.exit_code == 0 and alone.stdout == named.stdout != "", alone.output
+
+
+def test_a_cache_alone_serves_the_model_it_was_captured_from(tiny_model_factory, tmp_path):
+    """`graphrt serve --cache DIR` resolves the model as generate does (it took the default model)."""
+    model = write_char_tokenizer(shutil.copytree(tiny_model_factory(), tmp_path / "tiny-model"))
+    assert run_cli("capture", "--model", model, "--out", tmp_path / "cache", "--max-batch", "2").exit_code == 0
+    server = subprocess.Popen([sys.executable, "-m", "graphrt", "serve", "--cache", str(tmp_path / "cache"), "--port", "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in server.stdout:
+            seen.append(line)
+            if found := re.search(r"serving (\S+) on (http://\S+)", line):
+                break
+        assert found and found.group(1) == "tiny-model", "".join(seen)
+        answer = httpx.post(f"{found.group(2)}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3, answer.text
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=60)
+    assert server.returncode == 0
+
+
+def test_a_cache_whose_model_folder_is_gone_says_so(default_cache, tmp_path):
+    cache = stale(default_cache, tmp_path, lambda m: m.update(model_dir=str(tmp_path / "moved-away")))
+    result = run_cli("generate", "--prompt", "hi", "--cache", cache)
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert f"the graph cache {cache} was captured from {tmp_path / 'moved-away'}, which is not here; pass --model" in result.output
 
 
 def test_a_cache_with_expert_parallelism_is_refused_before_anything_starts(default_cache, tmp_path):
