@@ -18,6 +18,7 @@ from statistics import mean, median
 from graphrt.profiling.timeline import Timeline
 
 STEADY_SHARE = 0.5  # the middle half of the decode span
+REPORT_HEADING = "# graphrt profile"  # report.md's first line: what marks a folder as a profile's
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def depth_table(summaries: list[RunSummary]) -> list[str]:
 def render_report(summaries: list[RunSummary], files: list[list[str]], command: str, workload: str) -> str:
     """report.md: the depth table (for a sweep), then one section per run."""
     lines = [
-        "# graphrt profile",
+        REPORT_HEADING,
         "",
         f"- command: `{command}`",
         f"- workload: {workload}",

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Callable
 
 from graphrt.distributed.transport import STATS_INTERVAL_S
+from graphrt.errors import GraphrtError
 from graphrt.frontend.output_processor import OutputProcessor
 from graphrt.llm import LLM
 from graphrt.profiling.plots import plot_depth_sweep, plot_timeline
-from graphrt.profiling.report import RunSummary, render_report, summarize
+from graphrt.profiling.report import REPORT_HEADING, RunSummary, render_report, summarize
 from graphrt.profiling.trace import write_trace
 from graphrt.sampling_params import SamplingParams
 from graphrt.tools.bench import make_workload
@@ -165,8 +166,17 @@ def run_profile(options: ProfileOptions, echo: Callable[[str], None] = print) ->
 def clear_earlier_profile(out: Path) -> list[str]:
     """Remove the files an earlier profile wrote to `out`: left beside a new run's (a sweep's
     per-depth files after a single run, a report from another model), nothing would say which run
-    they came from. Files of other names stay."""
+    they came from. Only where the folder's report.md is a profile's: a folder holding files of
+    those names that no profile wrote (`--out .`, someone's notes) is refused, not emptied."""
     earlier = sorted(p.name for p in out.iterdir() if p.is_file() and PROFILE_FILES.fullmatch(p.name))
+    if not earlier:
+        return []
+    report = out / "report.md"
+    if not (report.is_file() and report.read_text(errors="replace").startswith(REPORT_HEADING)):
+        raise GraphrtError(
+            f"{out} holds {', '.join(earlier)}, which a profile would overwrite, and no profile's report.md; "
+            "choose another --out folder (or remove them)"
+        )
     for name in earlier:
         (out / name).unlink()
     return earlier

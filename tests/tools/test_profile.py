@@ -141,6 +141,15 @@ def test_a_reused_out_folder_keeps_no_file_of_the_earlier_profile(tmp_path):
             "timeline-depth1.png, trace-depth0.json, trace-depth1.json") in result.output
 
 
+def test_a_folder_whose_report_md_no_profile_wrote_is_refused_not_emptied(tmp_path):
+    """`--out .` in a project, or a notes folder: its own report.md and trace.json stay."""
+    (tmp_path / "report.md").write_text("# Quarterly report\n")
+    (tmp_path / "trace.json").write_text("{}")
+    result = CliRunner().invoke(main, ["profile", "--synthetic", "1", "--requests", "2", "--output-len", "4", "--out", str(tmp_path)])
+    assert result.exit_code == 1 and f"{tmp_path} holds report.md, trace.json, which a profile would overwrite" in result.output
+    assert (tmp_path / "report.md").read_text() == "# Quarterly report\n" and (tmp_path / "trace.json").read_text() == "{}"
+
+
 def test_an_interrupted_sweep_keeps_a_report_of_the_depths_it_finished(tmp_path):
     """Ctrl+C as the second depth starts: the first depth's trace, timeline and report stay."""
     options = ProfileOptions(
