@@ -373,12 +373,14 @@ def dequantize_fp8_command(src: Path, out_dir: Path) -> None:
                    "(temperature, top_p, top_k, min_p, repetition_penalty), as vLLM; vllm, the API's; or a folder holding one.")
 @click.option("--chat-template", default=None, help="A Jinja file, or the template itself, to render chat conversations with instead of the model's own.")
 @click.option("--enable-auto-tool-choice", is_flag=True, help="Accepted as in vLLM's command lines; tool_choice auto is always on here.")
+@click.option("--disable-log-requests", is_flag=True, help="Log no line for a refused request (graphrt logs only those; vLLM's flag).")
 @no_op_flags
 @click.argument("model_folder", required=False, type=click.Path(path_type=Path), metavar="[MODEL]")
 def serve(
     cache, max_num_seqs, max_model_len, prefill_chunk_size, host, port, api_key, api_key_file, max_body_bytes,
     max_connections, timeout_header, timeout_body, timeout_keep_alive, no_engine_process, cpu_placement, tool_call_parser,
-    served_model_names, generation_config, chat_template, enable_auto_tool_choice, no_ops, model_folder, **model_args,
+    served_model_names, generation_config, chat_template, enable_auto_tool_choice, disable_log_requests, no_ops, model_folder,
+    **model_args,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) until Ctrl+C or SIGTERM.
     MODEL (as in `vllm serve MODEL`) is the same as --model.
@@ -425,6 +427,7 @@ def serve(
                 served_model_names=served_model_names,
                 generation_config=generation_config,
                 chat_template=chat_template,
+                log_refused=not disable_log_requests,
             )
     except StartUpStopped:
         click.echo("[graphrt] stopped during start-up")

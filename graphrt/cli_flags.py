@@ -61,7 +61,6 @@ SGLANG_NAMES = {
 # vLLM's and SGLang's flags for what graphrt always does: `serve` accepts them, and they change nothing.
 NO_OP_FLAGS = {
     "--trust-remote-code": "graphrt runs no code from the model folder",
-    "--disable-log-requests": "graphrt logs only the requests it refuses",
     "--enable-prefix-caching": "prefix caching is on unless --no-prefix-caching",
     "--enable-chunked-prefill": "prompts are always prefilled in chunks of --prefill-chunk-size",
     "--enable-metrics": "/metrics is always served",

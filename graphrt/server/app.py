@@ -40,8 +40,8 @@ MAX_DRAIN_BYTES = 64 << 20  # past this, an oversized body is not read to its en
 # The model SGLang's examples and scripts request (SGLang ignores the field); a request naming it gets
 # the served model, as one naming no model does.
 SGLANG_ANY_MODEL = "default"
-HEALTH_GENERATE_TIMEOUT_S = 20.0
-MAX_LOGGED_CHARS = 300  # of a refused request's error message, in its log line  # SGLang's /health_generate: how long its one-token generation may take
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's /health_generate: how long its one-token generation may take
+MAX_LOGGED_CHARS = 300  # of a refused request's error message, in its log line
 
 
 @dataclass
@@ -52,6 +52,7 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     tool_call_parser: str | None = None  # how tool calls are read from outputs (tool_parsers); None: as the chat template says
     sampling_defaults: dict = field(default_factory=dict)  # the model's, for what a request leaves out (frontend.generation_config)
+    log_refused: bool = True  # a line on stderr for each refused request (vLLM's --disable-log-requests turns it off)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -92,8 +93,9 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         metrics.count("rejected" if exc.status < 500 else "error")
-        if exc.status < 500:  # a 5xx is logged, with its traceback, where it happened
-            log_refused(request, exc)
+        if exc.status < 500 and settings.log_refused:  # a 5xx is logged, with its traceback, where it happened
+            # A wrong API key goes to INFO: anyone who can reach the port can send those.
+            log_refused(request, exc, logging.INFO if exc.status == 401 else logging.WARNING)
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -101,7 +103,8 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         # unknown routes and methods: the same error body as everything else
         served = f"; this server answers {served_routes(app)}" if exc.status_code == 404 else ""
         error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}{served}")
-        log_refused(request, error)
+        if settings.log_refused:
+            log_refused(request, error, logging.INFO)  # a route nobody serves: scanners probe hundreds
         return error.response()
 
     def check_api_key(request: Request) -> None:
@@ -299,10 +302,17 @@ def served_routes(app: FastAPI) -> str:
     return "; ".join(f"{method} {', '.join(paths[method])}" for method in sorted(paths))
 
 
-def log_refused(request: Request, error: APIError) -> None:
+def log_refused(request: Request, error: APIError, level: int) -> None:
     """One line for a refused request, so the server's operator sees what a client (or the agent
-    framework wrapping it, which may retry or reword the error) keeps sending."""
-    logger.warning("refused %s %s (%d): %s", request.method, request.url.path, error.status, error.message[:MAX_LOGGED_CHARS])
+    framework wrapping it, which may retry or reword the error) keeps sending. The path and the
+    message can hold what the client sent: control characters are escaped, so none reaches a
+    terminal or splits the line."""
+    message = error.message[:MAX_LOGGED_CHARS]
+    logger.log(level, "refused %s %s (%d): %s", request.method, printable(request.url.path), error.status, printable(message))
+
+
+def printable(text: str) -> str:
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def sampling_params(parsed: SamplingFields, keep_special_tokens: bool = False, defaults: dict | None = None) -> list:

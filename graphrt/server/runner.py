@@ -50,6 +50,7 @@ class ServeOptions:
     served_model_names: tuple[str, ...] = ()  # what clients may pass as `model`, the first in responses; (): the folder's name
     generation_config: str = "auto"  # auto: the model's sampling defaults; vllm: the API's; or a folder (frontend.generation_config)
     chat_template: str | None = None  # a Jinja file, or the template itself, for the model's own (vLLM's --chat-template)
+    log_refused: bool = True  # a line on stderr per refused request (off: vLLM's --disable-log-requests)
 
     def __post_init__(self) -> None:
         if self.api_key is not None:
@@ -270,6 +271,7 @@ def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
         settings = ServerSettings(
             model_id=model_id, other_model_ids=tuple(other_model_ids), api_key=options.api_key,
             max_body_bytes=options.max_body_bytes, tool_call_parser=options.tool_call_parser, sampling_defaults=defaults,
+            log_refused=options.log_refused,
         )
         url = address_of(sock)
 
