@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
-import functools
+import hashlib
 import json
 import logging
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,7 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 # Compiled grammars kept for requests that send the same one again; past these, the oldest go. A
 # server whose every request brings a new schema (tools' schemas, say) would otherwise grow forever.
 MAX_CACHED_GRAMMARS = 1024
+MAX_CHECKED_GRAMMARS = 1024  # digests of grammars that passed their check (GrammarChecks)
 COMPILER_CACHE_BYTES = 256 << 20  # xgrammar's own cache of compiled pieces
 COMPILE_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -77,15 +80,8 @@ def _xgrammar():
 
 def check_structured_output(spec: StructuredOutput) -> None:
     """Raise RequestError saying what is wrong with a request's grammar, without its tokenizer."""
-    _check(*spec.key())
-
-
-@functools.lru_cache(maxsize=MAX_CACHED_GRAMMARS)
-def _check(kind: str, text: str) -> None:
-    """check_structured_output of the grammar `spec.key()` names, once per process for a grammar
-    that passes: an agent sends the same schema with every request, and xgrammar's parser prints
-    its warnings (a `format` beside `minLength`, which it drops) to stderr each time it runs."""
     xgr = _xgrammar()
+    kind, text = spec.key()
     if kind == "json":
         try:
             schema = json.loads(text)
@@ -103,6 +99,30 @@ def _check(kind: str, text: str) -> None:
             xgr.Grammar.from_ebnf(text)
     except Exception as exc:  # xgrammar raises RuntimeError or ValueError with the parser's message
         raise RequestError(f"structured_output.{kind} cannot be used: {xgrammar_reason(exc)}") from None
+
+
+class GrammarChecks:
+    """check_structured_output, once for each grammar that passes: an agent sends the same schema
+    with every request, and xgrammar's parser prints its warnings (a `format` beside `minLength`,
+    which it drops) to stderr each time it runs. The last MAX_CHECKED_GRAMMARS that passed are
+    remembered by digest (a schema may be a megabyte); one that fails is checked every time."""
+
+    def __init__(self) -> None:
+        self._passed: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()  # the server checks on worker threads
+
+    def check(self, spec: StructuredOutput) -> None:
+        kind, text = spec.key()
+        digest = hashlib.sha256(f"{kind}\0{text}".encode()).digest()
+        with self._lock:
+            if digest in self._passed:
+                self._passed.move_to_end(digest)
+                return
+        check_structured_output(spec)
+        with self._lock:
+            self._passed[digest] = None
+            if len(self._passed) > MAX_CHECKED_GRAMMARS:
+                self._passed.popitem(last=False)
 
 
 def xgrammar_reason(exc: Exception) -> str:
@@ -161,6 +181,7 @@ class Grammars:
         self.model_dir = Path(model_dir)
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self._checks = GrammarChecks()
         self._executor: ThreadPoolExecutor | None = None
         self._compiler: Future | None = None
         self._compiled: dict[tuple[str, str], Future] = {}
@@ -183,7 +204,7 @@ class Grammars:
     def check(self, spec: StructuredOutput) -> None:
         if not (self.model_dir / "tokenizer.json").is_file() and not (self.model_dir / "tokenizer_config.json").is_file():
             raise RequestError(f"structured_output needs the model's tokenizer, and {self.model_dir} has none")
-        check_structured_output(spec)
+        self._checks.check(spec)
 
     def compile(self, spec: StructuredOutput) -> GrammarState:
         """A request's grammar state, ready once its grammar is compiled (at once when cached)."""

@@ -18,6 +18,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from graphrt.engine.grammar import GrammarChecks
 from graphrt.frontend.async_engine import AsyncEngine, GenerationJob
 from graphrt.sampling_params import SamplingParams
 from graphrt.server import native, tokenize
@@ -129,10 +130,12 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         await check_grammars(parsed)
         return parsed
 
+    grammar_checks = GrammarChecks()
+
     async def check_grammars(parsed: SamplingFields) -> None:
         grammars = parsed.grammars()
         if grammars:  # on a worker thread: the first one imports xgrammar, which takes seconds
-            await asyncio.to_thread(lambda: [check_grammar(spec, param) for spec, param in grammars])
+            await asyncio.to_thread(lambda: [check_grammar(spec, param, grammar_checks) for spec, param in grammars])
 
     async def generate(
         request: Request, job: GenerationJob, parsed: SamplingFields, fmt: ResponseFormat, kind: type[Generation] = Generation

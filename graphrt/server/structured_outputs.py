@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from graphrt.engine.grammar import GrammarChecks
 from graphrt.errors import RequestError
 from graphrt.sampling_params import StructuredOutput
 from graphrt.server.errors import APIError
@@ -96,12 +97,11 @@ def structured_output(param: str, **fields) -> StructuredOutput:
         raise APIError(400, _renamed(str(exc), param), param=param) from None
 
 
-def check_grammar(spec: StructuredOutput, param: str) -> None:
-    """The engine's check of a grammar (graphrt.engine.grammar), its error a 400 naming `param`."""
-    from graphrt.engine.grammar import check_structured_output  # imports xgrammar: seconds, the first time
-
+def check_grammar(spec: StructuredOutput, param: str, checks: GrammarChecks) -> None:
+    """The engine's check of a grammar (graphrt.engine.grammar; the first imports xgrammar, which
+    takes seconds), its error a 400 naming `param`."""
     try:
-        check_structured_output(spec)
+        checks.check(spec)
     except RequestError as exc:
         raise APIError(400, _renamed(str(exc), param), param=param) from None
 

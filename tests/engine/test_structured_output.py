@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from graphrt import LLM, SamplingParams
-from graphrt.engine.grammar import check_schema_keywords, check_structured_output
+from graphrt.engine.grammar import GrammarChecks, check_schema_keywords, check_structured_output
 from graphrt.errors import RequestError
 from graphrt.sampling_params import StructuredOutput
 from graphrt.tools.synthetic import make_tiny_model, write_char_tokenizer
@@ -433,18 +433,23 @@ def test_a_failed_read_back_with_a_mask_pending_fails_the_requests_and_the_engin
     engine.close()
 
 
-def test_a_grammar_is_checked_once_per_process_and_a_bad_one_every_time(monkeypatch):
+def test_a_grammar_that_passes_is_checked_once_and_a_bad_one_every_time(monkeypatch):
     """An agent sends one schema with every request; xgrammar's parser prints its warnings (a
     `format` beside `minLength`, which it drops) each time it runs: three lines a request before."""
     import xgrammar
 
     parsed = []
-    real = xgrammar.Grammar.from_json_schema
-    monkeypatch.setattr(xgrammar.Grammar, "from_json_schema", lambda *args, **kwargs: parsed.append(args[0]) or real(*args, **kwargs))
-    url = json.dumps({"type": "object", "properties": {"site": {"type": "string", "format": "uri", "minLength": 1}}, "description": "checked once"})
+    for name in ("from_json_schema", "from_regex"):
+        real = getattr(xgrammar.Grammar, name)
+        monkeypatch.setattr(xgrammar.Grammar, name, lambda text, *args, _real=real, **kwargs: parsed.append(text) or _real(text, *args, **kwargs))
+    url = json.dumps({"type": "object", "properties": {"site": {"type": "string", "format": "uri", "minLength": 1}}})
+    checks = GrammarChecks()
     for _ in range(3):
-        check_structured_output(StructuredOutput(json=url))
+        checks.check(StructuredOutput(json=url))
     assert parsed == [url]
     for _ in range(2):
         with pytest.raises(RequestError, match="cannot be used"):
-            check_structured_output(StructuredOutput(regex="("))
+            checks.check(StructuredOutput(regex="("))
+    assert parsed == [url, "(", "("]
+    GrammarChecks().check(StructuredOutput(json=url))  # each owner remembers its own
+    assert parsed == [url, "(", "(", url]

@@ -10,6 +10,7 @@ import pytest
 for package in ("fastapi", "uvicorn"):  # graphrt.server imports the server stack: not on every GPU image
     pytest.importorskip(package)
 
+from graphrt.engine.grammar import GrammarChecks  # noqa: E402
 from graphrt.errors import RequestError  # noqa: E402
 from graphrt.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput  # noqa: E402
 from graphrt.server.chat_protocol import ChatCompletionRequest  # noqa: E402
@@ -371,10 +372,10 @@ def test_grammars_the_engine_refuses_are_refused_naming_the_parameter(fields, pa
     pytest.importorskip("xgrammar")
     with pytest.raises(APIError) as caught:
         for spec, name in chat(**fields).grammars():
-            check_grammar(spec, name)
+            check_grammar(spec, name, GrammarChecks())
     assert caught.value.param == param and caught.value.message.startswith(param) and says in caught.value.message, caught.value.message
     for spec, name in chat(tools=TOOLS, tool_choice="required").grammars():  # these are fine
-        check_grammar(spec, name)
+        check_grammar(spec, name, GrammarChecks())
 
 
 # --- tool-call history ------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_served_model_names_are_what_clients_pass_and_the_first_is_what_response
         output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0
     # A refused request is a line on the server's stderr, so its operator sees what clients keep sending.
-    assert f"[graphrt] refused POST /v1/completions (404): model 'SmolLM2-135M-Instruct' does not exist" in output, output
+    assert "[graphrt] refused POST /v1/completions (404): model 'SmolLM2-135M-Instruct' does not exist" in output, output
     assert "[graphrt] refused GET /v1/models/default (404)" in output
 
 
