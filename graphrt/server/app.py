@@ -230,14 +230,15 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
         raw = decode_body(await read_body(request, settings.max_body_bytes))
         requests, options = native.completion_requests(raw)  # one for every prompt, or one per prompt
         prompts, params = [], []
-        for index, parsed in enumerate(requests):
-            with native.in_native_terms(options.prompt_field, f"sampling_params[{index}]" if len(requests) > 1 else "sampling_params"):
+        for parsed, where in requests:
+            with native.in_native_terms(options.prompt_field, where):
                 await check_grammars(parsed)
                 params += sampling_params(parsed, defaults=settings.sampling_defaults) * len(parsed.prompts())
             prompts += parsed.prompts()
+        first = requests[0][0]  # stream, logprobs and n are the same in every one
         with native.in_native_terms(options.prompt_field):
             job = GenerationJob(params=params, prompts=prompts)
-            return await generate(request, job, requests[0], native.NativeFormat(requests[0], options, names))
+            return await generate(request, job, first, native.NativeFormat(first, options, names))
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:

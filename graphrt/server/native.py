@@ -70,8 +70,9 @@ class NativeOptions:
         return cls(prompt_field=prompt_field, batch=isinstance(prompt, list) and not all(is_token_id(t) for t in prompt), **given)
 
 
-def completion_requests(raw: dict) -> tuple[list[CompletionRequest], NativeOptions]:
-    """`raw` (a /generate body) as the completions requests it amounts to, and the request's own
+def completion_requests(raw: dict) -> tuple[list[tuple[CompletionRequest, str]], NativeOptions]:
+    """`raw` (a /generate body) as the completions requests it amounts to, each with where its
+    sampling parameters are (`sampling_params`, or `sampling_params[1]`), and the request's own
     options: one request, or with a list of sampling_params (one per prompt) one per prompt, in order.
     Raises APIError(400) naming what is wrong, in the request's names."""
     known = {"text", "input_ids", "sampling_params", *(f.name for f in fields(NativeOptions))} - {"prompt_field", "batch"}
@@ -88,18 +89,19 @@ def completion_requests(raw: dict) -> tuple[list[CompletionRequest], NativeOptio
     options = NativeOptions.read(raw, given[0])
     sampling = raw.get("sampling_params")
     if not isinstance(sampling, list):
-        return [_request(prompt, sampling, options, "sampling_params")], options
+        return [(_request(prompt, sampling, options, "sampling_params"), "sampling_params")], options
     if not options.batch or len(sampling) != len(prompt):
         prompts = f"{len(prompt)} prompts" if options.batch else "one prompt"
         raise APIError(400, f"sampling_params: a list must hold one object per prompt ({prompts}), got {len(sampling)}; "
                        "or send one object for every prompt", param="sampling_params")
-    requests = [_request([one], params, options, f"sampling_params[{i}]") for i, (one, params) in enumerate(zip(prompt, sampling))]
+    wheres = [f"sampling_params[{i}]" for i in range(len(sampling))]
+    requests = [_request([one], params, options, where) for one, params, where in zip(prompt, sampling, wheres)]
     if len({r.n for r in requests}) > 1:
         raise APIError(400, "sampling_params: n must be the same for every prompt", param="sampling_params")
     if len(requests) * requests[0].n > MAX_CHOICES:
         raise APIError(400, f"{len(requests)} prompts x n = {requests[0].n} is more outputs than the {MAX_CHOICES} one request "
                        "may ask for; send fewer prompts per request or lower n", param="sampling_params")
-    return requests, options
+    return list(zip(requests, wheres)), options
 
 
 def _request(prompt, sampling, options: NativeOptions, where: str) -> CompletionRequest:

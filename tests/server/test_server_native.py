@@ -146,7 +146,23 @@ def test_each_prompt_may_bring_its_own_sampling_params(server):
     assert batch[0]["meta_info"]["completion_tokens"] == 3 and batch[0]["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_per_prompt_sampling_params_with_n_keep_prompt_order_streamed_too(server):
+    """Two outputs per prompt: each prompt's pair is what that prompt gets alone with its own
+    parameters (its own length), in prompt order; streamed, each event says which output it is."""
+    own = [{"max_new_tokens": 3, "temperature": 0, "n": 2}, {"max_new_tokens": 5, "temperature": 0, "n": 2}]
+    batch = generate(server, text=PROMPTS, sampling_params=own).json()
+    alone = [generate(server, text=[prompt], sampling_params=[params]).json() for prompt, params in zip(PROMPTS, own)]
+    assert [a["output_ids"] for a in batch] == [a["output_ids"] for pair in alone for a in pair]
+    assert [a["meta_info"]["completion_tokens"] for a in batch] == [3, 3, 5, 5]
+    body = {"text": PROMPTS, "sampling_params": own, "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, headers=HEADERS, timeout=120) as response:
+        events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line and line != "data: [DONE]"]
+    last = {event["index"]: event for event in events}
+    assert sorted(last) == [0, 1, 2, 3] and [last[i]["output_ids"] for i in range(4)] == [a["output_ids"] for a in batch]
+
+
 @pytest.mark.parametrize("body, param, says", [
+    ({"text": ["a"], "sampling_params": [{"regex": "("}]}, "sampling_params[0].regex", "cannot be used"),  # a list of one: still [0]
     ({"text": "a", "sampling_params": [{"max_new_tokens": 2}]}, "sampling_params", "a list must hold one object per prompt (one prompt), got 1"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params", "a list must hold one object per prompt (2 prompts), got 1"),
     ({"text": ["a", "b"], "sampling_params": [{}, {"max_new_tokens": 0}]}, "sampling_params[1].max_new_tokens", "greater than or equal to 1"),
