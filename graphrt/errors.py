@@ -21,6 +21,8 @@ class RequestError(GraphrtError):
     Only that request fails; the engine keeps serving the others.
     """
 
+    code: str | None = None  # the server's error code for it (OpenAI's `error.code`)
+
 
 class ContextLengthError(RequestError):
     """A request longer than the model's context. Its message begins as OpenAI's and vLLM's do

@@ -39,6 +39,7 @@ class Rejected:
     """The engine refused the request (prompt too long, can never fit the KV cache...): a 400."""
 
     message: str
+    code: str | None = None  # RequestError.code: context_length_exceeded for a request longer than the context
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class EngineCore:
             for seq in seqs:
                 self.engine.abort(seq)
             if isinstance(exc, (RequestError, ValueError)):
-                return Rejected(str(exc))
+                return Rejected(str(exc), exc.code if isinstance(exc, RequestError) else None)
             logger.exception("admitting a request failed")
             return Failed(500, "internal error while admitting the request; see the server log")
         self.jobs[key] = seqs

@@ -66,6 +66,7 @@ class JobAdmitted(msgspec.Struct, tag=True):
 class JobRejected(msgspec.Struct, tag=True):
     job: int
     message: str
+    code: str | None = None
 
 
 class JobFailed(msgspec.Struct, tag=True):

@@ -111,7 +111,7 @@ class EngineLoop:
             if isinstance(answer, Admitted):
                 self.send(JobAdmitted(message.job, answer.prompt_tokens))
             elif isinstance(answer, Rejected):
-                self.send(JobRejected(message.job, answer.message))
+                self.send(JobRejected(message.job, answer.message, answer.code))
             else:
                 self.send(JobFailed(message.job, answer.status, answer.message))
         elif isinstance(message, AbortJob):

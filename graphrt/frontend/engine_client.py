@@ -244,7 +244,7 @@ class EngineClient:
             elif isinstance(message, JobAdmitted):
                 self._deliver(message.job, Admitted(message.prompt_tokens))
             elif isinstance(message, (JobRejected, JobFailed)):
-                answer = Rejected(message.message) if isinstance(message, JobRejected) else Failed(message.status, message.message)
+                answer = Rejected(message.message, message.code) if isinstance(message, JobRejected) else Failed(message.status, message.message)
                 self._deliver(message.job, answer)
                 self._forget(message.job)
             elif isinstance(message, PrefixCacheReset):

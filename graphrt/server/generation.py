@@ -63,7 +63,7 @@ class Generation:
             await self.async_engine.prepare(self.job)
         except RequestError as exc:
             self.outcome = None
-            raise APIError(400, str(exc), code=getattr(exc, "code", None)) from None
+            raise APIError(400, str(exc), code=exc.code) from None
         except Exception:
             logger.exception("preparing a request failed")
             self.outcome = None
@@ -85,7 +85,7 @@ class Generation:
             return True
         self.state, self.outcome = "refused", None
         self.close()
-        raise APIError(400, update.message) if isinstance(update, Rejected) else APIError(update.status, update.message)
+        raise APIError(400, update.message, code=update.code) if isinstance(update, Rejected) else APIError(update.status, update.message)
 
     async def _watch_disconnect(self, request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":

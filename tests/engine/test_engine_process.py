@@ -18,7 +18,8 @@ for package in ("fastapi", "uvicorn", "httpx", "zmq", "msgspec"):  # the server 
 import httpx  # noqa: E402
 import msgspec  # noqa: E402
 
-from graphrt.engine.core import EngineSnapshot  # noqa: E402
+from graphrt import LLM  # noqa: E402
+from graphrt.engine.core import EngineCore, EngineSnapshot, Rejected  # noqa: E402
 from graphrt.engine.messages import (  # noqa: E402
     AbortJob,
     AddJob,
@@ -94,13 +95,26 @@ def test_every_message_crosses_the_wire_as_itself():
         AbortJob(3), StopChoice(3, 1), Shutdown(),
     ]
     to_front = [
-        JobAdmitted(3, 4), JobRejected(3, "too long"), JobFailed(3, 503, "bye"), Fatal("stage 1 died"),
+        JobAdmitted(3, 4), JobRejected(3, "too long"), JobRejected(3, "too long", "context_length_exceeded"), JobFailed(3, 503, "bye"),
+        Fatal("stage 1 died"),
         Outputs([(3, 0, SequenceOutput(8, [5, 6], FinishReason.STOP, [entry], [None, entry]))], EngineSnapshot(1, 2, 3, 4, 5, stage_busy_s=(0.5,))),
     ]
     for messages, kind in ((to_engine, ToEngine), (to_front, ToFront)):
         decoder = msgspec.msgpack.Decoder(kind)
         for message in messages:
             assert decoder.decode(encoder.encode(message)) == message
+
+
+def test_the_engine_refuses_a_request_longer_than_the_context_with_its_code(tiny_model_factory):
+    """The front checks lengths first; where the engine is the one to refuse, the client still
+    gets context_length_exceeded, which agent frameworks read to trim a conversation."""
+    llm = LLM(model=tiny_model_factory(), dtype="float32", max_model_len=16, kv_cache_tokens=256)
+    try:
+        answer = EngineCore(llm.engine).add(1, [[5] * 20], [SamplingParams(max_tokens=2)])
+    finally:
+        llm.engine.close()
+    assert isinstance(answer, Rejected) and answer.code == "context_length_exceeded"
+    assert answer.message.startswith("This model's maximum context length is 16 tokens")
 
 
 def test_bad_sampling_params_are_refused_on_arrival():
