@@ -135,7 +135,7 @@ class Cluster:
     def __init__(self, link: Link, children: list[subprocess.Popen], watchdog_s: float):
         self.link, self.children, self.watchdog_s = link, children, watchdog_s
         self.failure: StageFailure | None = None
-        self.first_exit: str | None = None  # the first worker seen to have exited, and its code
+        self.first_exit: tuple[str, int] | None = None  # the first worker seen to have exited (its name), and its code
         self.rank_weight_reads: list[WeightReads] = []  # each worker's weights (ranks 1..), once they report ready
         self.rank_stats: list[RankStats] = [RankStats()] * (link.world_size - 1)  # under --ep, each worker's, as last read
         self.ring: RemoteRing | None = None
@@ -309,8 +309,8 @@ class Cluster:
         exited.sort(key=lambda exit: exit[1] >= 0)
         (rank, code), others = exited[0], exited[1:]
         after = "; then " + ", ".join(f"{self.link.name(r)} with code {c}" for r, c in others) if others else ""
-        self.first_exit = f"{self.link.name(rank)} exited with code {code}"
-        self.fail(f"{self.first_exit}{after}")
+        self.first_exit = self.link.name(rank), code
+        self.fail(f"{self.link.name(rank)} exited with code {code}{after}")
 
     def fail_soon(self, message: str) -> None:
         """A broken link, or a failed collective: if a process rank 0 started has died (within a

@@ -116,7 +116,10 @@ class Engine:
             self.cluster.close()
             if isinstance(exc, StageFailure) and self.cluster.first_exit is not None:
                 # rank 0 lost a worker mid-way (an expert rank's all-reduce, a hop): the worker's failure is the news
-                raise StageFailure(f"{self.cluster.first_exit} while the stages started; its own output says why") from None
+                name, code = self.cluster.first_exit
+                if code < 0:  # a signal (the OOM killer's, say): the worker could print nothing
+                    raise StageFailure(f"{name} was killed by signal {-code} while the stages started") from None
+                raise StageFailure(f"{name} exited with code {code} while the stages started; its own output says why") from None
             raise
 
     def _start(
