@@ -44,8 +44,9 @@ def route_grouped_topk(
     """DeepSeek-V3's routing (Kimi K2's too): (tokens, num_experts) logits -> (topk_weights (tokens,
     top_k) float32, float64 for a float64 model; topk_ids (tokens, top_k) int64).
 
-    Scores are sigmoid(logits) in float32 at least (float64 stays float64, as in `route_topk`). The bias (trained to balance the experts' load) steers
-    only which experts are chosen: the experts fall into `n_group` equal groups, each group is scored
+    Scores are sigmoid(logits) in float32 at least (float64 stays float64, as in `route_topk`). The
+    bias (trained to balance the experts' load) steers only which experts are chosen: the experts
+    fall into `n_group` equal groups, each group is scored
     by the sum of its two best biased scores, and only the experts of the `topk_group` best groups
     are eligible for the top-k. The weights are the chosen experts' unbiased scores, divided by their
     sum with `norm_topk_prob`, then times `routed_scaling_factor`. Groups are masked with a tensor

@@ -303,7 +303,7 @@ def fused_moe(
     gated MLP of hidden[t]; same contract as `moe.fused_moe`.
 
     w_gate_up: (experts, 2 * inter, hidden), gate rows first; w_down: (experts, hidden, inter);
-    topk_weights: (tokens, top_k) float32; topk_ids: (tokens, top_k) int64 in [0, experts], where
+    topk_weights: (tokens, top_k) float32 (float64 for a float64 model); topk_ids: (tokens, top_k) int64 in [0, experts], where
     `experts` marks another expert rank's pair: dropped by moe_align, it adds nothing. Only the
     chosen experts' weights are read. `tiles` overrides `default_tiles`.
     """

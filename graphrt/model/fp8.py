@@ -37,7 +37,9 @@ def block_size_of(config: dict, src: Path) -> tuple[int, int]:
     """The FP8 blocks' shape from `quantization_config`; ModelLoadError if it is not block FP8."""
     quantization = config.get("quantization_config")
     if not isinstance(quantization, dict) or quantization.get("quant_method") != "fp8":
-        raise ModelLoadError(f"{src}/config.json has no FP8 quantization_config (quant_method fp8); there is nothing to dequantize")
+        raise ModelLoadError(
+            f"{src}/config.json has no FP8 quantization_config (quant_method fp8); there is nothing to dequantize"
+        )
     block = quantization.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ModelLoadError(
@@ -91,7 +93,8 @@ def dequantize_fp8(src: Path, out_dir: Path, echo: Callable[[str], None] = print
         config.pop("quantization_config")
         config["torch_dtype"] = config["dtype"] = "bfloat16"
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2) + "\n")
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         for other in src.iterdir():  # tokenizer, chat template, generation config
             if other.is_file() and other.suffix != ".safetensors" and other.name not in ("config.json", INDEX_NAME):
                 shutil.copy2(other, tmp / other.name)

@@ -131,7 +131,8 @@ def run_profile(options: ProfileOptions, echo: Callable[[str], None] = print) ->
     options.out.mkdir(parents=True, exist_ok=True)
     earlier = clear_earlier_profile(options.out)
     if earlier:
-        echo(f"[graphrt] removed {len(earlier)} file{'s' if len(earlier) != 1 else ''} of an earlier profile from {options.out}: {', '.join(earlier)}")
+        files = f"{len(earlier)} file{'s' if len(earlier) != 1 else ''}"
+        echo(f"[graphrt] removed {files} of an earlier profile from {options.out}: {', '.join(earlier)}")
     summaries, files, expert_lines = [], [], []
     try:
         with tempfile.TemporaryDirectory(prefix="graphrt-synthetic-") as tmp:
@@ -182,7 +183,9 @@ def clear_earlier_profile(out: Path) -> list[str]:
     return earlier
 
 
-def write_report(options: ProfileOptions, summaries: list[RunSummary], files: list[list[str]], expert_lines: list[str], note: str = "") -> Path:
+def write_report(
+    options: ProfileOptions, summaries: list[RunSummary], files: list[list[str]], expert_lines: list[str], note: str = ""
+) -> Path:
     workload = (
         f"{options.num_requests} requests, prompts of {span(options.input_range)} random tokens, "
         f"{span(options.output_range)} output tokens each (greedy, EOS ignored), all submitted at once"
