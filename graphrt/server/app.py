@@ -22,11 +22,12 @@ from graphrt.engine.grammar import GrammarChecks
 from graphrt.frontend.async_engine import AsyncEngine, GenerationJob
 from graphrt.sampling_params import SamplingParams
 from graphrt.server import native, tokenize
+from graphrt.server.body import decode_body
 from graphrt.server.chat_protocol import ChatCompletionRequest
 from graphrt.server.errors import APIError
 from graphrt.server.generation import Generation, GenerationStream
 from graphrt.server.metrics import ServerMetrics
-from graphrt.server.protocol import CompletionRequest, SamplingFields, decode_body, parse_request
+from graphrt.server.protocol import CompletionRequest, SamplingFields, parse_request
 from graphrt.server.responses import ChatFormat, CompletionFormat, ResponseFormat, TokenNames
 from graphrt.server.responses_api import parse_responses_request
 from graphrt.server.responses_output import ResponsesFormat, ResponsesGeneration

@@ -20,9 +20,9 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator
 
 from graphrt.sampling_params import MAX_LOGPROBS
+from graphrt.server.body import decode_body
 from graphrt.server.chat_protocol import ChatCompletionRequest, text_only
 from graphrt.server.errors import APIError
-from graphrt.server.protocol import decode_body
 from graphrt.server.validation import StrictModel, validation_error
 
 
