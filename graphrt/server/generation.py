@@ -117,11 +117,8 @@ class Generation:
     async def events(self) -> AsyncIterator[str]:
         """SSE events: per-choice deltas, an optional usage chunk, then `data: [DONE]`."""
         fmt, include_usage = self.format, self.include_usage
+        opened: set[int] = set()
         try:
-            for index in range(len(self.choices)):
-                opening = fmt.opening_choice(index)
-                if opening is not None:
-                    yield sse(fmt.chunk([opening], include_usage))
             while not self.finished:
                 update = await self.job.updates.get()
                 if isinstance(update, Disconnected):
@@ -130,6 +127,14 @@ class Generation:
                     self.outcome = "error"
                     yield sse(APIError(update.status, update.message).body())
                     break
+                # A choice's opening chunk (chat's role) comes with its first tokens, as vLLM sends
+                # it: clients time the first token from the first chunk, and one sent at admission
+                # made a chat's TTFT read near zero, its prefill counted as the first ITL.
+                if update.index not in opened:
+                    opened.add(update.index)
+                    opening = fmt.opening_choice(update.index)
+                    if opening is not None:
+                        yield sse(fmt.chunk([opening], include_usage))
                 choice = self.choices[update.index]
                 choice.apply(update)
                 for piece in fmt.delta_choices(update.index, choice, choice.take_delta()):
