@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 METRICS = {
-    "output tok/s": re.compile(r"output ([\d.]+) tok/s"),
+    "output tok/s": re.compile(r"([\d.]+) output tokens/s|output ([\d.]+) tok/s"),  # vLLM's Throughput line since 2026-12-08
     "TTFT p50 ms": re.compile(r"TTFT (?:mean [\d.]+ ms, )?p50 ([\d.]+) ms"),  # graphrt before 2026-12-07 printed no mean
     "TPOT p50 ms": re.compile(r"TPOT (?:mean [\d.]+ ms, )?p50 ([\d.]+) ms"),
 }
@@ -41,7 +41,7 @@ def run_bench(venv: Path, bench_args: list[str]) -> dict[str, float]:
         match = pattern.search(result.stdout)
         if match is None:
             sys.exit(f"no '{name}' in the output of graphrt bench in {venv}:\n{result.stdout[-2000:]}")
-        found[name] = float(match.group(1))
+        found[name] = float(next(group for group in match.groups() if group is not None))
     return found
 
 

@@ -198,7 +198,7 @@ def read_prompts(path: Path) -> list[str | list[int]]:
 @main.command()
 @model_options
 @click.option("--requests", "--num-prompts", "num_requests", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Requests submitted at once (--num-prompts: vLLM's bench name).")
+              help="Requests submitted at once, so TTFT counts the wait behind the others' prefills (--num-prompts: vLLM's bench name).")
 @click.option("--input-len", default="16,256", show_default=True, help="Prompt length, N or MIN,MAX (uniform).")
 @click.option("--output-len", default="16,128", show_default=True, help="Output length, N or MIN,MAX (uniform).")
 @click.option("--shared-prefix", type=click.IntRange(min=0), default=0, show_default=True, help="Tokens every prompt starts with (a shared system prompt), before its own --input-len tokens.")
@@ -234,7 +234,8 @@ def bench(num_requests, input_len, output_len, shared_prefix, seed, compare_hf, 
     theirs = run_transformers(model_dir, workload, batch, dtype) if compare_hf else None
     click.echo(summarize(ours, theirs))
     if output_json is not None:
-        output_json.write_text(json.dumps({**ours.to_json(), "transformers": theirs.to_json() if theirs else None}, indent=2) + "\n")
+        results = {"model_id": str(model_dir), **ours.to_json(), "transformers": theirs.to_json() if theirs else None}  # model_id first, as vLLM's
+        output_json.write_text(json.dumps(results, indent=2) + "\n")
 
 
 def parse_range(text: str, flag: str) -> tuple[int, int]:

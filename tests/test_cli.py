@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -64,11 +65,22 @@ def test_bench_reports_throughput_and_latency(tiny_model_factory, tmp_path):
     workload = make_workload(12, (4, 20), (3, 9), 97, 0)
     expected, prompt = sum(r.output_len for r in workload), sum(len(r.prompt) for r in workload)
     assert f"{expected} output tokens from 12 requests ({prompt} prompt tokens)" in result.output
-    assert "TTFT mean" in result.output and "TPOT mean" in result.output and "total (prompt + output)" in result.output
+    assert "TTFT mean" in result.output and "TPOT mean" in result.output
+    assert re.search(r"  Throughput: [\d.]+ requests/s, [\d.]+ total tokens/s, [\d.]+ output tokens/s", result.output)  # vLLM's line
     saved = json.loads((tmp_path / "bench.json").read_text())
+    assert next(iter(saved)) == "model_id" and saved["model_id"] == str(tiny_model_factory())
     assert (saved["num_requests"], saved["total_num_tokens"], saved["output_tokens"]) == (12, prompt + expected, expected)
     assert saved["tokens_per_second"] == pytest.approx((prompt + expected) / saved["elapsed_time"])
     assert set(saved["tpot_ms"]) == {"mean", "p50", "p90", "p99"} and saved["transformers"] is None
+
+
+def test_bench_percentiles_interpolate_as_numpys_do():
+    """vLLM's and SGLang's benchmarks use numpy's percentile: the nearest rank read p90 = p99 = the
+    largest at a dozen requests, so tables side by side disagreed."""
+    from graphrt.tools.bench import percentiles
+
+    assert percentiles([4.0, 1.0, 3.0, 2.0]) == pytest.approx({"mean": 2.5, "p50": 2.5, "p90": 3.7, "p99": 3.97})
+    assert percentiles([7.0]) == {"mean": 7.0, "p50": 7.0, "p90": 7.0, "p99": 7.0} and percentiles([]) is None
 
 
 def test_bench_with_one_output_token_has_no_tpot(tiny_model_factory):

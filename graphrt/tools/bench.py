@@ -43,12 +43,20 @@ def make_workload(
 
 
 def percentiles(values: list[float]) -> dict[str, float] | None:
-    """Mean, median, p90 and p99; None for no values (TPOT where every request made one token)."""
+    """Mean, median, p90 and p99, interpolated between neighbours as numpy's percentile (which vLLM's
+    and SGLang's benchmarks use: at a dozen requests, the nearest rank made p90 = p99 = the
+    largest); None for no values (TPOT where every request made one token)."""
     if not values:
         return None
     ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"mean": sum(ordered) / len(ordered), "p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99)}
+
+    def at(q: float) -> float:
+        position = q * (len(ordered) - 1)
+        low = int(position)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+    return {"mean": sum(ordered) / len(ordered), "p50": at(0.50), "p90": at(0.90), "p99": at(0.99)}
 
 
 def plural(count: int, noun: str) -> str:
@@ -81,8 +89,9 @@ class BenchResult:
         out = [
             f"{self.name}: {plural(self.output_tokens, 'output token')} from {plural(self.num_requests, 'request')} "
             f"({plural(self.prompt_tokens, 'prompt token')}) in {self.seconds:.2f} s",
-            f"  output {self.output_tok_s:.1f} tok/s, total (prompt + output) {self.total_tok_s:.1f} tok/s, "
-            f"{self.num_requests / self.seconds:.2f} requests/s",
+            # vLLM's `bench throughput` line, word for word, for the scripts that read it
+            f"  Throughput: {self.num_requests / self.seconds:.2f} requests/s, {self.total_tok_s:.2f} total tokens/s, "
+            f"{self.output_tok_s:.2f} output tokens/s",
         ]
         if self.ttft_s:
             fmt = lambda d: ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in d.items()) if d else "- (every request made one token)"  # noqa: E731
