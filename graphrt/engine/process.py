@@ -51,7 +51,11 @@ from graphrt.logs import configure_logging
 
 logger = logging.getLogger("graphrt.server")
 
-PARENT_CHECK_S = 1.0  # how often an idle engine process checks that the front is still there
+PARENT_CHECK_S = 1.0  # how long an idle engine process, or a send, waits before checking that the front is still there
+
+
+class FrontGone(Exception):
+    """The front process exited: nobody reads this process's answers any more."""
 
 
 class EngineLoop:
@@ -66,9 +70,29 @@ class EngineLoop:
         self._trim_heap = heap_trimmer()
 
     def send(self, message) -> None:
-        self.results.send(self.encoder.encode(message))
+        """Send to the front, checking every PARENT_CHECK_S that it is still there (the results
+        socket's SNDTIMEO): a front killed mid-stream left a send blocked for good once a thousand
+        step messages queued for it, and the engine holding its memory with it."""
+        data = self.encoder.encode(message)
+        while True:
+            try:
+                self.results.send(data)
+                return
+            except zmq.Again:
+                self.check_front()
+
+    def check_front(self) -> None:
+        if os.getppid() != self._parent:
+            raise FrontGone
 
     def run(self) -> int:
+        try:
+            return self._run()
+        except FrontGone:
+            logger.error("the front process is gone; the engine process stops")
+            return 1
+
+    def _run(self) -> int:
         self.send(Outputs([], self.core.snapshot()))  # /metrics has the engine's figures from the start
         stepped = False
         while True:
@@ -87,9 +111,7 @@ class EngineLoop:
                 for key, failed in self.core.stop():
                     self.send(JobFailed(key, failed.status, failed.message))
                 return 0
-            if idle and os.getppid() != self._parent:
-                logger.error("the front process is gone; the engine process stops")
-                return 1
+            self.check_front()  # every pass: a busy engine must notice too (a getppid is a fraction of a microsecond)
             if self.engine.has_work():
                 self._step()
                 stepped = True
@@ -151,6 +173,7 @@ def engine_process_main() -> int:
     commands.connect(commands_address)
     results.connect(results_address)
     results.setsockopt(zmq.LINGER, 5000)  # the last answers go out before the process exits
+    results.setsockopt(zmq.SNDTIMEO, int(PARENT_CHECK_S * 1000))  # EngineLoop.send checks on the front this often
     encoder = msgspec.msgpack.Encoder()
     try:
         if engine_cores is not None:

@@ -5,6 +5,7 @@ carries every message type as itself. The server tests run against this mode too
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -79,6 +80,49 @@ def test_engine_process_dying_mid_stream_is_a_503_and_a_prompt_nonzero_exit():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_an_engine_whose_front_dies_mid_stream_stops_at_once():
+    """The front killed (-9) with six streams of 400 tokens running: the engine, which checked on
+    the front only when idle, went on (for good once its sends to nobody filled the socket), holding
+    its memory from the restarted server. It now checks every pass and every blocked send."""
+    proc, url, _ = start_server(max_batch=8)
+    (engine_pid,) = children_of(proc.pid)
+    try:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"prompt": "Tell me a story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        started = threading.Barrier(7)
+
+        def stream() -> None:
+            with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60) as response:
+                lines = response.iter_lines()
+                next(line for line in lines if line)
+                started.wait(30)
+                for _ in lines:
+                    pass
+
+        clients = [threading.Thread(target=stream, daemon=True) for _ in range(6)]
+        for client in clients:
+            client.start()
+        started.wait(30)  # every stream has its first token: the engine is mid-work
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10  # the streams' remaining work takes far longer on these cores
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{engine_pid}") and not is_zombie(engine_pid):
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{engine_pid}") or is_zombie(engine_pid), "the engine process outlived its front by 10 s"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine_pid, signal.SIGKILL)
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def test_every_message_crosses_the_wire_as_itself():
