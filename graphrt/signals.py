@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM while `graphrt serve` starts: either stops it in one line with exit 0
+"""SIGINT, SIGTERM and SIGHUP while `graphrt serve` starts: each stops it in one line with exit 0
 (graphrt.cli while the server stack imports, graphrt.server.runner while the engine loads); once
 serving, the server's own handlers take over."""
 
@@ -7,9 +7,13 @@ from __future__ import annotations
 import signal
 from contextlib import contextmanager
 
+# What stops `graphrt serve` cleanly: Ctrl+C, a process manager's SIGTERM, and SIGHUP (the
+# terminal it ran in closed), which ended the process at once, resetting every connection.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 
 class StartUpStopped(BaseException):
-    """SIGINT or SIGTERM while `graphrt serve` starts. Not a KeyboardInterrupt: one that passed
+    """A STOP_SIGNALS signal while `graphrt serve` starts. Not a KeyboardInterrupt: one that passed
     through an extension's import would make Python end the process by SIGINT even after it was
     handled (exit -2 instead of 0)."""
 
@@ -39,8 +43,8 @@ def stop_requests_noted():
 
 @contextmanager
 def _handled_by(handler):
-    """SIGINT and SIGTERM go to `handler` in this block; the handlers before it come back after."""
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    """The STOP_SIGNALS go to `handler` in this block; the handlers before it come back after."""
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

@@ -164,8 +164,9 @@ def engine_process_main() -> int:
     commands_address, results_address = sys.argv[1:3]
     launch = json.loads(sys.stdin.read())
     llm_kwargs, engine_cores = launch["llm_kwargs"], launch["engine_cores"]
-    # Ctrl+C reaches the whole process group; the front decides when the engine stops.
+    # Ctrl+C (and a closed terminal's SIGHUP) reach the whole process group; the front decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())  # as a Shutdown from the front
     context = zmq.Context()

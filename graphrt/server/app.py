@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from graphrt.engine.grammar import GrammarChecks
 from graphrt.frontend.async_engine import AsyncEngine, GenerationJob
@@ -99,6 +100,14 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
             # A wrong API key goes to INFO: anyone who can reach the port can send those.
             log_refused(request, exc, logging.INFO if exc.status == 401 else logging.WARNING)
         return exc.response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # It closed the connection while sending its body (or sent too slowly: --timeout-body): an
+        # abort, which uvicorn logged as a 70-line traceback. Nobody reads the answer.
+        metrics.count("abort")
+        logger.info("%s %s: the client went away while sending its request body", request.method, printable(request.url.path))
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -30,7 +30,7 @@ from graphrt.kernels.cpu.placement import CPU_PLACEMENTS, CpuPlacement, plan_cpu
 from graphrt.model.default_model import model_dir_for
 from graphrt.server.app import ServerSettings, build_app
 from graphrt.server.connections import BoundedH11Protocol, ConnectionLimits, RequestFraming
-from graphrt.signals import StartUpStopped, stop_start_up_on_signals
+from graphrt.signals import STOP_SIGNALS, StartUpStopped, stop_start_up_on_signals
 
 GRACEFUL_SHUTDOWN_S = 5  # after cancelling in-flight requests, how long connections get to close
 ENGINE_STOP_S = 60  # how long the engine thread gets to finish its step and stop
@@ -154,7 +154,7 @@ class GracefulServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
         try:
             yield
         finally:

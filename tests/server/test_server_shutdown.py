@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 # at a terminal, SIGTERM from a process manager under load. A server start is most of a test's time.
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT], ids=["SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
 def test_signal_cancels_streams_and_exits_0(sig):
     proc, url, banner = start_server()
     try:
