@@ -76,6 +76,17 @@ def test_a_shard_missing_from_the_folder_is_named(tiny_model_factory, tmp_path):
         LLM(model=model_dir)
 
 
+def test_a_cache_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """A read-only home or image: it was a 51-line traceback ending in OSError. (As root, which CI
+    runs as, permissions do not stop a write; a file where the cache's folder should be does.)"""
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("GRAPHRT_CACHE", str(tmp_path / "not-a-folder" / "graphrt"))
+    result = CliRunner().invoke(main, ["generate", "--prompt", "hi"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1 and "Traceback" not in result.output, result.output
+    assert f"cannot write graphrt's cache in {tmp_path / 'not-a-folder' / 'graphrt'} to convert the default model" in result.output
+    assert "set GRAPHRT_CACHE to a writable folder" in result.output
+
+
 def test_pp_larger_than_layers(tiny_model_factory):
     with pytest.raises(Exception, match=r"--pp 5 is larger than the model's 4 layers"):
         LLM(model=tiny_model_factory(), pp=5)

@@ -124,8 +124,15 @@ def default_model_dir() -> Path:
     out_dir = default_model_path()
     if (out_dir / COMPLETE_MARKER).is_file():
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_dir.parent / f"{DEFAULT_MODEL_NAME}.lock", "w") as lock:
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(out_dir.parent / f"{DEFAULT_MODEL_NAME}.lock", "w")
+    except OSError as exc:  # a read-only home or image
+        raise ModelLoadError(
+            f"cannot write graphrt's cache in {cache_root()} to convert the default model ({exc.strerror}); set "
+            "GRAPHRT_CACHE to a writable folder, or fill that cache where it is writable (`make run` does) and copy it"
+        ) from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the OS drops it if the holder dies
         if (out_dir / COMPLETE_MARKER).is_file():  # converted by another process while this one waited
             return out_dir

@@ -230,7 +230,7 @@ def curl_example(url: str, model_id: str, with_key: bool, has_tokenizer: bool = 
 def start_engine(
     options: ServeOptions, placement: CpuPlacement, echo: Callable[[str], None],
 ) -> AsyncEngine | EngineClient | None:
-    """Load and warm up the engine, printing each phase; None if SIGINT or SIGTERM came first."""
+    """Load and warm up the engine, printing each phase; None if a stop signal came first."""
     # Until uvicorn takes the signals over, SIGINT and SIGTERM stop the start-up (graphrt.signals).
     try:
         with stop_start_up_on_signals():
@@ -247,7 +247,7 @@ def start_engine(
 
 
 def serve(options: ServeOptions, echo: Callable[[str], None] = print) -> None:
-    """Serve until SIGINT or SIGTERM; then stop admitting, cancel what is in flight and return."""
+    """Serve until a stop signal (STOP_SIGNALS); then stop admitting, cancel what is in flight and return."""
     placement = plan_cpu_placement(options.cpu_placement, usable_cores(), options.engine_process)
     sock = bind_socket(options.host, options.port)
     warning = exposure_warning(options.host, options.api_key)  # once the address is known to be one
