@@ -54,6 +54,16 @@ class Generation:
     def finished(self) -> bool:
         return all(choice.finished for choice in self.choices)
 
+    def apply(self, update) -> ChoiceState:
+        """A choice's new tokens from the engine, counted in the metrics as they come."""
+        choice = self.choices[update.index]
+        started = any(c.first_at is not None for c in self.choices)
+        before = choice.num_tokens
+        choice.apply(update)
+        first = None if started or choice.first_at is None else choice.first_at - self.job.arrived_at
+        self.metrics.tokens(choice.num_tokens - before, first)
+        return choice
+
     async def admit(self, request: Request) -> bool:
         """Tokenize and check the prompt, hand the job to the engine and wait until it is queued there.
 
@@ -108,7 +118,7 @@ class Generation:
                 if isinstance(update, Failed):
                     self.outcome = None
                     raise APIError(update.status, update.message)
-                self.choices[update.index].apply(update)
+                self.apply(update)
             self._set_finished_outcome()
             return self.format.response(self.prompt_tokens, self.choices)
         finally:
@@ -135,8 +145,7 @@ class Generation:
                     opening = fmt.opening_choice(update.index)
                     if opening is not None:
                         yield sse(fmt.chunk([opening], include_usage))
-                choice = self.choices[update.index]
-                choice.apply(update)
+                choice = self.apply(update)
                 for piece in fmt.delta_choices(update.index, choice, choice.take_delta()):
                     yield sse(fmt.chunk([piece], include_usage, usage(self.prompt_tokens, self.choices) if self.continuous_usage else None))
             else:
@@ -158,7 +167,7 @@ class Generation:
         if self.state == "submitted" or (self.state == "admitted" and not self.finished):
             self.async_engine.abort(self.job)  # the engine frees its KV blocks before its next step
         if self.state == "admitted":
-            self.metrics.observe(self.job.arrived_at, self.choices)
+            self.metrics.observe(self.choices)
         if self.outcome is not None:
             self.metrics.count(self.outcome)
 

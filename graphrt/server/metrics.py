@@ -216,12 +216,16 @@ class ServerMetrics:
     def count(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
 
-    def observe(self, arrived_at: float, choices: list[ChoiceState]) -> None:
-        """Token counts and latencies of a request the engine ran (finished or aborted)."""
-        self.generation_tokens.inc(sum(c.num_tokens for c in choices))
-        first_times = [c.first_at for c in choices if c.first_at is not None]
-        if first_times:
-            self.ttft.observe(min(first_times) - arrived_at)
+    def tokens(self, count: int, first_token_s: float | None = None) -> None:
+        """A request's new tokens, as they come: dashboards see throughput and time to first token
+        while the request runs (as vLLM counts them each step), not in one jump when it ends.
+        `first_token_s`: the request's first token came now, this long after it arrived."""
+        self.generation_tokens.inc(count)
+        if first_token_s is not None:
+            self.ttft.observe(first_token_s)
+
+    def observe(self, choices: list[ChoiceState]) -> None:
+        """Time per output token of a request the engine ran (finished or aborted)."""
         for choice in choices:
             if choice.num_tokens > 1:
                 self.tpot.observe((choice.last_at - choice.first_at) / (choice.num_tokens - 1))

@@ -296,7 +296,7 @@ class ResponsesGeneration(Generation):
                     self.outcome = "error"
                     yield stream.failed(update.message)
                     return
-                choice.apply(update)
+                self.apply(update)
                 for piece in self.format.chat.delta_choices(0, choice, choice.take_delta()):
                     for event in stream.delta(piece["delta"], text_logprobs(piece["logprobs"], choice)):
                         yield event
