@@ -167,7 +167,7 @@ class Generation:
         if self.state == "submitted" or (self.state == "admitted" and not self.finished):
             self.async_engine.abort(self.job)  # the engine frees its KV blocks before its next step
         if self.state == "admitted":
-            self.metrics.observe(self.choices)
+            self.metrics.observe(self.job.arrived_at, self.choices)
         if self.outcome is not None:
             self.metrics.count(self.outcome)
 

@@ -23,6 +23,7 @@ from graphrt.server.responses import ChoiceState
 OUTCOMES = ("stop", "length", "abort", "rejected", "error")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)  # vLLM's
 
 
 class EngineCollector(Collector):
@@ -150,6 +151,7 @@ VLLM_NAMES = {
     "graphrt_generation_tokens": "vllm:generation_tokens",
     "graphrt_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
     "graphrt_time_per_output_token_seconds": "vllm:time_per_output_token_seconds",
+    "graphrt_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
     "graphrt_prefix_cache_queries": "vllm:prefix_cache_queries",
     "graphrt_prefix_cache_hits": "vllm:prefix_cache_hits",
     "graphrt_preemptions": "vllm:num_preemptions",
@@ -181,9 +183,10 @@ class VllmNames(Collector):
                     renamed.add_sample(vllm_name + sample.name.removeprefix(name), {**sample.labels, **label}, sample.value)
             yield renamed
         used, free = (families[name].samples[0].value for name in ("graphrt_kv_blocks_used", "graphrt_kv_blocks_free"))
-        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage, 1 is full", labels=list(label))
-        usage.add_metric([self.model_name], used / (used + free) if used + free else 0.0)
-        yield usage
+        for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):  # the second: vLLM's name before 0.10, in many dashboards
+            usage = GaugeMetricFamily(name, "KV cache usage, 1 is full", labels=list(label))
+            usage.add_metric([self.model_name], used / (used + free) if used + free else 0.0)
+            yield usage
         success = CounterMetricFamily("vllm:request_success", "Finished requests, by finished_reason", labels=["model_name", "finished_reason"])
         by_outcome = {sample.labels["outcome"]: sample.value for sample in families["graphrt_requests"].samples if sample.name.endswith("_total")}
         for reason in FINISHED_REASONS:
@@ -208,9 +211,13 @@ class ServerMetrics:
             "graphrt_time_per_output_token_seconds", "Mean time between a choice's tokens after its first",
             buckets=TPOT_BUCKETS, registry=self.registry,
         )
+        self.e2e = Histogram(
+            "graphrt_e2e_request_latency_seconds", "From a request's arrival to its last token (requests the engine ran)",
+            buckets=E2E_BUCKETS, registry=self.registry,
+        )
         engine = EngineCollector(snapshot)
         self.registry.register(engine)
-        own = [self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, engine]
+        own = [self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, engine]
         self.registry.register(VllmNames(own, model_name))
 
     def count(self, outcome: str) -> None:
@@ -224,8 +231,12 @@ class ServerMetrics:
         if first_token_s is not None:
             self.ttft.observe(first_token_s)
 
-    def observe(self, choices: list[ChoiceState]) -> None:
-        """Time per output token of a request the engine ran (finished or aborted)."""
+    def observe(self, arrived_at: float, choices: list[ChoiceState]) -> None:
+        """Time per output token, and the whole request's latency, of a request the engine ran
+        (finished or aborted; one that made no token has no latency to its last)."""
+        last_times = [c.last_at for c in choices if c.last_at is not None]
+        if last_times:
+            self.e2e.observe(max(last_times) - arrived_at)
         for choice in choices:
             if choice.num_tokens > 1:
                 self.tpot.observe((choice.last_at - choice.first_at) / (choice.num_tokens - 1))

@@ -222,6 +222,9 @@ def test_metrics(client, server):
     assert metric(after, "graphrt_prompt_tokens_total") > metric(before, "graphrt_prompt_tokens_total")
     assert metric(after, "graphrt_time_to_first_token_seconds_count") == metric(before, "graphrt_time_to_first_token_seconds_count") + 1
     assert metric(after, "graphrt_time_per_output_token_seconds_count") == metric(before, "graphrt_time_per_output_token_seconds_count") + 1
+    e2e = metric(after, "graphrt_e2e_request_latency_seconds_sum") - metric(before, "graphrt_e2e_request_latency_seconds_sum")
+    assert metric(after, "graphrt_e2e_request_latency_seconds_count") == metric(before, "graphrt_e2e_request_latency_seconds_count") + 1
+    assert 0 < e2e <= wall
     assert metric(after, "graphrt_kv_blocks_used") == 0 and metric(after, "graphrt_kv_blocks_free") > 0
     assert metric(after, "graphrt_requests_running") == metric(after, "graphrt_requests_waiting") == 0
     assert metric(after, "graphrt_eager_fallbacks_total") == 0
@@ -232,10 +235,12 @@ def test_metrics(client, server):
         ("graphrt_generation_tokens_total", "vllm:generation_tokens_total"), ("graphrt_prompt_tokens_total", "vllm:prompt_tokens_total"),
         ("graphrt_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
         ("graphrt_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+        ("graphrt_e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),
     ):
         assert metric(after, f"{vllm_name}{{{label}}}") == metric(after, graphrt_name), vllm_name
     assert metric(after, f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",{label}}}') == metric(after, "graphrt_time_to_first_token_seconds_count")
     assert metric(after, f'vllm:request_success_total{{finished_reason="length",{label}}}') == metric(after, 'graphrt_requests_total{outcome="length"}')
+    assert metric(after, f"vllm:gpu_cache_usage_perc{{{label}}}") == metric(after, f"vllm:kv_cache_usage_perc{{{label}}}") == 0
     assert metric(after, f"vllm:kv_cache_usage_perc{{{label}}}") == 0.0
 
 
