@@ -8,8 +8,9 @@ import signal
 from contextlib import contextmanager
 
 # What stops `graphrt serve` cleanly: Ctrl+C, a process manager's SIGTERM, and SIGHUP (the
-# terminal it ran in closed), which ended the process at once, resetting every connection.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# terminal it ran in closed), which ended the process at once, resetting every connection; but not
+# SIGHUP where the process started with it ignored (`nohup graphrt serve`: keep running).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM) + (() if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,))
 
 
 class StartUpStopped(BaseException):
@@ -20,7 +21,7 @@ class StartUpStopped(BaseException):
 
 @contextmanager
 def stop_start_up_on_signals():
-    """While in this block, SIGINT and SIGTERM raise StartUpStopped at once."""
+    """While in this block, the STOP_SIGNALS raise StartUpStopped at once."""
 
     def stop(signum, frame):
         raise StartUpStopped(signal.Signals(signum).name)
@@ -31,7 +32,7 @@ def stop_start_up_on_signals():
 
 @contextmanager
 def stop_requests_noted():
-    """While in this block, SIGINT and SIGTERM are only noted, and its end raises StartUpStopped if
+    """While in this block, the STOP_SIGNALS are only noted, and its end raises StartUpStopped if
     one came: an exception raised in the middle of an import can abort the process (inside a C
     extension's init) or leave a module half imported for another thread, so imports run whole."""
     came: list[int] = []

@@ -48,6 +48,7 @@ def main(args: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: rank 0 decides, and the ring tells the rest
     thread.start()
     while thread.is_alive():
         thread.join(0.2)

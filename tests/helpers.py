@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -103,7 +104,9 @@ API_KEY = "shutdown-test-key"
 def start_server(max_batch: int = 4, extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, list[str]]:
     env = {**os.environ, "GRAPHRT_API_KEY": API_KEY, "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "graphrt", "serve", "--port", "0", "--max-model-len", "512", "--max-batch", str(max_batch), *extra_args]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    # SIGHUP as a terminal leaves it, even where the tests run under nohup: the server stops on it
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     lines = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

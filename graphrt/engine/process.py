@@ -17,12 +17,14 @@ core, told its own, and pins itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 
 import msgspec
 import zmq
@@ -61,12 +63,12 @@ class FrontGone(Exception):
 class EngineLoop:
     """The engine process's main loop (see the module docstring)."""
 
-    def __init__(self, engine, commands: zmq.Socket, results: zmq.Socket, stopping: threading.Event):
+    def __init__(self, engine, commands: zmq.Socket, results: zmq.Socket, stopping: threading.Event, front_pid: int):
         self.engine, self.commands, self.results = engine, commands, results
         self.stopping = stopping  # set by SIGTERM
         self.core = EngineCore(engine)
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ToEngine)
-        self._parent = os.getppid()
+        self._parent = front_pid
         self._trim_heap = heap_trimmer()
 
     def send(self, message) -> None:
@@ -90,6 +92,7 @@ class EngineLoop:
             return self._run()
         except FrontGone:
             logger.error("the front process is gone; the engine process stops")
+            self.results.setsockopt(zmq.LINGER, 0)  # nobody reads what is queued: exit now, not after LINGER
             return 1
 
     def _run(self) -> int:
@@ -152,6 +155,17 @@ class EngineLoop:
             self.send(JobFailed(key, answer.status, answer.message))
 
 
+def exit_without_front(front_pid: int) -> None:
+    """Ends the process once its front is gone, whatever it is doing: loading the model (minutes,
+    with no loop to notice), stepping, or blocked. The loop's own check (EngineLoop.check_front)
+    stops it cleanly first where it can."""
+    while os.getppid() == front_pid:
+        time.sleep(PARENT_CHECK_S)
+    time.sleep(PARENT_CHECK_S)  # the loop's clean exit, where it is in one
+    logger.error("the front process is gone; the engine process stops")
+    os._exit(1)
+
+
 # What the engine process runs (not `-m`: the front's graphrt.frontend.engine_client imports this
 # module, and running it again as __main__ would make two copies of its classes).
 ENGINE_PROCESS_MAIN = "import sys; from graphrt.engine.process import engine_process_main; sys.exit(engine_process_main())"
@@ -164,9 +178,12 @@ def engine_process_main() -> int:
     commands_address, results_address = sys.argv[1:3]
     launch = json.loads(sys.stdin.read())
     llm_kwargs, engine_cores = launch["llm_kwargs"], launch["engine_cores"]
-    # Ctrl+C (and a closed terminal's SIGHUP) reach the whole process group; the front decides when the engine stops.
+    # Ctrl+C and a closed terminal's SIGHUP reach the whole process group: the front decides
+    # when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    front_pid = os.getppid()
+    threading.Thread(target=exit_without_front, args=(front_pid,), name="graphrt-front-watch", daemon=True).start()
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())  # as a Shutdown from the front
     context = zmq.Context()
@@ -198,10 +215,11 @@ def engine_process_main() -> int:
     )
     results.send(encoder.encode(Ready(facts)))
     try:
-        return EngineLoop(engine, commands, results, stopping).run()
+        return EngineLoop(engine, commands, results, stopping, front_pid).run()
     except BaseException as exc:  # noqa: BLE001 - say why before the process ends
         logger.error("the engine process failed", exc_info=exc)
-        results.send(encoder.encode(Fatal(f"internal error in the engine process ({type(exc).__name__}: {exc}); see its log")))
+        with contextlib.suppress(zmq.Again):  # a front that reads nothing more must not hide the error under another
+            results.send(encoder.encode(Fatal(f"internal error in the engine process ({type(exc).__name__}: {exc}); see its log")))
         return 1
     finally:
         engine.close()

@@ -29,6 +29,9 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     """(rows, cols) FP8 weight times its (ceil(rows / block rows), ceil(cols / block cols)) factors,
     as bfloat16; the last blocks of a dimension the block size does not divide are partial."""
     rows, cols = weight.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"its factors are {tuple(scale_inv.shape)}, not {expected} for {rows} x {cols} weights in {block[0]} x {block[1]} blocks")
     factors = scale_inv.float().repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
     return (weight.float() * factors).to(torch.bfloat16)
 
@@ -83,8 +86,13 @@ def dequantize_fp8(src: Path, out_dir: Path, echo: Callable[[str], None] = print
                         scale_name = name + SCALE_SUFFIX
                         if scale_name not in location:
                             raise ModelLoadError(f"{src}: the FP8 tensor {name!r} has no {scale_name!r} beside it in any shard")
+                        if tensor.dim() != 2:
+                            raise ModelLoadError(f"{src}: the FP8 tensor {name!r} is {tensor.dim()}-D; block FP8 weights are matrices")
                         with safe_open(str(location[scale_name]), "pt") as scales:
-                            tensor = dequantize_block_fp8(tensor, scales.get_tensor(scale_name), block)
+                            try:
+                                tensor = dequantize_block_fp8(tensor, scales.get_tensor(scale_name), block)
+                            except ValueError as exc:
+                                raise ModelLoadError(f"{src}: {name!r} cannot be dequantized: {exc}") from None
                     tensors[name] = tensor.contiguous()
             save_file(tensors, str(tmp / shard.name), metadata={"format": "pt"})
             weight_map.update({name: shard.name for name in tensors})

@@ -103,9 +103,8 @@ def build_app(async_engine: AsyncEngine | EngineClient, settings: ServerSettings
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
-        # It closed the connection while sending its body (or sent too slowly: --timeout-body): an
-        # abort, which uvicorn logged as a 70-line traceback. Nobody reads the answer.
-        metrics.count("abort")
+        # It closed the connection while sending its body (or sent too slowly: --timeout-body), which
+        # uvicorn logged as a 70-line traceback. Not a request the engine ran: no outcome is counted.
         logger.info("%s %s: the client went away while sending its request body", request.method, printable(request.url.path))
         return Response(status_code=499)
 

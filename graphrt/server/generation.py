@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from graphrt.errors import RequestError
-from graphrt.frontend.async_engine import Admitted, AsyncEngine, Disconnected, Failed, GenerationJob, Rejected
+from graphrt.frontend.async_engine import Admitted, AsyncEngine, ChoiceUpdate, Disconnected, Failed, GenerationJob, Rejected
 from graphrt.server.errors import APIError
 from graphrt.server.metrics import ServerMetrics
 from graphrt.server.responses import ChoiceState, ResponseFormat, usage
@@ -49,19 +49,21 @@ class Generation:
         self.outcome: str | None = "abort"  # None: counted by the API error handler instead
         self._watcher: asyncio.Task | None = None
         self._closed = False
+        self._first_token_seen = False  # the request's time to first token is observed once
 
     @property
     def finished(self) -> bool:
         return all(choice.finished for choice in self.choices)
 
-    def apply(self, update) -> ChoiceState:
+    def apply(self, update: ChoiceUpdate) -> ChoiceState:
         """A choice's new tokens from the engine, counted in the metrics as they come."""
         choice = self.choices[update.index]
-        started = any(c.first_at is not None for c in self.choices)
         before = choice.num_tokens
         choice.apply(update)
-        first = None if started or choice.first_at is None else choice.first_at - self.job.arrived_at
-        self.metrics.tokens(choice.num_tokens - before, first)
+        first = None
+        if not self._first_token_seen and choice.first_at is not None:
+            self._first_token_seen, first = True, choice.first_at - self.job.arrived_at
+        self.metrics.count_tokens(choice.num_tokens - before, first)
         return choice
 
     async def admit(self, request: Request) -> bool:
@@ -140,12 +142,12 @@ class Generation:
                 # A choice's opening chunk (chat's role) comes with its first tokens, as vLLM sends
                 # it: clients time the first token from the first chunk, and one sent at admission
                 # made a chat's TTFT read near zero, its prefill counted as the first ITL.
+                choice = self.apply(update)  # before any yield: a stream cancelled there still counts it
                 if update.index not in opened:
                     opened.add(update.index)
                     opening = fmt.opening_choice(update.index)
                     if opening is not None:
                         yield sse(fmt.chunk([opening], include_usage))
-                choice = self.apply(update)
                 for piece in fmt.delta_choices(update.index, choice, choice.take_delta()):
                     yield sse(fmt.chunk([piece], include_usage, usage(self.prompt_tokens, self.choices) if self.continuous_usage else None))
             else:
@@ -167,7 +169,7 @@ class Generation:
         if self.state == "submitted" or (self.state == "admitted" and not self.finished):
             self.async_engine.abort(self.job)  # the engine frees its KV blocks before its next step
         if self.state == "admitted":
-            self.metrics.observe(self.job.arrived_at, self.choices)
+            self.metrics.observe(self.job.arrived_at, self.choices, finished=self.outcome in ("stop", "length"))
         if self.outcome is not None:
             self.metrics.count(self.outcome)
 

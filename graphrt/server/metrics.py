@@ -223,7 +223,7 @@ class ServerMetrics:
     def count(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
 
-    def tokens(self, count: int, first_token_s: float | None = None) -> None:
+    def count_tokens(self, count: int, first_token_s: float | None = None) -> None:
         """A request's new tokens, as they come: dashboards see throughput and time to first token
         while the request runs (as vLLM counts them each step), not in one jump when it ends.
         `first_token_s`: the request's first token came now, this long after it arrived."""
@@ -231,12 +231,11 @@ class ServerMetrics:
         if first_token_s is not None:
             self.ttft.observe(first_token_s)
 
-    def observe(self, arrived_at: float, choices: list[ChoiceState]) -> None:
-        """Time per output token, and the whole request's latency, of a request the engine ran
-        (finished or aborted; one that made no token has no latency to its last)."""
-        last_times = [c.last_at for c in choices if c.last_at is not None]
-        if last_times:
-            self.e2e.observe(max(last_times) - arrived_at)
+    def observe(self, arrived_at: float, choices: list[ChoiceState], finished: bool) -> None:
+        """Time per output token of a request the engine ran (finished or aborted), and, as vLLM
+        counts it, the whole latency of one that finished (stop or length)."""
+        if finished:
+            self.e2e.observe(max(c.last_at for c in choices if c.last_at is not None) - arrived_at)
         for choice in choices:
             if choice.num_tokens > 1:
                 self.tpot.observe((choice.last_at - choice.first_at) / (choice.num_tokens - 1))

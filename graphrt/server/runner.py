@@ -1,4 +1,4 @@
-"""Running a server: bind, load and warm up the engine, serve until SIGINT/SIGTERM, exit cleanly.
+"""Running a server: bind, load and warm up the engine, serve until a stop signal, exit cleanly.
 
 `serve` is what `graphrt serve` runs in the main thread; `ServerThread` runs the same server on a
 background thread of the calling process (tests, benchmarks). What a single connection may do is
@@ -150,7 +150,7 @@ class GracefulServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         # uvicorn's own version re-raises the signal after the graceful stop, which ends the
-        # process by that signal; here SIGINT/SIGTERM is the normal way to stop, so it exits 0.
+        # process by that signal; here a stop signal (STOP_SIGNALS) is the normal way to stop, so it exits 0.
         if threading.current_thread() is not threading.main_thread():
             yield
             return

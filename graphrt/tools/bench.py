@@ -89,7 +89,7 @@ class BenchResult:
         out = [
             f"{self.name}: {plural(self.output_tokens, 'output token')} from {plural(self.num_requests, 'request')} "
             f"({plural(self.prompt_tokens, 'prompt token')}) in {self.seconds:.2f} s",
-            # vLLM's `bench throughput` line, word for word, for the scripts that read it
+            # vLLM's `bench throughput` line's words (indented under the run's name), for the scripts that grep it
             f"  Throughput: {self.num_requests / self.seconds:.2f} requests/s, {self.total_tok_s:.2f} total tokens/s, "
             f"{self.output_tok_s:.2f} output tokens/s",
         ]

@@ -173,7 +173,7 @@ def clear_earlier_profile(out: Path) -> list[str]:
     if not earlier:
         return []
     report = out / "report.md"
-    if not (report.is_file() and report.read_text(errors="replace").startswith(REPORT_HEADING)):
+    if not (report.is_file() and report.read_text(errors="replace").split("\n", 1)[0] == REPORT_HEADING):
         raise GraphrtError(
             f"{out} holds {', '.join(earlier)}, which a profile would overwrite, and no profile's report.md; "
             "choose another --out folder (or remove them)"

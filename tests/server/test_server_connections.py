@@ -122,9 +122,10 @@ def test_a_body_that_never_ends_is_cut_off_at_the_body_timeout(strict_server):
 
 @pytest.mark.parametrize("how", ["closed", "too slow"])
 def test_a_client_gone_mid_body_is_an_abort_not_a_traceback(strict_server, caplog, how):
-    """uvicorn logged each such client as 70 lines ending in starlette's ClientDisconnect."""
-    aborts_before = aborted(strict_server)
-    with caplog.at_level(logging.INFO), connect(strict_server) as sock:
+    """uvicorn logged each such client as 70 lines ending in starlette's ClientDisconnect. Not a
+    request the engine ran: no outcome is counted (vLLM's request_success would read it as one)."""
+    outcomes_before = outcomes(strict_server)
+    with caplog.at_level(logging.INFO, logger="graphrt"), connect(strict_server) as sock:
         head = "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
         sock.sendall(head.encode() + b'{"prompt": [1, 2')
         if how == "closed":
@@ -132,16 +133,15 @@ def test_a_client_gone_mid_body_is_an_abort_not_a_traceback(strict_server, caplo
         else:
             wait_closed(sock)  # the body timeout
         deadline = time.monotonic() + SAFETY_S
-        while aborted(strict_server) == aborts_before and time.monotonic() < deadline:
+        while "went away while sending its request body" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.05)
-    assert aborted(strict_server) == aborts_before + 1
     assert "went away while sending its request body" in caplog.text and "Traceback" not in caplog.text
     assert "Exception in ASGI application" not in caplog.text
+    assert outcomes(strict_server) == outcomes_before
 
 
-def aborted(server: ServerThread) -> float:
-    found = re.search(r'^graphrt_requests_total\{outcome="abort"\} (\S+)$', httpx.get(f"{server.url}/metrics", timeout=SAFETY_S).text, re.M)
-    return float(found.group(1)) if found else 0.0
+def outcomes(server: ServerThread) -> list[str]:
+    return re.findall(r'^graphrt_requests_total\{outcome="\w+"\} \S+$', httpx.get(f"{server.url}/metrics", timeout=SAFETY_S).text, re.M)
 
 
 def test_a_request_sent_in_time_is_served(strict_server):
