@@ -18,6 +18,7 @@ for package in ("fastapi", "uvicorn", "httpx", "zmq", "msgspec"):  # the server 
 
 import httpx  # noqa: E402
 import msgspec  # noqa: E402
+import zmq  # noqa: E402
 
 from graphrt import LLM  # noqa: E402
 from graphrt.engine.core import EngineCore, EngineSnapshot, Rejected  # noqa: E402
@@ -34,6 +35,7 @@ from graphrt.engine.messages import (  # noqa: E402
     ToEngine,
     ToFront,
 )
+from graphrt.engine.process import EngineLoop, FrontGone  # noqa: E402
 from graphrt.engine.sequence import FinishReason, SequenceOutput  # noqa: E402
 from graphrt.sampling_params import (
     SamplingParams,  # noqa: E402
@@ -115,6 +117,30 @@ def test_an_engine_whose_front_dies_mid_stream_stops_at_once():
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(engine_pid, signal.SIGKILL)
+
+
+def test_a_send_nobody_reads_checks_on_the_front_until_it_is_gone(tmp_path, monkeypatch):
+    """A real socket whose queue is full (no front reads it) times out each send; the loop then
+    asks whether its front is still there, and stops once it is not. Only the parent's pid is
+    faked: pytest's own parent cannot be killed here."""
+    context = zmq.Context()
+    results = context.socket(zmq.PUSH)
+    for option, value in ((zmq.SNDHWM, 1), (zmq.SNDTIMEO, 20), (zmq.LINGER, 0)):
+        results.setsockopt(option, value)
+    results.connect(f"ipc://{tmp_path}/nobody-reads")
+    loop = EngineLoop.__new__(EngineLoop)  # its send and front check only: no engine
+    loop.results, loop.encoder, loop._parent = results, msgspec.msgpack.Encoder(), os.getppid()
+    checks = []
+    front = os.getppid()
+    monkeypatch.setattr(os, "getppid", lambda: front if checks.append(1) or len(checks) < 4 else 1)
+    try:
+        loop.send(Fatal("queued"))  # the one message the queue holds
+        with pytest.raises(FrontGone):
+            loop.send(Fatal("never read"))
+    finally:
+        results.close()
+        context.term()
+    assert len(checks) == 4  # three timed-out sends found the front there, the fourth found it gone
 
 
 def is_zombie(pid: int) -> bool:
